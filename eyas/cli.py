@@ -1,0 +1,212 @@
+"""The `eyas` command: one subcommand per stage, each a thin wrapper over one stage function.
+
+Every subcommand takes an optional CONFIG.toml, --preset, --out (the run directory), --set KEY=VALUE
+(any config field) and flags made from the config fields of the sections it uses, so every flag
+has the field's help text and type. User mistakes print one clear line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import typing
+from typing import Any, Callable
+
+from . import config as C
+from .util import EyasError, NotBuiltError
+
+# subcommand -> (help, config sections whose fields become flags, "module:function" of the stage)
+COMMANDS: dict[str, tuple[str, list[str], str]] = {
+    "run": ("run the whole pipeline over one run directory (regen, tokenize, vocab, features, train, eval, export)",
+            ["target", "data", "regen", "vocab", "features", "train", "eval", "export"], "eyas.pipeline:run_pipeline"),
+    "regen": ("regenerate the assistant turns of a data set with the target", ["regen", "target", "data"],
+              "eyas.data.regen:run_regen"),
+    "tokenize": ("tokenize training conversations with the chat template and an assistant-only loss mask",
+                 ["data", "target"], "eyas.data.prepare:run_tokenize"),
+    "vocab": ("choose the draft vocabulary (d2t/t2d) and report its coverage", ["vocab", "data", "target"],
+              "eyas.vocab:run_vocab"),
+    "extract": ("capture the target's aux and final hidden states into feature shards", ["features", "target", "data"],
+                "eyas.features:run_extract"),
+    "train": ("train the EAGLE-3 drafter with training-time test", ["train", "vocab", "features", "target"],
+              "eyas.train:run_train"),
+    "eval": ("speculative decoding with the drafter: acceptance length, speedup, lossless check",
+             ["eval", "target", "data"], "eyas.evaluate:run_eval"),
+    "export": ("export the drafter for SGLang and vLLM", ["export", "target"], "eyas.export:run_export"),
+    "report": ("rebuild eval/report.md and its plots from a run directory", [], "eyas.pipeline:run_report"),
+}
+
+
+def _flag_type(tp) -> Callable[[str], Any]:
+    return lambda s: s  # values are strings; config.set_key coerces them and names the key on error
+
+
+def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[str, str]:
+    """Add one flag per config field; returns dest -> dotted key. A name used by an earlier
+    section is prefixed with the section (--data-limit vs --limit)."""
+    mapping: dict[str, str] = {}
+    taken = {"preset", "out", "set", "config", "help", "target"}
+    for sec in sections:
+        g = p.add_argument_group(f"[{sec}] settings")
+        for name, tp, default, help_, choices in C.section_fields(sec):
+            flag = name.replace("_", "-")
+            if flag in taken or (sec == "target" and name == "name"):
+                if sec == "target" and name == "name":
+                    continue  # --target
+                flag = f"{sec}-{flag}"
+            taken.add(flag)
+            dest = f"cfg__{sec}__{name}"
+            kw: dict[str, Any] = {"dest": dest, "default": None, "help": f"{help_} (default: {default!r})"}
+            if choices:
+                kw["choices"] = choices
+            if tp is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is list:
+                kw["action"] = "append"
+                kw["help"] += "; repeat the flag or give a comma list"
+            else:
+                kw["metavar"] = getattr(tp, "__name__", "VALUE").upper()
+            g.add_argument(f"--{flag}", **kw)
+            mapping[dest] = f"{sec}.{name}"
+    return mapping
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
+    p = argparse.ArgumentParser(prog="eyas", description="Train EAGLE-3 speculative-decoding drafters and prove "
+                                "what they are worth.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"eyas {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    maps = {}
+    for name, (help_, sections, _) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        common(sp, run_dir_required=name in ("report",))
+        maps[name] = add_config_flags(sp, sections)
+        if name == "data":
+            pass
+    sp = sub.add_parser("target", help="show what eyas sees in a target", description="show what eyas sees in a target")
+    common(sp)
+    maps["target"] = add_config_flags(sp, ["target"])
+    sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sp = sub.add_parser("data", help="show and check a data set (records, skips, splits, token lengths)",
+                        description="show and check a data set, or report on regenerated output (--report)")
+    common(sp)
+    maps["data"] = add_config_flags(sp, ["data", "target"])
+    sp.add_argument("--report", metavar="DIR", default=None, help="validation report of regenerated output in DIR")
+    sp.add_argument("--show", type=int, default=0, metavar="N", help="print the first N conversations rendered with "
+                    "the chat template, trained-on text marked [[like this]]")
+    sp.add_argument("--tokens", action="store_true", help="also tokenize every record and print length statistics")
+    sp = sub.add_parser("parity", help="compare a serving engine's acceptance with eyas' own on the same prompts",
+                        description="compare a serving engine's acceptance with eyas' own on the same prompts")
+    common(sp)
+    maps["parity"] = add_config_flags(sp, ["eval", "target", "data"])
+    sp.add_argument("--endpoint", required=False, help="base URL of the running server")
+    sp.add_argument("--engine", choices=("vllm", "sglang"), help="which engine serves the drafter")
+    return p, maps
+
+
+def common(sp: argparse.ArgumentParser, run_dir_required: bool = False) -> None:
+    sp.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
+    sp.add_argument("--preset", default=None, help="start from a preset: " + ", ".join(C.PRESETS))
+    sp.add_argument("--out", "--run", dest="out", default=None, help="run directory (default: runs/default)")
+    sp.add_argument("--target", dest="target_name", default=None,
+                    help="target: preset name, HF folder, .gguf file or hub id")
+    sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="set any config field, e.g. --set train.lr=1e-4 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace, mapping: dict[str, str]) -> C.Config:
+    overrides: dict[str, Any] = {}
+    for item in args.overrides:
+        if "=" not in item:
+            raise EyasError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v.strip()
+    for dest, key in mapping.items():
+        v = getattr(args, dest, None)
+        if v is None:
+            continue
+        if isinstance(v, list):
+            v = [x for item in v for x in str(item).split(",") if x]
+        overrides[key] = v
+    if args.target_name:
+        overrides["target.name"] = args.target_name
+    if args.out:
+        overrides["out"] = args.out
+    return C.resolve(args.config, args.preset, overrides)
+
+
+def stage_function(spec: str, command: str):
+    mod_name, fn_name = spec.split(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("eyas"):
+            raise NotBuiltError(f"`eyas {command}` is not built yet in this version of eyas") from None
+        raise
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        raise NotBuiltError(f"`eyas {command}` is not built yet in this version of eyas")
+    return fn
+
+
+def cmd_target(cfg: C.Config, args) -> int:
+    from .target import load_target
+
+    info = load_target(cfg.target).describe()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        w = max(len(k) for k in info)
+        for k, v in info.items():
+            print(f"{k:<{w}}  {v}")
+    return 0
+
+
+def cmd_data(cfg: C.Config, args) -> int:
+    from .data.inspect import inspect_data
+
+    return inspect_data(cfg, report_dir=args.report, show=args.show, tokens=args.tokens)
+
+
+def cmd_parity(cfg: C.Config, args) -> int:
+    fn = stage_function("eyas.parity:run_parity", "parity")
+    return _print_result(fn(cfg, endpoint=args.endpoint, engine=args.engine))
+
+
+def _print_result(res) -> int:
+    if isinstance(res, dict):
+        print(json.dumps(res, indent=2, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, maps = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        cfg = config_from_args(args, maps.get(args.command, {}))
+        if args.command == "target":
+            return cmd_target(cfg, args)
+        if args.command == "data":
+            return cmd_data(cfg, args)
+        if args.command == "parity":
+            return cmd_parity(cfg, args)
+        fn = stage_function(COMMANDS[args.command][2], args.command)
+        return _print_result(fn(cfg))
+    except NotBuiltError as e:
+        print(f"eyas: {e}", file=sys.stderr)
+        return 3
+    except EyasError as e:
+        print(f"eyas: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eyas: interrupted; finished work is kept, run the same command again to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

