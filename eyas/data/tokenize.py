@@ -55,6 +55,8 @@ def to_messages(conv: Conversation, tokenizer, reasoning: str = "keep") -> list[
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise EyasError("the target's tokenizer has no chat template; eyas needs one to build training data")
+    if not messages:
+        return ""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 

