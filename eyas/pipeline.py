@@ -1,0 +1,209 @@
+"""`eyas run`: every stage over one run directory, skipping what is already done.
+
+Each stage has a key: the hash of the config sections it reads and of the keys of the stages
+before it. `manifest.json` records, per stage, its key, status, counts, timing and versions.
+A stage whose key matches a finished record is skipped; one that was cut short runs again (each
+stage resumes its own partial work); one whose key changed has its outputs cleared and reruns,
+and so, through the keys, does every stage after it.
+"""
+from __future__ import annotations
+
+import importlib
+import platform
+import shutil
+import time
+from pathlib import Path
+
+from . import __version__
+from . import config as C
+from .util import EyasError, NotBuiltError, atomic_write_json, log, read_json, sha256_json
+
+# name, "module:function", config keys it reads, output paths under the run dir
+STAGES = [
+    ("regen", "eyas.data.regen:run_regen", ["target", "data", "regen"], ["data/regen"]),
+    ("tokenize", "eyas.data.prepare:run_tokenize", ["target", "data", "train.val_ratio"], ["data/tokens"]),
+    ("vocab", "eyas.vocab:run_vocab", ["vocab"], ["vocab"]),
+    ("extract", "eyas.features:run_extract", ["features"], ["features"]),
+    ("train", "eyas.train:run_train", ["train", "features.mode", "vocab"], ["ckpt", "draft", "train"]),
+    ("eval", "eyas.evaluate:run_eval", ["eval"], ["eval"]),
+    ("export", "eyas.export:run_export", ["export"], ["export"]),
+]
+
+# settings left at their defaults are sized to the machine for the embedded default run
+AUTO_CPU = {"regen.limit": 160, "regen.turns": 1, "regen.max_new_tokens": 160, "data.max_seq_len": 512,
+            "vocab.draft_vocab_size": 8192, "train.epochs": 4, "train.batch_tokens": 4096, "train.lr": 1e-3,
+            "eval.limit": 8, "eval.max_new_tokens": 96}
+AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1}
+
+
+def _get(cfg, key):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _default(key):
+    return _get(C.Config(), key)
+
+
+def autosize(cfg: C.Config, device_type: str) -> dict:
+    """Apply the machine-sized defaults to the settings the user left at their defaults."""
+    if cfg.preset != "smollm2" or cfg.target.name != "smollm2" or cfg.data.source != "sharegpt":
+        return {}
+    table = AUTO_GPU if device_type == "cuda" else AUTO_CPU
+    changed = {}
+    for key, value in table.items():
+        if _get(cfg, key) == _default(key):
+            C.set_key(cfg, key, value)
+            changed[key] = value
+    return changed
+
+
+def stage_keys(cfg: C.Config) -> dict[str, str]:
+    d = C.to_dict(cfg)
+    keys, prev = {}, ""
+    for name, _, reads, _ in STAGES:
+        part = {}
+        for r in reads:
+            sec, _, field = r.partition(".")
+            part[r] = d[sec][field] if field else d[sec]
+        if name == "extract" and cfg.features.mode == "online":
+            part = {"skipped": "online"}
+        prev = sha256_json({"stage": name, "config": part, "prev": prev})[:16]
+        keys[name] = prev
+    return keys
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {"eyas": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _stage_fn(spec: str):
+    mod, fn = spec.split(":")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ModuleNotFoundError, AttributeError):
+        return None
+
+
+def preflight(cfg: C.Config, run: Path, manifest: dict):
+    """Stop on bad inputs before any expensive stage."""
+    from .data import read_dataset
+    from .target import load_target
+
+    target = load_target(cfg.target)
+    if not target.has_chat_template:
+        raise EyasError(f"target '{cfg.target.name}' has no chat template; eyas needs one to build training data")
+    if cfg.vocab.draft_vocab_size > target.vocab_size:
+        raise EyasError(f"vocab.draft_vocab_size {cfg.vocab.draft_vocab_size} is larger than the target's "
+                        f"vocabulary ({target.vocab_size})")
+    old = manifest.get("target")
+    if old and (old.get("name"), old.get("sha256")) != (target.name, target.sha256):
+        raise EyasError(f"run directory {run} was made with target '{old.get('name')}' ({str(old.get('sha256'))[:12]}), "
+                        f"not '{target.name}' ({target.sha256[:12]}); use another --out")
+    if cfg.regen.backend == "embedded" or not cfg.regen.enabled:
+        convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
+        if not convs:
+            raise EyasError(f"data set {cfg.data.source} holds no usable conversations: {rep.summary()}")
+    return target
+
+
+def run_pipeline(cfg: C.Config) -> dict:
+    import torch
+
+    run = Path(cfg.out)
+    run.mkdir(parents=True, exist_ok=True)
+    mpath = run / "manifest.json"
+    manifest = read_json(mpath) if mpath.exists() else {"stages": {}}
+    want_cuda = cfg.target.device.startswith("cuda") or (cfg.target.device == "auto" and torch.cuda.is_available())
+    auto = autosize(cfg, "cuda" if want_cuda else "cpu")
+    if auto:
+        log("sized for this machine (settings left at their defaults): " + ", ".join(f"{k}={v}" for k, v in auto.items()))
+    target = preflight(cfg, run, manifest)
+    C.save(cfg, run)
+    manifest.update({"target": target.identity(), "versions": versions(), "config_preset": cfg.preset})
+    keys = stage_keys(cfg)
+    summary = {}
+    missing = []
+    for name, spec, _, outputs in STAGES:
+        rec = manifest["stages"].get(name, {})
+        if name == "regen" and not cfg.regen.enabled or name == "extract" and cfg.features.mode == "online":
+            manifest["stages"][name] = {"key": keys[name], "status": "skipped", "reason":
+                                        "regen disabled" if name == "regen" else "features computed online"}
+            continue
+        if rec.get("key") == keys[name] and rec.get("status") == "done":
+            log(f"[{name}] unchanged, skipped ({rec.get('summary', '')})")
+            summary[name] = "skipped"
+            continue
+        fn = _stage_fn(spec)
+        if fn is None:
+            missing.append(name)
+            log(f"[{name}] not built yet in this version of eyas; stopping here")
+            break
+        if rec.get("key") and rec.get("key") != keys[name]:
+            log(f"[{name}] config or inputs changed: clearing its old outputs")
+            for o in outputs:
+                p = run / o
+                if p.is_dir():
+                    shutil.rmtree(p)
+                elif p.exists():
+                    p.unlink()
+        manifest["stages"][name] = {"key": keys[name], "status": "running", "started": time.time()}
+        atomic_write_json(mpath, manifest)
+        t0 = time.perf_counter()
+        result = fn(cfg, target=target) if "target" in fn.__code__.co_varnames else fn(cfg)
+        dt = time.perf_counter() - t0
+        line = one_line(name, result or {})
+        manifest["stages"][name] = {"key": keys[name], "status": "done", "seconds": round(dt, 2),
+                                    "summary": line, "result": _jsonable(result or {})}
+        atomic_write_json(mpath, manifest)
+        log(f"[{name}] done in {dt:.0f}s: {line}")
+        summary[name] = line
+    manifest["missing"] = missing
+    atomic_write_json(mpath, manifest)
+    if not missing:
+        try:
+            run_report(cfg)
+        except Exception as e:  # the report must never lose a finished run
+            log(f"report: could not be written ({e})")
+    if missing:
+        raise NotBuiltError(f"eyas run stopped before: {', '.join(missing)} (not built yet); "
+                            f"finished stages are kept in {run}")
+    return {"run": str(run), "stages": summary, "report": str(run / "eval" / "report.md")}
+
+
+def _jsonable(obj):
+    import json
+
+    try:
+        json.dumps(obj)
+        return obj
+    except TypeError:
+        return json.loads(json.dumps(obj, default=str))
+
+
+def one_line(name: str, r: dict) -> str:
+    pick = {
+        "regen": ["records", "turns", "tokens_per_s"],
+        "tokenize": ["conversations", "tokens", "loss_tokens", "truncated"],
+        "vocab": ["draft_vocab_size", "coverage"],
+        "extract": ["tokens", "bytes", "tokens_per_s"],
+        "train": ["steps", "best_sim_acceptance_length", "tokens_per_s"],
+        "eval": ["acceptance_length", "speedup", "lossless"],
+        "export": ["formats"],
+    }.get(name, [])
+    parts = [f"{k}={r[k]:.3g}" if isinstance(r.get(k), float) else f"{k}={r[k]}" for k in pick if k in r]
+    return ", ".join(parts) or ", ".join(f"{k}={v}" for k, v in list(r.items())[:3] if not isinstance(v, (dict, list)))
+
+
+def run_report(cfg: C.Config) -> dict:
+    from .report import write_report
+
+    return write_report(Path(cfg.out))
+
+
