@@ -1,0 +1,107 @@
+"""The run report: one markdown page (`<run>/eval/report.md`) with the numbers of every stage and
+links to the plots the stages drew. Built from the files in the run directory alone, so
+`eyas report DIR` can rebuild it at any time."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .util import atomic_write_text, human_bytes
+
+
+def _load(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _img(lines: list[str], run: Path, rel: str, alt: str) -> None:
+    if (run / rel).exists():
+        lines.append(f"![{alt}](../{rel})")
+
+
+def write_report(run: Path) -> dict:
+    run = Path(run)
+    man = _load(run / "manifest.json") or {}
+    ev = _load(run / "eval" / "report.json")
+    lines = [f"# eyas run report: `{run}`", ""]
+    tgt = man.get("target", {})
+    if tgt:
+        lines += [f"Target **{tgt.get('name')}** ({tgt.get('num_layers')} layers, hidden {tgt.get('hidden_size')}, "
+                  f"vocabulary {tgt.get('vocab_size'):,}), aux layers {tgt.get('aux_layers')}.", ""]
+    if ev:
+        lines += ["## Result", "",
+                  "| acceptance length τ | K | temperature | speedup vs plain decoding | lossless | prompts | device |",
+                  "| --- | --- | --- | --- | --- | --- | --- |",
+                  f"| **{_fmt(ev.get('acceptance_length'))}** | {ev.get('k')} | {ev.get('temperature')} | "
+                  f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
+                  f"{ev.get('lossless')} | {json.dumps(ev.get('prompts'))} | {ev.get('device')} |", ""]
+        ppa = ev.get("per_position_acceptance")
+        if ppa:
+            lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]
+        for png in sorted((run / "eval").glob("*.png")):
+            lines.append(f"![{png.stem}]({png.name})")
+        lines.append("")
+    stages = man.get("stages", {})
+    if stages:
+        lines += ["## Stages", "", "| stage | status | seconds | summary |", "| --- | --- | --- | --- |"]
+        total = 0.0
+        for name, rec in stages.items():
+            total += rec.get("seconds", 0) or 0
+            lines.append(f"| {name} | {rec.get('status')} | {_fmt(rec.get('seconds', ''))} | "
+                         f"{rec.get('summary', rec.get('reason', ''))} |")
+        lines += [f"| **total** | | {_fmt(total)} | |", ""]
+    regen = (stages.get("regen") or {}).get("result") or {}
+    tok = _load(run / "data" / "tokens" / "meta.json")
+    if regen or tok:
+        lines += ["## Data", ""]
+        for k, v in regen.items():
+            if not isinstance(v, (dict, list)):
+                lines.append(f"- regen {k.replace('_', ' ')}: {_fmt(v)}")
+            elif isinstance(v, dict) and k in ("errors", "token_stats", "lengths", "answer_tokens"):
+                lines.append(f"- regen {k.replace('_', ' ')}: {json.dumps(v)}")
+        if tok:
+            lines += [f"- tokenized from {tok.get('source')}: {tok.get('conversations')} conversations, "
+                      f"{_fmt(tok.get('tokens'))} tokens ({_fmt(tok.get('loss_tokens'))} trained on), "
+                      f"{tok.get('truncated')} truncated, {len(tok.get('train_ids', []))} train / "
+                      f"{len(tok.get('val_ids', []))} validation"]
+        lines.append("")
+    voc = _load(run / "vocab" / "coverage.json")
+    if voc:
+        lines += ["## Vocabulary", ""]
+        for k, v in voc.items():
+            if not isinstance(v, (dict, list)):
+                lines.append(f"- {k.replace('_', ' ')}: {_fmt(v)}")
+        _img(lines, run, "vocab/coverage.png", "coverage")
+        lines.append("")
+    feats = _load(run / "features" / "manifest.json")
+    if feats:
+        lines += ["## Features", "", f"- stored: {human_bytes(feats.get('bytes', 0))}, dtype {feats.get('dtype')}, "
+                  f"{_fmt(feats.get('tokens', 0))} tokens", ""]
+    tr = (stages.get("train") or {}).get("result") or {}
+    if tr:
+        lines += ["## Training", ""]
+        for k, v in tr.items():
+            if not isinstance(v, (dict, list)):
+                lines.append(f"- {k.replace('_', ' ')}: {_fmt(v)}")
+            elif k in ("val_per_position_accuracy", "per_position_accuracy"):
+                lines.append(f"- {k.replace('_', ' ')}: " + ", ".join(f"{x:.3f}" for x in v))
+        _img(lines, run, "train/curves.png", "training curves")
+        lines.append("")
+    if ev:
+        lines += ["## Evaluation details", "", "```json", json.dumps({k: v for k, v in ev.items()
+                                                                      if k not in ("samples", "outputs")}, indent=1)[:6000],
+                  "```", ""]
+    text = "\n".join(lines) + "\n"
+    out = run / "eval" / "report.md"
+    atomic_write_text(out, text)
+    return {"report": str(out)}
