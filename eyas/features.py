@@ -9,11 +9,21 @@ A feature sample for one tokenized sequence holds
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import queue
+import shutil
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from .config import Config
 from .data.prepare import TokenSet
+from .util import (EyasError, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, sha256_file,
+                   sha256_json)
 
 
 @dataclass
@@ -66,4 +76,517 @@ class OnlineFeatures:
                 ids, mask = pairs[k]
                 out.append(Sample(ids.to(aux.device), mask.to(aux.device), aux, final))
             group = [j] if j < len(pairs) else []
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Offline features: `eyas extract` writes shards, OfflineFeatures reads them.
+#
+# <run>/features/<split>/
+#   manifest.json          target identity, aux layers, dtype, plan, counts, bytes per token
+#   index.json             every shard: file, rank, sequences, tokens, bytes, sha256 (rank 0 merges)
+#   rank-RRR.json          one rank's finished shards (progress; resume reads it)
+#   shard-RRR-KKKKK.safetensors
+#       input_ids int32 [N], loss_mask uint8 [N], offsets int64 [n+1] (into the shard's tokens),
+#       seq_index int64 [n] (sequence index in the split's TokenSet),
+#       aux [N, 3H], final [N, H] in the stored dtype (bf16 | fp32 | fp8 e4m3),
+#       fp8 only: aux_scale float32 [N, 3], final_scale float32 [N, 1] (one scale per token and layer)
+#
+# Plan: sequences are sorted by length (longest first, stable) and dealt round-robin to the
+# ranks; each rank cuts its list into shards of at most `shard_tokens` tokens and each shard into
+# forward passes of at most `batch_tokens` padded tokens. The plan depends only on the tokens,
+# the world size and the shard size, so a killed run redoes exactly the unfinished shards.
+# --------------------------------------------------------------------------------------------
+
+FORMAT = "eyas-features-1"
+STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MAX_SHARD_BYTES = 2 << 30  # a shard stays under ~2 GiB whatever shard_tokens says
+
+
+def quantize_fp8(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, layers*H] -> (q float8_e4m3fn [N, layers*H], scale float32 [N, layers]); each token's
+    slice of each layer is scaled so its largest magnitude maps to 448."""
+    N = x.shape[0]
+    xs = x.float().view(N, layers, -1)
+    scale = xs.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
+    q = (xs / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(N, -1), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    N, L = scale.shape
+    return (q.float().view(N, L, -1) * scale.float().unsqueeze(-1)).view(N, -1).to(dtype)
+
+
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Stored bytes per token: 3 aux + 1 final state, fp8 scales, plus the token id and mask."""
+    elems = 4 * hidden_size
+    per = {"bf16": 2 * elems, "fp32": 4 * elems, "fp8": elems + 4 * 4}[dtype]
+    return per + 4 + 1
+
+
+def features_dir(run_dir: str | Path, split: str = "train") -> Path:
+    return Path(run_dir) / "features" / split
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment (0, 1, 0 without it)."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def plan_shards(lengths: list[int], world: int, shard_tokens: int) -> list[list[list[int]]]:
+    """[rank][shard] -> sequence indices (longest first)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # sorted() is stable
+    plans = []
+    for r in range(world):
+        shards, cur, cur_tok = [], [], 0
+        for i in order[r::world]:
+            if cur and cur_tok + lengths[i] > shard_tokens:
+                shards.append(cur)
+                cur, cur_tok = [], 0
+            cur.append(i)
+            cur_tok += lengths[i]
+        if cur:
+            shards.append(cur)
+        plans.append(shards)
+    return plans
+
+
+def plan_batches(lengths: list[int], batch_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive [start, stop) ranges of a longest-first list whose padded size
+    (count × first length) stays within batch_tokens (a longer sequence goes alone)."""
+    out, start = [], 0
+    for j in range(1, len(lengths) + 1):
+        if j == len(lengths) or (j - start + 1) * lengths[start] > batch_tokens:
+            out.append((start, j))
+            start = j
+    return out
+
+
+def tokens_sha256(tokens: TokenSet) -> str:
+    h = hashlib.sha256()
+    h.update(tokens.offsets.contiguous().numpy().tobytes())
+    h.update(tokens.input_ids.contiguous().numpy().tobytes())
+    h.update(tokens.loss_mask.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class _ShardBuffers:
+    """Host buffers the GPU copies into (pinned on CUDA) and the writer thread saves from; two of
+    them, so the target computes shard k+1 while shard k is written."""
+
+    def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 2):
+        self.free: queue.Queue = queue.Queue()
+        sd = STORE_DTYPES[dtype]
+        for _ in range(count):
+            b = {"aux": torch.empty(n_tokens, 3 * hidden, dtype=sd, pin_memory=pin),
+                 "final": torch.empty(n_tokens, hidden, dtype=sd, pin_memory=pin)}
+            if dtype == "fp8":
+                b["aux_scale"] = torch.empty(n_tokens, 3, dtype=torch.float32, pin_memory=pin)
+                b["final_scale"] = torch.empty(n_tokens, 1, dtype=torch.float32, pin_memory=pin)
+            self.free.put(b)
+
+
+class _Writer:
+    """Saves shards on a background thread (atomic rename), then reports each finished shard."""
+
+    def __init__(self, on_done):
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.on_done = on_done
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        from safetensors.torch import save_file
+
+        while (item := self.q.get()) is not None:
+            path, tensors, meta, event, release, entry = item
+            try:
+                if self.error is None:
+                    if event is not None:
+                        event.synchronize()
+                    with atomic_path(path) as tmp:
+                        save_file(tensors, str(tmp), metadata=meta)
+                    entry.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+                    self.on_done(entry)
+            except BaseException as e:  # reported on the main thread
+                self.error = e
+            finally:
+                release()
+
+    def submit(self, *item):
+        self.check()
+        self.q.put(item)
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+    def close(self):
+        self.q.put(None)
+        self.thread.join()
+        self.check()
+
+
+def _pad_batch(tokens: TokenSet, seqs: list[int], pin: bool) -> tuple[torch.Tensor, list[int]]:
+    lens = [int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in seqs]
+    batch = torch.zeros(len(seqs), max(lens), dtype=torch.long, pin_memory=pin)
+    for r, (i, L) in enumerate(zip(seqs, lens)):
+        a = int(tokens.offsets[i])
+        batch[r, :L] = tokens.input_ids[a:a + L]
+    return batch, lens
+
+
+def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int, dtype: str, buf: dict,
+                   on_tokens) -> int:
+    """Run the target over one shard's sequences (already longest first), filling `buf`'s leading
+    rows; returns the number of tokens."""
+    dev = target.device
+    pin = dev.type == "cuda"
+    lens_all = [int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in seqs]
+    pos = 0
+    for a, b in plan_batches(lens_all, batch_tokens):
+        batch, lens = _pad_batch(tokens, seqs[a:b], pin)
+        T = batch.shape[1]
+        rows = torch.cat([torch.arange(L) + r * T for r, L in enumerate(lens)])
+        aux, final = target.capture(batch.to(dev, non_blocking=True))
+        rows = rows.to(dev, non_blocking=True)
+        aux = aux.reshape(-1, aux.shape[-1]).index_select(0, rows)
+        final = final.reshape(-1, final.shape[-1]).index_select(0, rows)
+        n = aux.shape[0]
+        if dtype == "fp8":
+            aux, aux_s = quantize_fp8(aux, 3)
+            final, final_s = quantize_fp8(final, 1)
+            buf["aux_scale"][pos:pos + n].copy_(aux_s, non_blocking=True)
+            buf["final_scale"][pos:pos + n].copy_(final_s, non_blocking=True)
+        sd = STORE_DTYPES[dtype]
+        buf["aux"][pos:pos + n].copy_(aux.to(sd), non_blocking=True)
+        buf["final"][pos:pos + n].copy_(final.to(sd), non_blocking=True)
+        pos += n
+        on_tokens(n)
+    return pos
+
+
+def _shard_name(rank: int, k: int) -> str:
+    return f"shard-{rank:03d}-{k:05d}.safetensors"
+
+
+def _check_manifest(path: Path, want: dict) -> None:
+    have = read_json(path)
+    diffs = [k for k in want if have.get(k) != want[k]]
+    if not diffs:
+        return
+    if "target" in diffs:
+        raise EyasError(f"{path}: these features belong to target {have.get('target', {}).get('name')} "
+                        f"(sha256 {have.get('target', {}).get('sha256')}, aux layers "
+                        f"{have.get('target', {}).get('aux_layers')}), not {want['target']['name']} "
+                        f"(sha256 {want['target']['sha256']}, aux layers {want['target']['aux_layers']}); "
+                        f"delete {path.parent} or use another --out")
+    detail = ", ".join(f"{k}: {have.get(k)!r} -> {want[k]!r}" for k in diffs)
+    raise EyasError(f"{path}: features were extracted with other settings ({detail}); finish them with the "
+                    f"same settings, or delete {path.parent} to start over")
+
+
+def extract_split(cfg: Config, target, split: str) -> dict:
+    """Extract one split's features into <run>/features/<split>/ (this rank's share of them)."""
+    from .data.prepare import load_tokens
+
+    run = Path(cfg.out)
+    rank, world, _ = dist_env()
+    dtype = cfg.features.dtype
+    tokens = load_tokens(run, split)
+    d = features_dir(run, split)
+    d.mkdir(parents=True, exist_ok=True)
+    H = target.hidden_size
+    bpt = bytes_per_token(H, dtype)
+    shard_tokens = max(1, min(cfg.features.shard_tokens, MAX_SHARD_BYTES // bpt))
+    lengths = tokens.lengths().tolist()
+    plans = plan_shards(lengths, world, shard_tokens)
+    plan = {"format": FORMAT, "split": split, "target": target.identity(), "dtype": dtype, "hidden_size": H,
+            "aux_layers": list(target.aux_layers), "tokens_sha256": tokens_sha256(tokens), "world_size": world,
+            "shard_tokens": shard_tokens}
+    plan_key = sha256_json(plan)[:16]
+    manifest_path = d / "manifest.json"
+    if manifest_path.exists():
+        _check_manifest(manifest_path, plan)
+    elif rank == 0:
+        atomic_write_json(manifest_path, {**plan, "complete": False, "sequences": len(tokens),
+                                          "tokens": tokens.n_tokens, "bytes_per_token": bpt,
+                                          "estimated_bytes": tokens.n_tokens * bpt})
+    _barrier()
+
+    # this rank's progress: finished shards (entries with size and sha256)
+    prog_path = d / f"rank-{rank:03d}.json"
+    done: dict[str, dict] = {}
+    if prog_path.exists():
+        prog = read_json(prog_path)
+        if prog.get("plan") == plan_key:
+            done = {e["file"]: e for e in prog.get("shards", [])}
+    for stale in d.glob(f".shard-{rank:03d}-*.tmp"):
+        stale.unlink(missing_ok=True)
+    my = plans[rank]
+    todo = []
+    for k, seqs in enumerate(my):
+        name = _shard_name(rank, k)
+        p = d / name
+        e = done.get(name)
+        if e and p.exists() and p.stat().st_size == e["bytes"]:
+            continue
+        if p.exists() and _shard_matches(p, plan_key, seqs):  # written, but killed before it was recorded
+            done[name] = _entry(rank, k, seqs, lengths) | {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            continue
+        done.pop(name, None)
+        todo.append(k)
+
+    # refuse before starting when the disk cannot hold the rest (all ranks write to this folder)
+    need = sum(lengths[i] for k in todo for i in my[k]) * bpt * world
+    free = shutil.disk_usage(d).free
+    if need > free:
+        raise EyasError(f"{d}: extracting the remaining features needs about {human_bytes(need)} "
+                        f"({bpt:,} bytes/token, dtype {dtype}) but only {human_bytes(free)} is free; free space, "
+                        f"use --dtype fp8 (about half of bf16), or point --out at a larger disk")
+
+    lock = threading.Lock()
+
+    def record(entry):
+        with lock:
+            done[entry["file"]] = entry
+            atomic_write_json(prog_path, {"plan": plan_key, "rank": rank,
+                                          "shards": sorted(done.values(), key=lambda e: e["shard"])})
+
+    record_all = not todo
+    if record_all:
+        atomic_write_json(prog_path, {"plan": plan_key, "rank": rank,
+                                      "shards": sorted(done.values(), key=lambda e: e["shard"])})
+    my_tokens = sum(lengths[i] for seqs in my for i in seqs)
+    todo_tokens = sum(lengths[i] for k in todo for i in my[k])
+    if todo:
+        pin = target.device.type == "cuda"
+        bufs = _ShardBuffers(max(sum(lengths[i] for i in my[k]) for k in todo), H, dtype, pin)
+        writer = _Writer(record)
+        written = [0]
+        bar = progress(total=todo_tokens, desc=f"extract {split}" + (f" rank {rank}" if world > 1 else ""),
+                       unit="tok", unit_scale=True, **({} if rank == 0 else {"disable": True}))
+        sleep = float(os.environ.get("EYAS_DEBUG_SHARD_SLEEP", "0"))  # tests: make a run slow enough to kill
+        try:
+            with torch.inference_mode():
+                for k in todo:
+                    seqs = my[k]
+                    buf = bufs.free.get()
+                    n = _extract_shard(target, tokens, seqs, cfg.features.batch_tokens, dtype, buf, bar.update)
+                    tensors = {key: v[:n] for key, v in buf.items()}
+                    tensors.update(_token_tensors(tokens, seqs))
+                    event = None
+                    if pin:
+                        event = torch.cuda.Event()
+                        event.record()
+                    written[0] += n * bpt
+                    bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB", refresh=False)
+                    writer.submit(d / _shard_name(rank, k), tensors,
+                                  {"plan": plan_key, "rank": str(rank), "shard": str(k)}, event,
+                                  lambda b=buf: bufs.free.put(b), _entry(rank, k, seqs, lengths))
+                    if sleep:
+                        time.sleep(sleep)
+        finally:
+            try:
+                writer.close()
+            finally:
+                bar.close()
+    _barrier()
+    if rank == 0:
+        _merge_index(d, world, plan_key, len(plans), manifest_path)
+    _barrier()
+    return {"split": split, "sequences": sum(len(s) for s in my), "tokens": my_tokens,
+            "extracted_tokens": todo_tokens, "reused_shards": len(my) - len(todo), "shards": len(my),
+            "dtype": dtype, "bytes_per_token": bpt, "dir": str(d)}
+
+
+def _entry(rank: int, k: int, seqs: list[int], lengths: list[int]) -> dict:
+    return {"file": _shard_name(rank, k), "rank": rank, "shard": k, "sequences": len(seqs),
+            "tokens": sum(lengths[i] for i in seqs)}
+
+
+def _token_tensors(tokens: TokenSet, seqs: list[int]) -> dict[str, torch.Tensor]:
+    ids, masks, lens = [], [], []
+    for i in seqs:
+        a, b = int(tokens.offsets[i]), int(tokens.offsets[i + 1])
+        ids.append(tokens.input_ids[a:b])
+        masks.append(tokens.loss_mask[a:b])
+        lens.append(b - a)
+    offsets = torch.zeros(len(seqs) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
+    return {"input_ids": torch.cat(ids).to(torch.int32), "loss_mask": torch.cat(masks).to(torch.uint8),
+            "offsets": offsets, "seq_index": torch.tensor(seqs, dtype=torch.long)}
+
+
+def _shard_matches(path: Path, plan_key: str, seqs: list[int]) -> bool:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("plan") == plan_key and f.get_tensor("seq_index").tolist() == seqs
+    except (SafetensorError, OSError):
+        return False
+
+
+def _merge_index(d: Path, world: int, plan_key: str, n_ranks: int, manifest_path: Path) -> None:
+    entries = []
+    for r in range(n_ranks):
+        prog = read_json(d / f"rank-{r:03d}.json")
+        if prog.get("plan") != plan_key:
+            raise EyasError(f"{d / f'rank-{r:03d}.json'}: progress of another extraction plan")
+        entries += prog["shards"]
+    index = {"format": FORMAT, "plan": plan_key, "shards": entries,
+             "sequences": sum(e["sequences"] for e in entries), "tokens": sum(e["tokens"] for e in entries),
+             "bytes": sum(e["bytes"] for e in entries)}
+    atomic_write_json(d / "index.json", index)
+    man = read_json(manifest_path)
+    man.update(complete=True, shards=len(entries), bytes=index["bytes"],
+               bytes_per_token_measured=index["bytes"] / max(1, index["tokens"]))
+    atomic_write_json(manifest_path, man)
+
+
+def run_extract(cfg: Config, target=None) -> dict:
+    """`eyas extract`: capture the target's aux and final hidden states for the train and val
+    splits into feature shards. Under torchrun each rank extracts its share on its own GPU."""
+    import dataclasses
+
+    from .data.prepare import run_tokenize, tokens_dir
+    from .target import load_target
+
+    rank, world, local = dist_env()
+    own_pg = False
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+            own_pg = True
+    try:
+        if target is None:
+            tcfg = cfg.target
+            if world > 1 and torch.cuda.is_available() and tcfg.device in ("auto", "cuda"):
+                torch.cuda.set_device(local)
+                tcfg = dataclasses.replace(tcfg, device=f"cuda:{local}")
+            target = load_target(tcfg)
+        if not (tokens_dir(Path(cfg.out)) / "meta.json").exists():
+            if rank == 0:
+                run_tokenize(cfg, target)
+            _barrier()
+        t0 = time.perf_counter()
+        splits = [extract_split(cfg, target, s) for s in ("train", "val")]
+        dt = time.perf_counter() - t0
+        extracted = sum(s["extracted_tokens"] for s in splits)
+        res = {"rank": rank, "world_size": world, "dtype": cfg.features.dtype, "splits": splits,
+               "seconds": round(dt, 2), "tokens_per_s": round(extracted / dt, 1) if dt > 0 else None}
+        if rank == 0:
+            log(f"extract: {sum(s['tokens'] for s in splits):,} tokens on rank 0 "
+                f"({extracted:,} extracted now) at {res['tokens_per_s']} tok/s into {Path(cfg.out) / 'features'}")
+        return res
+    finally:
+        if own_pg:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+class OfflineFeatures:
+    """Features read from the shards `eyas extract` wrote. `path` is a run directory, its
+    `features/` folder or one split's folder. With `target` (a Target or its identity dict) the
+    manifest must name the same target. fp8 features come back dequantized to `dtype` (default
+    bf16); bf16 and fp32 ones in their stored dtype unless `dtype` says otherwise. `verify=True`
+    also checks every shard's sha256 (reads them whole); sizes and headers are always checked."""
+
+    def __init__(self, path: str | os.PathLike, split: str = "train", target=None,
+                 dtype: torch.dtype | None = None, verify: bool = False):
+        from safetensors import SafetensorError, safe_open
+
+        p = Path(path)
+        for cand in (p / "features" / split, p / split, p):
+            if (cand / "manifest.json").exists():
+                d = cand
+                break
+        else:
+            raise EyasError(f"{p}: no extracted features for split '{split}' (run `eyas extract --out RUN` first)")
+        self.dir = d
+        man_path = d / "manifest.json"
+        self.manifest = read_json(man_path)
+        if self.manifest.get("format") != FORMAT:
+            raise EyasError(f"{man_path}: not an eyas feature manifest (format {self.manifest.get('format')!r})")
+        if not self.manifest.get("complete"):
+            raise EyasError(f"{man_path}: extraction did not finish; run the same `eyas extract` again to resume it")
+        if target is not None:
+            want = target if isinstance(target, dict) else target.identity()
+            have = self.manifest["target"]
+            if any(have.get(k) != want.get(k) for k in ("sha256", "hidden_size", "aux_layers", "num_layers")):
+                raise EyasError(f"{man_path}: features were extracted from target {have.get('name')} "
+                                f"(sha256 {have.get('sha256')}, aux layers {have.get('aux_layers')}), not "
+                                f"{want.get('name')} (sha256 {want.get('sha256')}, aux layers {want.get('aux_layers')})")
+        self.dtype = self.manifest["dtype"]
+        self.out_dtype = dtype or (torch.bfloat16 if self.dtype == "fp8" else STORE_DTYPES[self.dtype])
+        index = read_json(d / "index.json")
+        n = self.manifest["sequences"]
+        self._files, self._offsets = [], []
+        self._loc = torch.full((n, 2), -1, dtype=torch.long)
+        for s, e in enumerate(index["shards"]):
+            f = d / e["file"]
+            if not f.exists():
+                raise EyasError(f"{f}: feature shard missing; run `eyas extract` again to rebuild it")
+            size = f.stat().st_size
+            if size != e["bytes"]:
+                raise EyasError(f"{f}: shard is truncated or modified ({size:,} bytes, index.json says "
+                                f"{e['bytes']:,}); delete it and run `eyas extract` again")
+            if verify and sha256_file(f) != e["sha256"]:
+                raise EyasError(f"{f}: shard is corrupt (sha256 differs from index.json); delete it and run "
+                                f"`eyas extract` again")
+            try:
+                h = safe_open(str(f), "pt")
+                seq_index = h.get_tensor("seq_index")
+                offsets = h.get_tensor("offsets")
+            except (SafetensorError, OSError) as err:
+                raise EyasError(f"{f}: shard is corrupt ({err}); delete it and run `eyas extract` again") from None
+            self._files.append(h)
+            self._offsets.append(offsets)
+            self._loc[seq_index, 0] = s
+            self._loc[seq_index, 1] = torch.arange(seq_index.numel())
+        if (self._loc[:, 0] < 0).any():
+            missing = int((self._loc[:, 0] < 0).sum())
+            raise EyasError(f"{d / 'index.json'}: {missing} of {n} sequences are in no shard; run `eyas extract` again")
+
+    def __len__(self) -> int:
+        return int(self._loc.shape[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        out = torch.empty(len(self), dtype=torch.long)
+        for s, off in enumerate(self._offsets):
+            rows = (self._loc[:, 0] == s).nonzero().flatten()
+            out[rows] = (off[1:] - off[:-1])[self._loc[rows, 1]]
+        return out
+
+    def get(self, indices: list[int]) -> list[Sample]:
+        out = []
+        for i in indices:
+            s, r = (int(v) for v in self._loc[i])
+            f = self._files[s]
+            a, b = int(self._offsets[s][r]), int(self._offsets[s][r + 1])
+            aux, final = f.get_slice("aux")[a:b], f.get_slice("final")[a:b]
+            if self.dtype == "fp8":
+                aux = dequantize_fp8(aux, f.get_slice("aux_scale")[a:b], self.out_dtype)
+                final = dequantize_fp8(final, f.get_slice("final_scale")[a:b], self.out_dtype)
+            else:
+                aux, final = aux.to(self.out_dtype), final.to(self.out_dtype)
+            ids = f.get_slice("input_ids")[a:b].long()
+            mask = f.get_slice("loss_mask")[a:b].bool()
+            out.append(Sample(ids, mask, aux, final))
         return out
