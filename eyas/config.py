@@ -70,6 +70,10 @@ class RegenConfig:
     timeout: float = opt(120.0, "server backend: seconds before a request is abandoned and retried")
     retries: int = opt(5, "server backend: retries per request on 429/5xx/connection errors")
     shard_size: int = opt(256, "records per output JSONL shard")
+    backoff: float = opt(1.0, "server backend: seconds before the first retry, doubled on each further retry (max 60)")
+    engine: str = opt("auto", "embedded backend: continuous (transformers continuous batching, paged KV cache), "
+                      "generate (padded batches grouped by length), auto (continuous if it starts, else generate)",
+                      choices=("auto", "continuous", "generate"))
 
 
 @dataclass

@@ -1,0 +1,533 @@
+"""`eyas regen`: regenerate every assistant turn of a data set with the target, so the drafter learns
+the target's own answers.
+
+For each conversation the system and user turns are kept, the original assistant turns dropped, and
+each assistant turn generated in order, conditioned on the regenerated history. Backends:
+
+* embedded (default): the target in-process. `continuous` uses transformers' continuous batching
+  (paged KV cache, no padding, finished sequences replaced at once: a conversation's next turn joins
+  the running batch as soon as its previous turn ends); `generate` is the fallback: padded batches of
+  prompts grouped by length through `model.generate`.
+* server: any OpenAI-compatible endpoint (see server.py).
+
+Output: `<run>/data/regen/shard-NNNNN.jsonl`, one `Conversation.to_dict()` per line with `meta`
+holding the source id, sampling settings and per-turn finish reason and token counts. `plan.json`
+fixes which conversations go to which shard, so a killed run resumes: shards are written whole
+(atomic rename) once all their conversations are done, existing shards are never touched, and the
+rest is generated again. Conversations that failed are listed in `shard-NNNNN.errors.json`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import Config, RegenConfig
+from ..util import EyasError, atomic_write_json, atomic_write_text, log, progress, read_json, stable_hash
+from .conversation import Conversation, Turn
+from .readers import read_dataset, select_split
+from .server import ServerBackend, TurnResult, split_reasoning
+
+PLAN_VERSION = 1
+
+
+def regen_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "data" / "regen"
+
+
+def shard_path(d: Path, k: int) -> Path:
+    return d / f"shard-{k:05d}.jsonl"
+
+
+def errors_path(d: Path, k: int) -> Path:
+    return d / f"shard-{k:05d}.errors.json"
+
+
+# --------------------------------------------------------------------------- one conversation
+
+
+@dataclass
+class ConvState:
+    """Walks one conversation: keeps system/user turns, asks for an assistant turn wherever the source
+    had one (and after a final unanswered user turn), stops after `max_turns` answers."""
+    index: int
+    conv: Conversation
+    max_turns: int = 0
+    out: list[Turn] = field(default_factory=list)
+    turn_meta: list[dict] = field(default_factory=list)
+    pos: int = 0
+    error: tuple[str, str] | None = None
+    stopped: str | None = None
+
+    def __post_init__(self):
+        script: list = []
+        seen_user = False
+        for t in self.conv.turns:
+            if t.role == "assistant":
+                if seen_user and (not script or script[-1] is not None):
+                    script.append(None)  # None = generate here
+            else:
+                seen_user |= t.role == "user"
+                script.append(t)
+        if script and script[-1] is not None and seen_user:
+            script.append(None)
+        if self.max_turns:
+            n = 0
+            for i, s in enumerate(script):
+                n += s is None
+                if n == self.max_turns:
+                    script = script[: i + 1]
+                    break
+        self.script = script
+
+    def next_messages(self) -> list[dict] | None:
+        """Messages to answer next, or None when the conversation is done."""
+        if self.error or self.stopped:
+            return None
+        while self.pos < len(self.script) and self.script[self.pos] is not None:
+            self.out.append(self.script[self.pos])
+            self.pos += 1
+        if self.pos >= len(self.script):
+            return None
+        return [{"role": t.role, "content": t.content, **({"reasoning": t.reasoning} if t.reasoning else {})}
+                for t in self.out]
+
+    def accept(self, r: TurnResult) -> None:
+        if r.error:
+            self.error = (r.error, r.message)
+            return
+        meta = {"finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens}
+        if r.retries:
+            meta["retries"] = dict(r.retries)
+        if r.finish_reason == "context":
+            self.stopped = "context"
+        elif not r.content.strip() and not r.reasoning:
+            self.stopped = "empty_answer"
+        else:
+            self.out.append(Turn("assistant", r.content, r.reasoning))
+            self.turn_meta.append(meta)
+            self.pos += 1
+            return
+        self.dropped = meta
+
+    @property
+    def n_answers(self) -> int:
+        return len(self.turn_meta)
+
+    def record(self, settings: dict, backend: dict) -> dict:
+        turns = list(self.out)
+        while turns and turns[-1].role != "assistant":  # a conversation ends with an answer
+            turns.pop()
+        meta = {"source_id": self.conv.id, **backend, "sampling": settings, "turns": self.turn_meta}
+        if self.stopped:
+            meta["stopped"] = self.stopped
+            meta["dropped_turn"] = getattr(self, "dropped", {})
+        if self.conv.meta:
+            meta["source_meta"] = self.conv.meta
+        return Conversation(self.conv.id, turns, meta).to_dict()
+
+
+# --------------------------------------------------------------------------- embedded engines
+
+
+def _render_prompt(tokenizer, messages: list[dict], reasoning: str) -> list[int]:
+    from .tokenize import render, to_messages
+
+    conv = Conversation("", [Turn(m["role"], m["content"], m.get("reasoning")) for m in messages])
+    text = render(tokenizer, to_messages(conv, tokenizer, reasoning), add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class _Embedded:
+    """What both embedded engines share: prompt rendering, context limits, decoding of answers."""
+
+    def __init__(self, target, rc: RegenConfig, reasoning: str, ctx_limit: int):
+        self.t, self.rc, self.reasoning = target, rc, reasoning
+        self.tok = target.tokenizer
+        self.eot = set(target.eot_token_ids)
+        self.model_max = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
+        self.ctx_limit = min(ctx_limit or self.model_max, self.model_max)
+        self.batch = rc.batch_size or (256 if target.device.type == "cuda" else 8)
+        self.ready: list[TurnResult] = []
+        self.generated_tokens = 0
+
+    @property
+    def window(self) -> int:
+        return 2 * self.batch
+
+    def prepare(self, rid: str, messages: list[dict]) -> tuple[list[int], int] | None:
+        ids = _render_prompt(self.tok, messages, self.reasoning)
+        if len(ids) >= self.ctx_limit:
+            self.ready.append(TurnResult(rid, finish_reason="context", prompt_tokens=len(ids)))
+            return None
+        return ids, max(1, min(self.rc.max_new_tokens, self.model_max - len(ids)))
+
+    def result(self, rid: str, prompt_len: int, tokens: list[int]) -> TurnResult:
+        tokens = list(tokens)
+        finish = "length"
+        for i, x in enumerate(tokens):
+            if x in self.eot:
+                tokens, finish = tokens[:i], "stop"
+                break
+        self.generated_tokens += len(tokens) + (finish == "stop")
+        text = self.tok.decode(tokens, skip_special_tokens=True)
+        answer, reasoning = split_reasoning(text)
+        return TurnResult(rid, answer, reasoning, finish, prompt_len, len(tokens))
+
+    def generation_config(self):
+        from transformers import GenerationConfig
+
+        rc = self.rc
+        kw = dict(max_new_tokens=rc.max_new_tokens, eos_token_id=sorted(self.eot), pad_token_id=sorted(self.eot)[0])
+        if rc.temperature > 0:
+            kw.update(do_sample=True, temperature=rc.temperature, top_p=rc.top_p, top_k=0)
+        else:
+            kw.update(do_sample=False)
+        return GenerationConfig(**kw)
+
+    def describe(self) -> dict:
+        return {"backend": "embedded", "engine": self.name, "model": self.t.name, "target_sha256": self.t.sha256}
+
+
+class ContinuousEngine(_Embedded):
+    """transformers continuous batching: a paged KV cache shared by up to `batch` running sequences."""
+    name = "continuous"
+
+    def __init__(self, target, rc, reasoning, ctx_limit):
+        super().__init__(target, rc, reasoning, ctx_limit)
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.lens: dict[str, int] = {}
+        on_gpu = target.device.type == "cuda"
+        if on_gpu:  # let transformers size the cache from free memory; CUDA graphs as it decides
+            cb = ContinuousBatchingConfig(max_requests_per_batch=self.batch, seed=rc.seed)
+        else:  # no memory probe on CPU: size the cache for the window of running sequences
+            block = 32
+            per_seq = min(self.ctx_limit, 1024) + rc.max_new_tokens
+            cb = ContinuousBatchingConfig(block_size=block, num_blocks=max(64, math.ceil(self.batch * per_seq / block)),
+                                          max_batch_tokens=512, max_requests_per_batch=self.batch, seed=rc.seed,
+                                          use_cuda_graph=False)
+        self.manager = target.model.init_continuous_batching(generation_config=self.generation_config(),
+                                                             continuous_batching_config=cb)
+        self.manager.start()
+
+    def submit(self, rid: str, messages: list[dict], seed: int) -> None:
+        p = self.prepare(rid, messages)
+        if p is None:
+            return
+        ids, max_new = p
+        self.lens[rid] = len(ids)
+        self.manager.add_request(ids, request_id=rid, max_new_tokens=max_new)
+
+    def poll(self, timeout: float) -> list[TurnResult]:
+        out, self.ready = self.ready, []
+        if not self.lens:
+            return out
+        r = self.manager.get_result(timeout=0 if out else timeout)
+        while r is not None:
+            if r.is_finished() and r.request_id in self.lens:
+                plen = self.lens.pop(r.request_id)
+                if r.error is not None:
+                    out.append(TurnResult(r.request_id, error="generation_error", message=str(r.error)[:300]))
+                else:
+                    out.append(self.result(r.request_id, plen, r.generated_tokens))
+            r = self.manager.get_result(timeout=0)
+        if not out and not self.manager.is_running():
+            raise EyasError("the continuous-batching generation thread stopped unexpectedly "
+                            "(try --engine generate); finished shards are kept")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.manager.stop(block=True, timeout=10)
+        finally:
+            self.manager.destroy()
+
+
+class GenerateEngine(_Embedded):
+    """Padded batches through `model.generate`, prompts grouped by length (shortest first) so little
+    of each batch is padding."""
+    name = "generate"
+
+    def __init__(self, target, rc, reasoning, ctx_limit):
+        super().__init__(target, rc, reasoning, ctx_limit)
+        import torch
+
+        self.pending: list[tuple[str, list[int], int]] = []
+        self.gen = self.generation_config()
+        torch.manual_seed(rc.seed)
+
+    def submit(self, rid: str, messages: list[dict], seed: int) -> None:
+        p = self.prepare(rid, messages)
+        if p is not None:
+            self.pending.append((rid, *p))
+
+    def poll(self, timeout: float) -> list[TurnResult]:
+        import torch
+
+        out, self.ready = self.ready, []
+        if out or not self.pending:
+            return out
+        self.pending.sort(key=lambda x: len(x[1]))
+        batch, self.pending = self.pending[: self.batch], self.pending[self.batch:]
+        width = max(len(b[1]) for b in batch)
+        pad = self.gen.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _ in batch], device=self.t.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in batch], device=self.t.device)
+        with torch.no_grad():
+            res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
+                                        max_new_tokens=max(b[2] for b in batch))
+        for row, (rid, p, max_new) in zip(res[:, width:].tolist(), batch):
+            out.append(self.result(rid, len(p), row[:max_new]))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
+    if rc.engine in ("auto", "continuous") and hasattr(target.model, "init_continuous_batching"):
+        try:
+            return ContinuousEngine(target, rc, reasoning, ctx_limit)
+        except Exception as e:  # noqa: BLE001 - e.g. an architecture without paged attention
+            if rc.engine == "continuous":
+                raise EyasError(f"continuous batching could not start for this target ({type(e).__name__}: {e}); "
+                                f"use --engine generate") from None
+            log(f"regen: continuous batching unavailable ({type(e).__name__}: {e}); using padded generate")
+    elif rc.engine == "continuous":
+        raise EyasError("this transformers version has no continuous batching; use --engine generate")
+    return GenerateEngine(target, rc, reasoning, ctx_limit)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def sampling_settings(cfg: Config) -> dict:
+    rc = cfg.regen
+    return {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p, "seed": rc.seed,
+            "turns": rc.turns, "reasoning": cfg.data.reasoning}
+
+
+def _plan(d: Path, cfg: Config, ids: list[str], identity: dict) -> dict:
+    plan = {"version": PLAN_VERSION, "source": cfg.data.source, "split": cfg.regen.split,
+            "settings": sampling_settings(cfg), "generator": identity, "shard_size": cfg.regen.shard_size,
+            "ids": ids}
+    path = d / "plan.json"
+    if path.exists():
+        old = read_json(path)
+        for k in ("source", "split", "settings", "generator", "shard_size", "ids"):
+            if old.get(k) != plan[k]:
+                what = (f"{len(old.get('ids', []))} conversations before, {len(ids)} now" if k == "ids"
+                        else f"{old.get(k)!r} before, {plan[k]!r} now")
+                raise EyasError(f"{d} holds regenerated data made with different '{k}' ({what}); use another "
+                                f"--out, or delete {d} to start over")
+        return old
+    atomic_write_json(path, plan)
+    return plan
+
+
+def _check_cfg(rc: RegenConfig) -> None:
+    if rc.shard_size < 1:
+        raise EyasError(f"regen.shard_size must be at least 1, got {rc.shard_size}")
+    if rc.max_new_tokens < 1:
+        raise EyasError(f"regen.max_new_tokens must be at least 1, got {rc.max_new_tokens}")
+    if rc.temperature < 0 or not 0 < rc.top_p <= 1:
+        raise EyasError(f"regen: temperature must be >= 0 and top_p in (0, 1] (got {rc.temperature}, {rc.top_p})")
+    if rc.turns < 0 or rc.limit < 0 or rc.retries < 0:
+        raise EyasError("regen.turns, regen.limit and regen.retries must not be negative")
+
+
+def run_regen(cfg: Config, target=None) -> dict:
+    """Regenerate the assistant turns of cfg.data.source's cfg.regen.split; returns the validation report."""
+    rc = cfg.regen
+    _check_cfg(rc)
+    convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=cfg.data.limit)
+    if rep.n_skipped:
+        log(rep.summary())
+    convs = select_split(convs, rc.split, cfg.data.val_ratio, cfg.data.test_ratio)
+    if rc.limit:
+        convs = convs[: rc.limit]
+    seen: set[str] = set()
+    dup = [c.id for c in convs if c.id in seen or seen.add(c.id)]
+    if dup:
+        raise EyasError(f"{cfg.data.source}: record id {dup[0]!r} occurs more than once ({len(dup)} duplicates); "
+                        f"regeneration needs unique ids to resume safely")
+    if not convs:
+        raise EyasError(f"no conversations to regenerate in split '{rc.split}' of {cfg.data.source}")
+    d = regen_dir(cfg.out)
+    d.mkdir(parents=True, exist_ok=True)
+
+    if rc.backend == "server":
+        backend = ServerBackend(rc)
+    else:
+        from ..target import load_target
+
+        target = target or load_target(cfg.target)
+        if not target.has_chat_template:
+            raise EyasError(f"target '{target.name}' has no chat template; regeneration needs one")
+        backend = make_embedded(target, rc, cfg.data.reasoning, cfg.data.max_seq_len)
+    ident = backend.describe()
+    identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
+    try:
+        plan = _plan(d, cfg, [c.id for c in convs], identity)
+        _drive(backend, convs, plan, d, rc, sampling_settings(cfg), ident)
+    finally:
+        backend.close()
+    report = validation_report(d)
+    atomic_write_json(d / "report.json", report)
+    log(f"regen: {report['records']} conversations in {d} ({report['errors_total']} errors, "
+        f"{report['truncated_turns']} truncated turns, reasoning in {report['reasoning_capture_rate']:.0%} of turns)")
+    return report
+
+
+def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenConfig, settings: dict,
+           ident: dict) -> None:
+    size = plan["shard_size"]
+    n_shards = math.ceil(len(convs) / size)
+    todo = [k for k in range(n_shards) if not shard_path(d, k).exists()]
+    work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
+    backend_meta = {k: v for k, v in ident.items() if k != "endpoints"}
+    if not work:
+        return
+    if len(todo) < n_shards:
+        log(f"regen: resuming, {n_shards - len(todo)} of {n_shards} shards already done")
+    done_by_shard: dict[int, dict[int, ConvState]] = {k: {} for k in todo}
+    active: dict[str, ConvState] = {}
+    nxt = 0
+    t0, toks = time.time(), 0
+    bar = progress(total=len(work), desc="regen", unit="conv")
+
+    def finish(st: ConvState) -> None:
+        k = st.index // size
+        done_by_shard[k][st.index] = st
+        bar.update(1)
+        if len(done_by_shard[k]) == min(len(convs), (k + 1) * size) - k * size:
+            _write_shard(d, k, [done_by_shard[k][i] for i in sorted(done_by_shard[k])], settings, backend_meta)
+            del done_by_shard[k]
+
+    def ask(st: ConvState) -> None:
+        msgs = st.next_messages()
+        if msgs is None:
+            finish(st)
+            return
+        rid = f"{st.index}:{st.n_answers}"
+        active[rid] = st
+        seed = (rc.seed * 1_000_003 + stable_hash(f"{st.conv.id}:{st.n_answers}")) % (1 << 31)
+        backend.submit(rid, msgs, seed)
+
+    try:
+        while nxt < len(work) or active:
+            while nxt < len(work) and len(active) < backend.window:
+                _, i = work[nxt]
+                nxt += 1
+                ask(ConvState(i, convs[i], rc.turns))
+            for r in backend.poll(timeout=0.5):
+                st = active.pop(r.rid, None)
+                if st is None:
+                    continue
+                if r.fatal:
+                    raise EyasError(f"{ident['backend']} backend: {r.message}. Finished shards are kept in {d}; "
+                                    f"run the same command again to resume")
+                st.accept(r)
+                toks += r.completion_tokens
+                ask(st)
+            dt = max(time.time() - t0, 1e-6)
+            bar.set_postfix_str(f"{toks / dt:,.0f} tok/s", refresh=False)
+    finally:
+        bar.close()
+
+
+def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backend_meta: dict) -> None:
+    lines, errors = [], []
+    for st in states:
+        if st.error or st.n_answers == 0:
+            kind, msg = st.error or (st.stopped or "no_answer", "no assistant turn could be generated")
+            errors.append({"id": st.conv.id, "kind": kind, "message": msg,
+                           "retries": {k2: v for t in st.turn_meta for k2, v in t.get("retries", {}).items()}})
+            continue
+        lines.append(json.dumps(st.record(settings, backend_meta), ensure_ascii=False))
+    # errors first: a shard file present means its errors file is complete too
+    atomic_write_json(errors_path(d, k), {"shard": k, "errors": errors})
+    atomic_write_text(shard_path(d, k), "".join(line + "\n" for line in lines))
+
+
+# --------------------------------------------------------------------------- validation report
+
+
+def _stats(xs: list[int]) -> dict:
+    if not xs:
+        return {"count": 0}
+    xs = sorted(xs)
+    return {"count": len(xs), "total": sum(xs), "mean": round(statistics.fmean(xs), 1), "median": xs[len(xs) // 2],
+            "p90": xs[min(len(xs) - 1, int(len(xs) * 0.9))], "max": xs[-1]}
+
+
+def validation_report(path: str | Path) -> dict:
+    """What a regeneration produced: a run directory or its data/regen folder (or any folder of shards)."""
+    p = Path(path)
+    d = regen_dir(p) if (regen_dir(p)).is_dir() else p
+    if not d.is_dir():
+        raise EyasError(f"{p}: no regenerated data here (expected {regen_dir(p)} or a folder of shard-*.jsonl)")
+    shards = sorted(d.glob("shard-*.jsonl"))
+    plan = read_json(d / "plan.json") if (d / "plan.json").exists() else None
+    records, bad_lines, turns, truncated, empty, with_reasoning = 0, 0, 0, 0, 0, 0
+    errors: Counter = Counter()
+    retries: Counter = Counter()
+    stopped: Counter = Counter()
+    prompt_toks, completion_toks, turns_per = [], [], []
+    ids: list[str] = []
+    for f in shards:
+        for lineno, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                conv = Conversation.from_dict(rec)
+            except (ValueError, KeyError, TypeError):
+                bad_lines += 1
+                continue
+            records += 1
+            ids.append(conv.id)
+            meta = conv.meta or {}
+            tmeta = meta.get("turns", [])
+            answers = [t for t in conv.turns if t.role == "assistant"]
+            turns += len(answers)
+            turns_per.append(len(answers))
+            for t in answers:
+                with_reasoning += bool(t.reasoning)
+                empty += not t.content.strip()
+            for tm in tmeta:
+                truncated += tm.get("finish_reason") == "length"
+                prompt_toks.append(int(tm.get("prompt_tokens", 0)))
+                completion_toks.append(int(tm.get("completion_tokens", 0)))
+                retries.update(tm.get("retries", {}))
+            if meta.get("stopped"):
+                stopped[meta["stopped"]] += 1
+                empty += meta["stopped"] == "empty_answer"
+        ef = f.with_name(f.name.removesuffix(".jsonl") + ".errors.json")
+        if ef.exists():
+            for e in read_json(ef).get("errors", []):
+                errors[e.get("kind", "unknown")] += 1
+                retries.update(e.get("retries", {}))
+                empty += e.get("kind") == "empty_answer"
+    if bad_lines:
+        errors["unreadable_record"] += bad_lines
+    planned = len(plan["ids"]) if plan else None
+    n_shards = math.ceil(planned / plan["shard_size"]) if plan else len(shards)
+    dup = len(ids) - len(set(ids))
+    return {
+        "dir": str(d), "planned": planned, "records": records, "shards_done": len(shards), "shards_total": n_shards,
+        "complete": len(shards) == n_shards, "duplicates": dup,
+        "errors": dict(errors), "errors_total": sum(errors.values()), "retries": dict(retries),
+        "assistant_turns": turns, "truncated_turns": truncated, "empty_answers": empty,
+        "stopped_early": dict(stopped), "turns_with_reasoning": with_reasoning,
+        "reasoning_capture_rate": (with_reasoning / turns) if turns else 0.0,
+        "turns_per_conversation": _stats(turns_per), "prompt_tokens": _stats(prompt_toks),
+        "completion_tokens": _stats(completion_toks),
+        "settings": plan.get("settings") if plan else None, "generator": plan.get("generator") if plan else None,
+    }

@@ -1,0 +1,239 @@
+"""The server backend of `eyas regen`: any OpenAI-compatible chat-completions endpoint (vLLM, SGLang,
+llama.cpp, a hosted API), stdlib only.
+
+Requests go out from `concurrency` worker threads, spread round-robin over the endpoints (a retry
+moves on to the next one). 429, 5xx, connection errors, timeouts and unreadable answers are retried
+with exponential backoff (429's Retry-After is honoured). A request that still fails on a
+transport-level error marks the endpoints as down: the driver stops, keeping finished shards. Other
+4xx answers (a prompt too long for the server, say) and answers that stay unreadable fail only that
+conversation. The API key comes from an environment variable and is never logged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from http.client import HTTPException
+
+from ..config import RegenConfig
+from ..util import EyasError
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass
+class TurnResult:
+    """One generated assistant turn (or why there is none)."""
+    rid: str
+    content: str = ""
+    reasoning: str | None = None
+    finish_reason: str = "stop"        # stop | length | context (prompt already fills the context)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None           # error kind when the request failed for good
+    message: str = ""                  # error detail
+    fatal: bool = False                # the backend cannot go on (endpoints down)
+    retries: Counter = field(default_factory=Counter)
+
+
+def split_reasoning(text: str, open_tag: str = THINK_OPEN, close_tag: str = THINK_CLOSE) -> tuple[str, str | None]:
+    """(answer, reasoning) from text that may carry inline reasoning between think markers. The opening
+    marker may be missing (templates that put it in the generation prompt); an unclosed one means the
+    turn was cut short while thinking."""
+    if close_tag in text:
+        head, tail = text.split(close_tag, 1)
+        head = head.strip()
+        if head.startswith(open_tag):
+            head = head[len(open_tag):]
+        return tail.strip(), head.strip()
+    stripped = text.lstrip()
+    if stripped.startswith(open_tag):
+        return "", stripped[len(open_tag):].strip()
+    return text.strip(), None
+
+
+def chat_url(endpoint: str) -> str:
+    """A base URL (http://host:8000, .../v1) or a full chat-completions URL -> the chat-completions URL."""
+    e = endpoint.strip().rstrip("/")
+    if not e.startswith(("http://", "https://")):
+        raise EyasError(f"regen.endpoint {endpoint!r}: expected an http:// or https:// URL")
+    if e.endswith("/chat/completions"):
+        return e
+    if e.endswith("/v1"):
+        return e + "/chat/completions"
+    return e + "/v1/chat/completions"
+
+
+class _Retry(Exception):
+    def __init__(self, kind: str, msg: str, wait: float | None = None):
+        super().__init__(msg)
+        self.kind, self.wait = kind, wait
+
+
+class _Fail(Exception):
+    def __init__(self, kind: str, msg: str):
+        super().__init__(msg)
+        self.kind = kind
+
+
+class ServerBackend:
+    """submit(rid, messages, seed) / poll(timeout) -> [TurnResult] / close(), like the embedded engines."""
+
+    def __init__(self, rc: RegenConfig):
+        if not rc.endpoint:
+            raise EyasError("regen.backend is 'server' but no endpoint is set (--endpoint http://host:port/v1)")
+        self.urls = [chat_url(e) for e in rc.endpoint]
+        self.rc = rc
+        self.key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""
+        self.model = rc.model or self._first_model()
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()
+        self._next = 0
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(max(1, rc.concurrency))]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def window(self) -> int:
+        return 2 * max(1, self.rc.concurrency)
+
+    def describe(self) -> dict:
+        return {"backend": "server", "model": self.model, "endpoints": len(self.urls)}
+
+    def _headers(self) -> dict:
+        h = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.key:
+            h["Authorization"] = f"Bearer {self.key}"
+        return h
+
+    def _first_model(self) -> str:
+        url = self.urls[0].rsplit("/chat/completions", 1)[0] + "/models"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=self._headers()),
+                                        timeout=self.rc.timeout) as r:
+                data = json.loads(r.read())
+            return str(data["data"][0]["id"])
+        except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+            raise EyasError(f"regen.model is not set and {url} did not name a model ({type(e).__name__}: {e}); "
+                            f"pass --model NAME") from None
+
+    def submit(self, rid: str, messages: list[dict], seed: int) -> None:
+        self.inbox.put((rid, messages, seed))
+
+    def poll(self, timeout: float) -> list[TurnResult]:
+        out = []
+        try:
+            out.append(self.outbox.get(timeout=timeout))
+            while True:
+                out.append(self.outbox.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.inbox.put(None)
+
+    def _worker(self) -> None:
+        while True:
+            item = self.inbox.get()
+            if item is None:
+                return
+            rid, messages, seed = item
+            try:
+                res = self._complete(rid, messages, seed)
+            except Exception as e:  # noqa: BLE001 - a bug here must not hang the driver
+                res = TurnResult(rid, error="internal", message=f"{type(e).__name__}: {e}", fatal=True)
+            self.outbox.put(res)
+
+    def _complete(self, rid: str, messages: list[dict], seed: int) -> TurnResult:
+        rc = self.rc
+        body = {"model": self.model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+                "max_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p,
+                "seed": seed, "n": 1, "stream": False}
+        data = json.dumps(body).encode("utf-8")
+        retries: Counter = Counter()
+        with self._lock:
+            start = self._next
+            self._next += 1
+        last = ("", "")
+        for attempt in range(rc.retries + 1):
+            url = self.urls[(start + attempt) % len(self.urls)]
+            try:
+                res = self._post(url, data)
+                res.rid, res.retries = rid, retries
+                return res
+            except _Fail as f:
+                return TurnResult(rid, error=f.kind, message=f"{url}: {f}", retries=retries)
+            except _Retry as r:
+                last = (r.kind, f"{url}: {r}")
+                if attempt == rc.retries:
+                    break
+                retries[r.kind] += 1
+                delay = r.wait if r.wait is not None else min(60.0, rc.backoff * 2 ** attempt)
+                time.sleep(delay * (0.75 + 0.5 * random.random()) if r.wait is None else delay)
+        kind, msg = last
+        # an answer that stays unreadable fails this conversation; a server that stays unreachable or
+        # overloaded stops the run
+        return TurnResult(rid, error=kind, message=f"{msg} (after {rc.retries} retries)", retries=retries,
+                          fatal=kind != "bad_response")
+
+    def _post(self, url: str, data: bytes) -> TurnResult:
+        req = urllib.request.Request(url, data=data, headers=self._headers(), method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.rc.timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode("utf-8", "replace") if e.fp else ""
+            if e.code == 429 or e.code >= 500:
+                wait = None
+                ra = e.headers.get("Retry-After") if e.headers else None
+                if ra:
+                    try:
+                        wait = min(60.0, max(0.0, float(ra)))
+                    except ValueError:
+                        wait = None
+                raise _Retry(f"http_{e.code}", f"HTTP {e.code} {detail}".strip(), wait) from None
+            raise _Fail(f"http_{e.code}", f"HTTP {e.code} {detail}".strip()) from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):
+                raise _Retry("timeout", f"no answer within {self.rc.timeout:g}s") from None
+            raise _Retry("connection", f"cannot connect ({e.reason})") from None
+        except TimeoutError:
+            raise _Retry("timeout", f"no answer within {self.rc.timeout:g}s") from None
+        except (ConnectionError, HTTPException, OSError) as e:
+            raise _Retry("connection", f"connection failed ({type(e).__name__}: {e})") from None
+        return parse_chat_response(raw)
+
+
+def parse_chat_response(raw: bytes) -> TurnResult:
+    """An OpenAI chat-completions answer -> TurnResult; reasoning from `reasoning_content`, `reasoning`
+    or inline think markers. Unreadable answers raise _Retry('bad_response')."""
+    try:
+        d = json.loads(raw)
+        choice = d["choices"][0]
+        msg = choice["message"]
+        content = msg.get("content") or ""
+        if not isinstance(content, str):
+            raise TypeError("content is not a string")
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise _Retry("bad_response", f"unreadable answer ({type(e).__name__}: {str(e)[:100]})") from None
+    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+    if not isinstance(reasoning, str) or not reasoning.strip():
+        reasoning = None
+    answer, inline = split_reasoning(content)
+    if reasoning is None:
+        reasoning = inline
+    usage = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+    finish = choice.get("finish_reason") or "stop"
+    return TurnResult("", content=answer, reasoning=reasoning.strip() if reasoning else None, finish_reason=finish,
+                      prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                      completion_tokens=int(usage.get("completion_tokens") or 0))
