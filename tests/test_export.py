@@ -1,0 +1,309 @@
+"""Export to SGLang / vLLM, import from SGLang / vLLM / original EAGLE, checked against what each
+engine's loader reads.
+
+Engine sources the expectations below were taken from (see docs/serving.md):
+  SGLang  python/sglang/srt/models/llama_eagle3.py (commit 03d5a77), models/llama.py
+          (LlamaModel.forward captures `hidden_states + residual` before layer i for i in
+          layers_to_capture; set_eagle3_layers_to_capture adds 1 to configured ids), and
+          model_executor/model_runner.py (reads eagle_config["eagle_aux_hidden_state_layer_ids"]).
+  vLLM    vllm/model_executor/models/llama_eagle3.py (commit 00bd149),
+          vllm/transformers_utils/configs/speculators/{base,algos}.py (speculators -> HF config;
+          norm_before_residual defaults to True when absent), v1 eagle3_utils
+          get_eagle3_aux_layers_from_config (top-level eagle_aux_hidden_state_layer_ids, as-is).
+  speculators v0.7.0.1  src/speculators/models/eagle3/{config,core}.py (layers.0.* names).
+"""
+import copy
+import dataclasses
+import json
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eyas.config import Config
+from eyas.draft import build_drafter, save_drafter
+from eyas.export import (check_checkpoint, engine_aux_ids, export_drafter, eyas_aux_ids, import_drafter,
+                         run_export)
+from eyas.util import EyasError
+
+DRAFT_VOCAB = 2048
+
+
+def _drafter(target, seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randperm(target.vocab_size)[:DRAFT_VOCAB].sort().values
+    d = build_drafter(target, DRAFT_VOCAB, draft_ids=ids)
+    with torch.no_grad():  # every parameter non-trivial, norms included, so a swapped tensor shows
+        for name, p in d.named_parameters():
+            if name != "embed_tokens.weight":
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return d.eval()
+
+
+def _logits(d, target, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (2, 11), generator=g)
+    aux = torch.randn(2, 11, len(d.config.aux_layers) * target.hidden_size, generator=g)
+    with torch.no_grad():
+        h, logits = d(ids, aux)
+        _, logits2 = d(ids, h)  # the fed-back step too
+    return torch.cat([logits, logits2])
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny):
+    return _drafter(tiny)
+
+
+# --------------------------------------------------------------------------- round trip
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_round_trip_identical_logits(tiny, drafter, tmp_path, fmt):
+    p = export_drafter(drafter, tmp_path / fmt, fmt, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    back = import_drafter(p, target=tiny)
+    assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
+    assert torch.equal(back.d2t, drafter.d2t) and torch.equal(back.t2d, drafter.t2d)
+    assert back.config.aux_layers == drafter.config.aux_layers
+    # without a target, the drafter is rebuilt from the folder alone (embedding exported on request)
+    p2 = export_drafter(drafter, tmp_path / (fmt + "-emb"), fmt, "x", include_embeddings=True)
+    alone = import_drafter(p2)
+    assert torch.equal(_logits(alone, tiny), _logits(drafter, tiny))
+
+
+def test_import_original_eagle_layout(tiny, drafter, tmp_path):
+    """Original EAGLE-3 release: HF-Llama config + draft_vocab_size, pytorch_model.bin with midlayer.*,
+    no aux-layer ids (EAGLE captures [2, N//2, N-3], the target's default)."""
+    c = drafter.config
+    d = tmp_path / "eagle"
+    d.mkdir()
+    torch.save(drafter.trainable_state_dict(), d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "hidden_act": "silu",
+        "vocab_size": c.target_vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": 2048, "tie_word_embeddings": False}))
+    back = import_drafter(d, target=tiny)
+    assert back.config.aux_layers == tiny.aux_layers
+    assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
+    with pytest.raises(EyasError, match="aux-layer ids are not recorded"):
+        import_drafter(d)  # no target: the layers cannot be known
+
+
+def test_import_eyas_folder(tiny, drafter, tmp_path):
+    save_drafter(drafter, tmp_path / "draft")
+    back = import_drafter(tmp_path / "draft", target=tiny)
+    assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
+
+
+# --------------------------------------------------------------------------- conformance
+
+def _expected_sglang(cfg):
+    """Tensor -> (shape, dtype) as SGLang's LlamaForCausalLMEagle3 builds its parameters from config.json:
+    fc: Linear(target_hidden_size*3 -> hidden); midlayer = Llama decoder layer whose qkv_proj takes
+    2*hidden; lm_head ParallelLMHead(draft_vocab_size, hidden); d2t -> hot_token_id; t2d skipped."""
+    H, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, I = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
+    f = torch.float32
+    return {
+        "fc.weight": ((H, cfg["target_hidden_size"] * 3), f),
+        "midlayer.input_layernorm.weight": ((H,), f), "midlayer.hidden_norm.weight": ((H,), f),
+        "midlayer.self_attn.q_proj.weight": ((q, 2 * H), f), "midlayer.self_attn.k_proj.weight": ((kv, 2 * H), f),
+        "midlayer.self_attn.v_proj.weight": ((kv, 2 * H), f), "midlayer.self_attn.o_proj.weight": ((H, q), f),
+        "midlayer.post_attention_layernorm.weight": ((H,), f),
+        "midlayer.mlp.gate_proj.weight": ((I, H), f), "midlayer.mlp.up_proj.weight": ((I, H), f),
+        "midlayer.mlp.down_proj.weight": ((H, I), f),
+        "norm.weight": ((H,), f), "lm_head.weight": ((cfg["draft_vocab_size"], H), f),
+        "d2t": ((cfg["draft_vocab_size"],), torch.int64), "t2d": ((cfg["vocab_size"],), torch.bool),
+    }
+
+
+def test_sglang_conformance(tiny, drafter, tmp_path):
+    p = export_drafter(drafter, tmp_path / "sg", "sglang", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    cfg = json.loads((p / "config.json").read_text())
+    # fields SGLang's loader and model runner read
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]  # EntryClass of llama_eagle3.py
+    assert cfg["num_hidden_layers"] == 1  # >1 would build extra BasicDecoderLayers
+    assert cfg["tie_word_embeddings"] is False  # True would make lm_head the (full-vocab) embedding
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB  # None would load the target's lm_head instead
+    assert cfg["vocab_size"] == tiny.vocab_size and cfg["target_hidden_size"] == tiny.hidden_size
+    assert cfg["hidden_size"] == tiny.hidden_size and cfg["head_dim"] == drafter.config.head_dim
+    assert cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False and cfg["rope_scaling"] is None
+    assert cfg["eagle_config"]["use_aux_hidden_state"] is True
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [a - 1 for a in tiny.aux_layers]
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg  # vLLM would read a top-level list without the +1
+    sd = load_file(str(p / "model.safetensors"))
+    exp = _expected_sglang(cfg)
+    assert set(sd) == set(exp), "exactly the tensors SGLang loads, no embedding unless asked"
+    for k, (shape, dtype) in exp.items():
+        assert tuple(sd[k].shape) == shape, k
+        assert sd[k].dtype == dtype, k
+    # transformers reads it as a Llama config with these values (SGLang builds its model from that)
+    from transformers import LlamaConfig
+    lc = LlamaConfig.from_pretrained(str(p))
+    assert lc.hidden_size == tiny.hidden_size and lc.num_hidden_layers == 1
+    assert lc.draft_vocab_size == DRAFT_VOCAB
+    theta = (getattr(lc, "rope_parameters", None) or {}).get("rope_theta", getattr(lc, "rope_theta", None))
+    assert theta == drafter.config.rope_theta
+
+
+def _vllm_pretrained_config(config_dict):
+    """What vLLM's speculators adapter turns the file into (SpeculatorsConfig.
+    extract_transformers_pre_trained_config + update_eagle3, read from vLLM's source)."""
+    assert config_dict["speculators_model_type"] == "eagle3"
+    pre = dict(config_dict["transformer_layer_config"])
+    pre["draft_vocab_size"] = config_dict.get("draft_vocab_size")
+    if config_dict.get("target_hidden_size") is not None:
+        pre["target_hidden_size"] = config_dict["target_hidden_size"]
+    pre["norm_before_residual"] = config_dict.get("norm_before_residual", True)
+    pre["architectures"] = ["Eagle3LlamaForCausalLM"]
+    if config_dict.get("eagle_aux_hidden_state_layer_ids"):
+        pre["eagle_aux_hidden_state_layer_ids"] = config_dict["eagle_aux_hidden_state_layer_ids"]
+    spec = config_dict["speculators_config"]  # validate_speculators_config
+    _ = spec["proposal_methods"][0]["speculative_tokens"], spec["verifier"]["name_or_path"]
+    return pre
+
+
+def test_vllm_conformance(tiny, drafter, tmp_path):
+    p = export_drafter(drafter, tmp_path / "vl", "vllm", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                       num_speculative_tokens=4)
+    raw = json.loads((p / "config.json").read_text())
+    for key in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert raw[key] is False, f"{key} written explicitly"
+    assert raw["speculators_config"]["proposal_methods"][0] == {
+        "proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    assert raw["speculators_config"]["default_proposal_method"] == "greedy"
+    assert raw["speculators_config"]["algorithm"] == "eagle3"
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    cfg = _vllm_pretrained_config(raw)
+    assert cfg["norm_before_residual"] is False  # eyas: residual is the un-normed hidden state
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(tiny.aux_layers)
+    assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["vocab_size"] == tiny.vocab_size
+    assert cfg["target_hidden_size"] == tiny.hidden_size and cfg["num_hidden_layers"] == 1
+    assert cfg["model_type"] == "llama" and cfg["hidden_act"] == "silu" and cfg["attention_bias"] is False
+    sd = load_file(str(p / "model.safetensors"))
+    # vLLM: lm_head stays top level, everything else gets "model.", midlayer./layers.0. -> layers.0.,
+    # d2t -> draft_id_to_target_id (int64), t2d ignored; speculators writes layers.0.*
+    exp = {k.replace("midlayer.", "layers.0."): v for k, v in _expected_sglang(cfg | {
+        "head_dim": cfg["head_dim"], "vocab_size": cfg["vocab_size"]}).items()}
+    assert set(sd) == set(exp)
+    for k, (shape, dtype) in exp.items():
+        assert tuple(sd[k].shape) == shape, k
+        assert sd[k].dtype == dtype, k
+    from transformers import LlamaConfig
+    lc = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    assert lc.head_dim == drafter.config.head_dim and lc.num_key_value_heads == drafter.config.num_key_value_heads
+
+
+# --------------------------------------------------------------------------- aux-layer ids
+
+def _sglang_captured(cfg):
+    """SGLang: model_runner reads eagle_config ids; set_eagle3_layers_to_capture adds 1; LlamaModel
+    records the stream entering layer i for i in layers_to_capture."""
+    return [v + 1 for v in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+
+
+def _vllm_captured(cfg):
+    """vLLM: get_eagle3_aux_layers_from_config passes the ids as-is; LlamaModel records
+    hidden_states + residual before layer idx for idx in aux_hidden_state_layers."""
+    return list(_vllm_pretrained_config(cfg)["eagle_aux_hidden_state_layer_ids"])
+
+
+@pytest.mark.parametrize("aux", [[2, 4, 5], [1, 3, 7]])
+@pytest.mark.parametrize("fmt,captured", [("sglang", _sglang_captured), ("vllm", _vllm_captured)])
+def test_engine_captures_the_trained_layers(tiny, tmp_path, aux, fmt, captured):
+    target = dataclasses.replace(tiny, aux_layers=aux)
+    d = _drafter(target)
+    p = export_drafter(d, tmp_path / fmt, fmt, "x")
+    layers = captured(json.loads((p / "config.json").read_text()))
+    ids = torch.randint(0, tiny.vocab_size, (1, 7))
+    with torch.no_grad():
+        hs = tiny.model(ids, output_hidden_states=True).hidden_states  # hs[i] = stream entering layer i
+    engine_aux = torch.cat([hs[i] for i in layers], dim=-1)
+    eyas_aux, _ = target.capture(ids)
+    assert torch.allclose(engine_aux, eyas_aux, atol=1e-6)
+    assert import_drafter(p, target=target).config.aux_layers == aux
+
+
+def test_aux_id_translation_and_limits():
+    assert engine_aux_ids([2, 15, 27], "sglang", 30) == [1, 14, 26]
+    assert engine_aux_ids([2, 15, 27], "vllm", 30) == [2, 15, 27]
+    for f in ("sglang", "vllm"):
+        assert eyas_aux_ids(engine_aux_ids([3, 9, 20], f, 30), f) == [3, 9, 20]
+    with pytest.raises(EyasError, match="aux layer 30 cannot be served"):
+        engine_aux_ids([2, 15, 30], "vllm", 30)  # the final pre-norm state: not reachable in the engines
+    with pytest.raises(EyasError, match="not one of"):
+        engine_aux_ids([2, 3, 4], "tensorrt", 30)
+
+
+# --------------------------------------------------------------------------- refusals
+
+def test_export_refuses_misshapen_or_missing_tensor(tiny, tmp_path):
+    d = _drafter(tiny)
+    d.midlayer.hidden_norm.weight = torch.nn.Parameter(torch.ones(tiny.hidden_size + 1))
+    with pytest.raises(EyasError, match=r"'midlayer.hidden_norm.weight' has shape \[65\], expected \[64\]"):
+        export_drafter(d, tmp_path / "x", "sglang", "x")
+    assert not (tmp_path / "x" / "config.json").exists()
+    # a saved eyas checkpoint with a tensor missing is refused before anything is built
+    run = tmp_path / "run"
+    save_drafter(_drafter(tiny), run / "draft")
+    sd = load_file(str(run / "draft" / "model.safetensors"))
+    del sd["midlayer.mlp.up_proj.weight"]
+    sd["lm_head.weight"] = sd["lm_head.weight"][:-1]
+    save_file(sd, str(run / "draft" / "model.safetensors"))
+    with pytest.raises(EyasError, match=r"'lm_head.weight' has shape \[2047, 64\].*|'midlayer.mlp.up_proj.weight' is missing"):
+        check_checkpoint(run / "draft")
+    cfg = Config()
+    cfg.out, cfg.target.name = str(run), "tiny"
+    with pytest.raises(EyasError, match="'midlayer.mlp.up_proj.weight' is missing"):
+        run_export(cfg)
+
+
+def test_run_export_writes_both_formats(tiny, drafter, tmp_path):
+    save_drafter(drafter, tmp_path / "draft")
+    cfg = Config()
+    cfg.out, cfg.target.name = str(tmp_path), "smollm2"
+    res = run_export(cfg)
+    assert set(res["export"]) == {"sglang", "vllm"}
+    for f in ("sglang", "vllm"):
+        raw = json.loads((tmp_path / "export" / f / "config.json").read_text())
+        assert raw["eyas"]["aux_layers"] == drafter.config.aux_layers
+        back = import_drafter(tmp_path / "export" / f, target=tiny)
+        assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
+    raw = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.eval.k
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "vllm"])
+def test_import_refuses_a_drafter_that_does_not_fit(tiny, drafter, tmp_path, fmt):
+    p = export_drafter(drafter, tmp_path / fmt, fmt, "x")
+    wider = types.SimpleNamespace(name="wide", hidden_size=128, vocab_size=tiny.vocab_size,
+                                  aux_layers=tiny.aux_layers, num_layers=8)
+    with pytest.raises(EyasError, match="hidden size 64 != target's 128"):
+        import_drafter(p, target=wider)
+    other_vocab = types.SimpleNamespace(name="v", hidden_size=64, vocab_size=50000, aux_layers=tiny.aux_layers)
+    with pytest.raises(EyasError, match="vocabulary 49152 != target's 50000"):
+        import_drafter(p, target=other_vocab)
+    four = types.SimpleNamespace(name="f", hidden_size=64, vocab_size=tiny.vocab_size, aux_layers=[1, 2, 3, 4])
+    with pytest.raises(EyasError, match="3 aux layers != the target's 4"):
+        import_drafter(p, target=four)
+
+
+def test_import_refuses_what_eyas_cannot_run(tiny, drafter, tmp_path):
+    p = export_drafter(drafter, tmp_path / "vl", "vllm", "x")
+    raw = json.loads((p / "config.json").read_text())
+    bad = copy.deepcopy(raw)
+    bad["norm_before_residual"] = True
+    (p / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(EyasError, match="norm_before_residual=true"):
+        import_drafter(p, target=tiny)
+    sd = load_file(str(p / "model.safetensors"))
+    sd["layers.0.self_attn.q_proj.weight"] = sd["layers.0.self_attn.q_proj.weight"][:, :64].contiguous()
+    save_file(sd, str(p / "model.safetensors"))
+    (p / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(EyasError, match=r"'midlayer.self_attn.q_proj.weight' has shape \[64, 64\], expected \[64, 128\]"):
+        import_drafter(p, target=tiny)
+    with pytest.raises(EyasError, match="not a drafter folder"):
+        import_drafter(tmp_path / "nowhere")
