@@ -1,0 +1,192 @@
+"""`eyas parity` against local HTTP servers that speak each engine's format:
+
+* vLLM: /v1/models, /v1/chat/completions and Prometheus counters on /metrics named as in
+  vllm/v1/spec_decode/metrics.py (SpecDecodingProm: vllm:spec_decode_num_drafts,
+  _num_draft_tokens, _num_accepted_tokens, _num_accepted_tokens_per_pos{position}; the Prometheus
+  client exposes counters with a `_total` suffix).
+* SGLang: native /generate answering `meta_info` with `completion_tokens` and `spec_verify_ct`
+  (tokenizer_manager sets spec_verify_ct on finished requests when speculative decoding is on).
+"""
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from eyas.config import Config
+from eyas.parity import compare, parse_prometheus, run_parity, vllm_counters
+from eyas.util import EyasError
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion briefly."]
+
+
+class FakeEngine:
+    """Counts requests and answers as the engine would, with a chosen acceptance per request:
+    `drafts` verify steps, `accepted` tokens accepted at each draft position (k = len(accepted))."""
+
+    def __init__(self, engine, drafts, accepted):
+        self.engine, self.drafts, self.accepted = engine, drafts, accepted
+        self.counters = {"d": 7.0, "dt": 21.0, "a": 9.0, "pos": [5.0, 3.0, 1.0]}  # earlier traffic
+        self.requests = []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, body: bytes, ctype="application/json"):
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/metrics" and outer.engine == "vllm":
+                    self._send(outer.metrics().encode(), "text/plain; version=0.0.4")
+                elif self.path == "/v1/models":
+                    self._send(json.dumps({"data": [{"id": "served-model"}]}).encode())
+                else:
+                    self.send_error(404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, body))
+                if self.path == "/v1/chat/completions" and outer.engine == "vllm":
+                    c = outer.counters
+                    k = len(outer.accepted)
+                    c["d"] += outer.drafts
+                    c["dt"] += outer.drafts * k
+                    c["a"] += sum(outer.accepted)
+                    c["pos"] = [p + a for p, a in zip(c["pos"], outer.accepted)]
+                    n = outer.drafts + sum(outer.accepted)
+                    self._send(json.dumps({"choices": [{"message": {"content": "x"}}],
+                                           "usage": {"completion_tokens": n}}).encode())
+                elif self.path == "/generate" and outer.engine == "sglang":
+                    n = outer.drafts + sum(outer.accepted)
+                    self._send(json.dumps({"text": "x", "meta_info": {
+                        "completion_tokens": n, "spec_verify_ct": outer.drafts, "e2e_latency": 0.1}}).encode())
+                else:
+                    self.send_error(404)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def metrics(self) -> str:
+        c = self.counters
+        lab = 'engine="0",model_name="served-model"'
+        lines = []
+        for name, v in (("vllm:spec_decode_num_drafts", c["d"]), ("vllm:spec_decode_num_draft_tokens", c["dt"]),
+                        ("vllm:spec_decode_num_accepted_tokens", c["a"])):
+            lines += [f"# HELP {name}_total x", f"# TYPE {name}_total counter", f"{name}_total{{{lab}}} {v}",
+                      f"{name}_created{{{lab}}} 1.7e9"]
+        for i, v in enumerate(c["pos"]):
+            lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{i}"}} {v}')
+        lines.append('vllm:num_requests_running{engine="0",model_name="served-model"} 0.0')
+        return "\n".join(lines) + "\n"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *a):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _cfg(tmp_path, tau=None):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    cfg = Config()
+    cfg.out, cfg.target.name = str(tmp_path / "run"), "tiny"
+    cfg.eval.prompts, cfg.eval.limit, cfg.eval.max_new_tokens, cfg.eval.k = str(prompts), 0, 16, 3
+    if tau is not None:
+        (tmp_path / "run" / "eval").mkdir(parents=True)
+        (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps({
+            "target": "tiny", "k": 3, "temperature": 0.0, "prompts": {"set": str(prompts), "count": 3},
+            "acceptance_length": tau, "per_position_acceptance": [0.8, 0.5, 0.2]}))
+    return cfg
+
+
+# 10 drafts per request with [8, 5, 2] accepted at positions 0..2: tau = 1 + 15/10 = 2.5
+GOOD = (10, [8, 5, 2])
+BAD = (10, [3, 0, 0])  # tau = 1.3: the drafter loads but the engine accepts a fraction
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_parity_matches(tmp_path, tiny, engine):
+    cfg = _cfg(tmp_path, tau=2.4)
+    with FakeEngine(engine, *GOOD) as srv:
+        res = run_parity(cfg, endpoint=srv.url + ("/v1" if engine == "vllm" else ""), engine=engine,
+                         tokenizer=tiny.tokenizer)
+    assert res["engine_acceptance_length"] == pytest.approx(2.5)
+    assert res["flagged"] is False and res["verdict"].startswith("ok")
+    assert res["gap"] == pytest.approx((2.4 - 2.5) / 2.4)
+    assert res["prompts"]["count"] == 3
+    saved = json.loads((tmp_path / "run" / "eval" / "parity.json").read_text())
+    assert saved["engine_acceptance_length"] == pytest.approx(2.5) and saved["eyas_acceptance_length"] == 2.4
+    posts = [b for p, b in srv.requests]
+    assert len(posts) == 3
+    if engine == "vllm":
+        # only the traffic of this run counts, not the counters' earlier totals
+        assert res["engine_per_position_acceptance"] == pytest.approx([0.8, 0.5, 0.2])
+        assert res["engine_k"] == 3 and not res["notes"]
+        assert all(b["max_tokens"] == 16 and b["temperature"] == 0.0 and b["model"] == "served-model" for b in posts)
+        assert [b["messages"] for b in posts] == [[{"role": "user", "content": p}] for p in PROMPTS]
+    else:
+        assert all(b["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0} for b in posts)
+        assert PROMPTS[0] in posts[0]["text"] and posts[0]["text"].rstrip().endswith("assistant")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_parity_flags_degraded_acceptance(tmp_path, tiny, engine):
+    cfg = _cfg(tmp_path, tau=2.5)
+    with FakeEngine(engine, *BAD) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine=engine, tokenizer=tiny.tokenizer)
+    assert res["engine_acceptance_length"] == pytest.approx(1.3)
+    assert res["flagged"] is True and res["gap"] == pytest.approx(0.48)
+    assert "FLAGGED" in res["verdict"] and "integration fault" in res["verdict"]
+    assert json.loads((tmp_path / "run" / "eval" / "parity.json").read_text())["flagged"] is True
+
+
+def test_parity_without_eyas_report_says_so(tmp_path, tiny):
+    cfg = _cfg(tmp_path)
+    with FakeEngine("vllm", *GOOD) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine="vllm")
+    assert res["eyas_acceptance_length"] is None and res["flagged"] is None
+    assert res["verdict"].startswith("incomplete") and "run `eyas eval`" in res["notes"][0]
+
+
+def test_parity_errors_are_clear(tmp_path, tiny):
+    cfg = _cfg(tmp_path, tau=2.0)
+    with pytest.raises(EyasError, match="--endpoint is required"):
+        run_parity(cfg, endpoint=None, engine="vllm")
+    with FakeEngine("vllm", *GOOD) as srv:
+        url = srv.url
+        with pytest.raises(EyasError, match="HTTP 404"):  # a vLLM server asked the SGLang way
+            run_parity(cfg, endpoint=url, engine="sglang", tokenizer=tiny.tokenizer)
+    with pytest.raises(EyasError, match="cannot reach"):
+        run_parity(cfg, endpoint=url, engine="vllm")
+    with FakeEngine("sglang", *GOOD) as srv:  # SGLang has no vLLM spec counters on /metrics
+        with pytest.raises(EyasError, match="HTTP 404"):
+            run_parity(cfg, endpoint=srv.url, engine="vllm")
+
+
+def test_prometheus_parsing():
+    text = ('# TYPE vllm:spec_decode_num_drafts_total counter\n'
+            'vllm:spec_decode_num_drafts_total{engine="0",model_name="a"} 4.0\n'
+            'vllm:spec_decode_num_drafts_total{engine="1",model_name="a"} 6.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="a"} 9\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 2\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 7\n'
+            'vllm:spec_decode_num_drafts_created{engine="0",model_name="a"} 1.7e9\n')
+    c = vllm_counters(text)
+    assert c["num_drafts"] == 10.0 and c["num_accepted_tokens"] == 9.0 and c["num_draft_tokens"] is None
+    assert c["per_position"] == [7.0, 2.0]
+    assert parse_prometheus('m{a="x,y",b="q\\"z"} 3')[0][1] == {"a": "x,y", "b": 'q\\"z'}
+    assert compare(2.0, 2.5)["flagged"] is True and compare(2.2, 2.5)["flagged"] is False
+    assert compare(3.0, 2.5)["flagged"] is True  # far above is as suspicious as far below
