@@ -1,0 +1,227 @@
+"""Training-time test (TTT): unroll the EAGLE-3 drafter over `steps` steps on a packed batch.
+
+Notation for one sequence x_0..x_{L-1} with target states aux_t, final_t (lm_head(final_t) is the
+target's distribution for x_{t+1}):
+
+  step 0, position t:  input (embed(x_{t+1}), fc(aux_t))         -> predicts x_{t+2}
+  step j, position t:  input (embed(x_{t+j+1}), h^{(j-1)}_t)      -> predicts x_{t+j+2}
+
+and the label of step j at t is the target distribution at t+j+1 restricted to the draft vocabulary
+(soft cross-entropy), counted where x_{t+j+2} is a loss-masked (assistant) token and the target's own
+top token there is in the draft vocabulary. Accuracy counts the same loss-masked positions, a
+target token outside the draft vocabulary being a miss, so Σ_k Π_{i≤k} acc_i simulates the
+acceptance length of a chain of drafts.
+
+Attention at step j, query position t: the step-0 keys at positions <= t of the same sequence, and
+the keys of steps 1..j at position t only (what the drafter saw while drafting that chain).
+Every step keeps the rope positions of step 0. Sequences are packed into one row; `doc` keeps
+attention inside each sequence. The pattern is one mask over the keys of all steps so far,
+concatenated: flex-attention with a block mask on CUDA (only the causal blocks and the diagonal
+blocks of later steps are computed), the same mask as a dense boolean SDPA mask elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .features import Sample
+
+
+@dataclass
+class PackedBatch:
+    """Several sequences packed into one row of `n` tokens (the tail is padding)."""
+    input_ids: torch.Tensor  # [n] long
+    loss_mask: torch.Tensor  # [n] bool
+    aux: torch.Tensor        # [n, 3H]
+    final: torch.Tensor      # [n, H]
+    doc: torch.Tensor        # [n] int32: sequence number within the batch; padding has its own
+    pos: torch.Tensor        # [n] long: position inside the sequence
+    doc_len: torch.Tensor    # [n] long: length of the token's sequence
+    n_real: int              # tokens that are not padding
+
+    def to(self, device) -> "PackedBatch":
+        f = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+             for k, v in self.__dict__.items()}
+        return PackedBatch(**f)
+
+
+def pack_samples(samples: list[Sample], max_len: int = 0, pad_to: int = 0, multiple: int = 1) -> PackedBatch:
+    """Concatenate samples (each truncated to `max_len` if > 0) and pad to at least `pad_to` tokens,
+    rounded up to a multiple of `multiple`."""
+    parts = []
+    for s in samples:
+        L = len(s.input_ids) if max_len <= 0 else min(max_len, len(s.input_ids))
+        parts.append((s.input_ids[:L], s.loss_mask[:L], s.aux[:L], s.final[:L]))
+    n_real = sum(len(p[0]) for p in parts)
+    n = max(n_real, pad_to)
+    n = -(-n // multiple) * multiple
+    pad = n - n_real
+    ref = samples[0]
+    dev = ref.aux.device
+    ids = torch.cat([p[0].to(dev) for p in parts] + [torch.zeros(pad, dtype=torch.long, device=dev)])
+    mask = torch.cat([p[1].to(dev) for p in parts] + [torch.zeros(pad, dtype=torch.bool, device=dev)])
+    aux = torch.cat([p[2] for p in parts] + [ref.aux.new_zeros(pad, ref.aux.shape[-1])])
+    final = torch.cat([p[3] for p in parts] + [ref.final.new_zeros(pad, ref.final.shape[-1])])
+    lens = [len(p[0]) for p in parts] + ([pad] if pad else [])
+    doc = torch.cat([torch.full((L,), i, dtype=torch.int32) for i, L in enumerate(lens)])
+    pos = torch.cat([torch.arange(L) for L in lens])
+    doc_len = torch.cat([torch.full((L,), L, dtype=torch.long) for L in lens])
+    return PackedBatch(ids, mask, aux, final, doc.to(dev), pos.to(dev), doc_len.to(dev), n_real)
+
+
+# ----------------------------------------------------------------------------------- attention
+
+def ttt_mask_mod(doc: torch.Tensor, n: int):
+    """mask_mod(b, h, q, kv) over the keys of steps 0..j concatenated (kv = step·n + position)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        step = kv_idx // n
+        p = kv_idx - step * n
+        causal = (step == 0) & (doc[q_idx] == doc[p]) & (p <= q_idx)
+        return causal | ((step > 0) & (p == q_idx))
+    return mask_mod
+
+
+def ttt_dense_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
+    """Boolean [n, (step+1)·n]: may query position q (at TTT step `step`) see key kv?"""
+    n = doc.shape[0]
+    q = torch.arange(n, device=doc.device)[:, None]
+    kv = torch.arange((step + 1) * n, device=doc.device)[None]
+    return ttt_mask_mod(doc, n)(0, 0, q, kv)
+
+
+_flex = None
+
+
+def _compiled_flex():
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex
+
+
+class TTTAttend:
+    """The `attend(q, k, v)` the drafter calls; remembers each step's keys and values so that
+    step j attends to the keys of steps 0..j with the TTT pattern. One object per unroll."""
+
+    def __init__(self, doc: torch.Tensor, backend: str = "auto"):
+        self.doc = doc
+        self.n = doc.shape[0]
+        if backend == "auto":
+            backend = "flex" if doc.is_cuda else "dense"
+        self.backend = backend
+        self.ks: list[torch.Tensor] = []
+        self.vs: list[torch.Tensor] = []
+
+    def __call__(self, q, k, v):
+        self.ks.append(k)
+        self.vs.append(v)
+        j = len(self.ks) - 1
+        K = k if j == 0 else torch.cat(self.ks, dim=2)
+        V = v if j == 0 else torch.cat(self.vs, dim=2)
+        gqa = q.shape[1] != k.shape[1]
+        if self.backend == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            bm = create_block_mask(ttt_mask_mod(self.doc, self.n), None, None, self.n, (j + 1) * self.n,
+                                   device=q.device)
+            return _compiled_flex()(q, K, V, block_mask=bm, enable_gqa=gqa)
+        mask = ttt_dense_mask(self.doc, j)
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask[None, None], enable_gqa=gqa)
+
+
+# ------------------------------------------------------------------------------------- labels
+
+@dataclass
+class Labels:
+    logits: torch.Tensor    # [n, V_d] target logits over the draft vocabulary (no grad)
+    draft_idx: torch.Tensor  # [n] long: draft index of the target's top token, -1 if outside the draft vocab
+
+
+@torch.no_grad()
+def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torch.Tensor, chunk: int = 4096) -> Labels:
+    """Target logits restricted to the draft vocabulary, and whether the full-vocabulary argmax
+    is in it (computed in row chunks so the full logits never exist all at once)."""
+    W = lm_head.weight
+    b = getattr(lm_head, "bias", None)
+    Wd = W[draft_ids]
+    logits = F.linear(final.to(W.dtype), Wd, None if b is None else b[draft_ids])
+    to_draft = torch.full((W.shape[0],), -1, dtype=torch.long, device=W.device)
+    to_draft[draft_ids] = torch.arange(draft_ids.numel(), device=W.device)
+    top = torch.cat([F.linear(final[i:i + chunk].to(W.dtype), W, b).argmax(-1) for i in range(0, final.shape[0], chunk)])
+    return Labels(logits, to_draft[top])
+
+
+# ---------------------------------------------------------------------------------- the unroll
+
+@dataclass
+class StepStats:
+    """Per TTT step: summed loss (differentiable), loss-masked positions, positions predicted right."""
+    loss_sum: list[torch.Tensor]
+    count: list[torch.Tensor]
+    correct: list[torch.Tensor]
+
+
+def step_targets(batch: PackedBatch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the label/input row t+j+1 for each position t (clamped), loss-masked validity)."""
+    n = batch.input_ids.shape[0]
+    ar = torch.arange(n, device=batch.input_ids.device)
+    nxt = (ar + j + 1).clamp(max=n - 1)
+    far = (ar + j + 2).clamp(max=n - 1)
+    valid = (batch.pos + j + 2 < batch.doc_len) & batch.loss_mask[far] & (ar < batch.n_real)
+    return nxt, valid
+
+
+def count_positions(loss_mask: torch.Tensor, lengths: list[int], steps: int) -> list[int]:
+    """Loss-masked positions per TTT step for unpacked sequences (what `step_targets` counts):
+    step j trains on tokens x_{j+2}.. of each sequence whose loss mask is on."""
+    out = [0] * steps
+    off = 0
+    for L in lengths:
+        m = loss_mask[off:off + L]
+        for j in range(steps):
+            out[j] += int(m[j + 2:].sum()) if L > j + 2 else 0
+        off += L
+    return out
+
+
+def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_std: float = 0.0,
+               generator: torch.Generator | None = None, backend: str = "auto") -> StepStats:
+    """Run `steps` TTT steps over a packed batch; return per-step loss sums and counts."""
+    ids = batch.input_ids
+    aux = batch.aux
+    if noise_std > 0:
+        noise = torch.randn(aux.shape, generator=generator, device=generator.device if generator else aux.device,
+                            dtype=torch.float32)
+        aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
+    attend = TTTAttend(batch.doc, backend)
+    pos = batch.pos[None]
+    hidden = aux[None]
+    stats = StepStats([], [], [])
+    for j in range(steps):
+        nxt, valid = step_targets(batch, j)
+        hidden, logits = drafter(ids[nxt][None], hidden, pos, attend)
+        rows = valid.nonzero().squeeze(1)
+        label_rows = nxt[rows]
+        didx = labels.draft_idx[label_rows]
+        inv = didx >= 0
+        lg = logits[0, rows].float()
+        logq = F.log_softmax(lg, -1)
+        p = F.softmax(labels.logits[label_rows].float(), -1)
+        ce = -(p * logq).sum(-1)
+        stats.loss_sum.append((ce * inv).sum())
+        stats.count.append(torch.tensor(float(rows.numel()), device=ids.device))
+        stats.correct.append(((lg.argmax(-1) == didx) & inv).sum().float())
+    return stats
+
+
+def acceptance_length(acc: list[float]) -> float:
+    """Simulated acceptance length Σ_k Π_{i≤k} acc_i (drafted tokens accepted per chain, without
+    the target's bonus token: τ ≈ 1 + this)."""
+    total, prod = 0.0, 1.0
+    for a in acc:
+        prod *= a
+        total += prod
+    return total

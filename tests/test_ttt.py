@@ -1,0 +1,214 @@
+"""Training-time test: the packed, masked unroll equals a slow reference that drafts each sequence
+on its own with an explicit loop over steps and positions (attention by hand)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import build_drafter
+from eyas.features import OnlineFeatures, Sample
+from eyas.ttt import (PackedBatch, TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
+                      ttt_dense_mask, ttt_unroll)
+
+LENGTHS = [9, 4, 13, 2, 7]
+
+
+def allowed_by_rule(lengths, pad, step):
+    """The TTT rule, spelled out: query (step j, position t) sees step-0 keys of its own sequence
+    at positions <= t, and the keys of steps 1..j at position t."""
+    spans, off = [], 0
+    for L in lengths + ([pad] if pad else []):
+        spans.append((off, off + L))
+        off += L
+    n = off
+    m = torch.zeros(n, (step + 1) * n, dtype=torch.bool)
+    for a, b in spans:
+        for q in range(a, b):
+            for kv in range(a, q + 1):
+                m[q, kv] = True
+            for i in range(1, step + 1):
+                m[q, i * n + q] = True
+    return m
+
+
+def test_mask_equals_rule():
+    samples = [Sample(torch.zeros(L, dtype=torch.long), torch.ones(L, dtype=torch.bool), torch.zeros(L, 3),
+                      torch.zeros(L, 1)) for L in LENGTHS]
+    b = pack_samples(samples, pad_to=40)
+    assert b.n_real == sum(LENGTHS) and b.input_ids.shape[0] == 40
+    for step in range(4):
+        assert torch.equal(ttt_dense_mask(b.doc, step), allowed_by_rule(LENGTHS, 40 - sum(LENGTHS), step))
+
+
+def test_count_positions():
+    m = torch.tensor([0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    # sequence [0,1,1,1] then [0,1,1]: step j trains on tokens j+2.. of each sequence
+    assert count_positions(m, [4, 3], 3) == [2 + 1, 1 + 0, 0]
+
+
+def test_acceptance_length():
+    assert acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(0.8 + 0.4 + 0.2)
+    assert acceptance_length([]) == 0.0
+
+
+def reference_unroll(drafter, sample, lm_head, draft_ids, steps):
+    """One sequence, no packing: step j, position t drafts x_{t+j+2} from (x_{t+j+1}, h^{(j-1)}_t)
+    with attention written as loops; soft CE against softmax(target logits at t+j+1) over the
+    draft vocab on loss-masked x_{t+j+2} whose full-vocab target argmax is in the draft vocab."""
+    ids, mask, aux, final = sample.input_ids, sample.loss_mask, sample.aux, sample.final
+    L = len(ids)
+    full = final @ lm_head.weight.T
+    top = full.argmax(-1)
+    to_draft = {int(t): i for i, t in enumerate(draft_ids)}
+    tl = full[:, draft_ids]
+    cache_k, cache_v = [], []
+
+    def attend(q, k, v):  # q [1,h,L,d], k/v [1,kv,L,d]
+        cache_k.append(k)
+        cache_v.append(v)
+        j = len(cache_k) - 1
+        rep = q.shape[1] // k.shape[1]
+        out = torch.zeros_like(q)
+        for t in range(L):  # keys this position may see: its sequence up to t, then its own later steps
+            keys = torch.cat([cache_k[0][0, :, : t + 1]] + [cache_k[i][0, :, t:t + 1] for i in range(1, j + 1)], 1)
+            vals = torch.cat([cache_v[0][0, :, : t + 1]] + [cache_v[i][0, :, t:t + 1] for i in range(1, j + 1)], 1)
+            keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)  # [h, m, d]
+            w = torch.softmax((keys @ q[0, :, t, :, None]).squeeze(-1) / math.sqrt(q.shape[-1]), -1)
+            out[0, :, t] = (w[..., None] * vals).sum(1)
+        return out
+
+    hidden = aux[None]
+    pos = torch.arange(L)[None]
+    res = []
+    for j in range(steps):
+        inp = torch.tensor([int(ids[min(t + j + 1, L - 1)]) for t in range(L)])[None]
+        hidden, logits = drafter(inp, hidden, pos, attend)
+        loss, count, correct = torch.zeros(()), 0, 0
+        for t in range(L):
+            if t + j + 2 >= L or not mask[t + j + 2]:
+                continue
+            count += 1
+            label = t + j + 1
+            d = to_draft.get(int(top[label]), -1)
+            if d < 0:
+                continue
+            p = torch.softmax(tl[label], -1)
+            loss = loss - (p * torch.log_softmax(logits[0, t], -1)).sum()
+            correct += int(int(logits[0, t].argmax()) == d)
+        res.append((loss, count, correct))
+    return res
+
+
+@pytest.fixture(scope="module")
+def setup(tiny):
+    torch.manual_seed(0)
+    V = tiny.vocab_size
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for L in LENGTHS:
+        ids = torch.randint(0, V, (L,), generator=g)
+        mask = torch.rand(L, generator=g) < 0.7
+        seqs.append((ids, mask))
+
+    class Toks:
+        def __getitem__(self, i):
+            return seqs[i]
+
+    samples = OnlineFeatures(tiny, Toks()).get(list(range(len(seqs))))
+    # a draft vocab that holds about half of the target's top tokens, so both cases occur
+    full_top = torch.cat([(s.final @ tiny.model.get_output_embeddings().weight.T).argmax(-1) for s in samples])
+    keep = full_top.unique()[::2]
+    rest = torch.tensor(sorted(set(range(V)) - set(full_top.tolist())))
+    draft_ids = torch.cat([keep, rest[torch.randperm(rest.numel(), generator=g)[:8]]]).sort().values
+    drafter = build_drafter(tiny, draft_ids.numel(), draft_ids)
+    with torch.no_grad():  # make the later steps matter: a random but non-trivial midlayer
+        for p in drafter.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.mul_(4.0)
+    return drafter, samples, draft_ids
+
+
+def test_unroll_equals_slow_reference(tiny, setup):
+    drafter, samples, draft_ids = setup
+    steps = 3
+    lm_head = tiny.model.get_output_embeddings()
+    batch = pack_samples(samples, pad_to=48)
+    labels = target_labels(batch.final, lm_head, draft_ids, chunk=7)
+    drafter.zero_grad()
+    st = ttt_unroll(drafter, batch, labels, steps)
+    sum(st.loss_sum).backward()
+    fast_grad = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
+
+    drafter.zero_grad()
+    ref_loss = [torch.zeros(()) for _ in range(steps)]
+    ref_cnt, ref_cor = [0] * steps, [0] * steps
+    for s in samples:
+        for j, (loss, c, k) in enumerate(reference_unroll(drafter, s, lm_head, draft_ids, steps)):
+            ref_loss[j] = ref_loss[j] + loss
+            ref_cnt[j] += c
+            ref_cor[j] += k
+    sum(ref_loss).backward()
+    assert all(c > 0 for c in ref_cnt) and 0 < sum(ref_cor)
+    for j in range(steps):
+        assert st.loss_sum[j].item() == pytest.approx(ref_loss[j].item(), rel=1e-5)
+        assert int(st.count[j]) == ref_cnt[j]
+        assert int(st.correct[j]) == ref_cor[j]
+    for n, p in drafter.named_parameters():
+        if p.requires_grad:
+            scale = float(p.grad.abs().max())
+            assert scale > 0, n
+            torch.testing.assert_close(fast_grad[n], p.grad, rtol=1e-4, atol=1e-5 * scale,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_steps_depend_on_own_hidden_states(tiny, setup):
+    """Later TTT steps must read the drafter's fed-back states: changing fc changes step 1's loss
+    only through them (fc is applied at step 0 alone)."""
+    drafter, samples, draft_ids = setup
+    lm_head = tiny.model.get_output_embeddings()
+    batch = pack_samples(samples)
+    labels = target_labels(batch.final, lm_head, draft_ids)
+    with torch.no_grad():
+        a = [float(x) for x in ttt_unroll(drafter, batch, labels, 2).loss_sum]
+        w = drafter.fc.weight.clone()
+        drafter.fc.weight.mul_(0.5)
+        b = [float(x) for x in ttt_unroll(drafter, batch, labels, 2).loss_sum]
+        drafter.fc.weight.copy_(w)
+    assert a[1] != pytest.approx(b[1], rel=1e-4)
+
+
+def test_packing_keeps_sequences_apart(tiny, setup):
+    """A sequence's losses do not depend on what it is packed with."""
+    drafter, samples, draft_ids = setup
+    lm_head = tiny.model.get_output_embeddings()
+    with torch.no_grad():
+        alone = pack_samples(samples[2:3])
+        la = ttt_unroll(drafter, alone, target_labels(alone.final, lm_head, draft_ids), 3)
+        mixed = pack_samples([samples[0], samples[2], samples[1]], pad_to=64)
+        lm = ttt_unroll(drafter, mixed, target_labels(mixed.final, lm_head, draft_ids), 3)
+        other = pack_samples([samples[0], samples[1]], pad_to=64)
+        lo = ttt_unroll(drafter, other, target_labels(other.final, lm_head, draft_ids), 3)
+    for j in range(3):
+        assert float(lm.loss_sum[j]) == pytest.approx(float(la.loss_sum[j]) + float(lo.loss_sum[j]), rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_flex_equals_dense_on_gpu():
+    torch.manual_seed(0)
+    lens = [300, 17, 129, 5, 400]
+    n = 1024
+    doc = torch.cat([torch.full((L,), i) for i, L in enumerate(lens + [n - sum(lens)])]).int().cuda()
+    outs = {}
+    for backend in ("flex", "dense"):
+        torch.manual_seed(0)
+        qs = [torch.randn(1, 8, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
+        ks = [torch.randn(1, 2, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
+        vs = [torch.randn(1, 2, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
+        att = TTTAttend(doc, backend)
+        o = torch.cat([att(q, k, v) for q, k, v in zip(qs, ks, vs)])
+        o.square().sum().backward()
+        outs[backend] = (o.detach(), [t.grad for t in qs + ks + vs])
+    torch.testing.assert_close(outs["flex"][0], outs["dense"][0], rtol=2e-3, atol=2e-3)
+    for a, b in zip(outs["flex"][1], outs["dense"][1]):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
