@@ -99,6 +99,7 @@ class ConvState:
     def accept(self, r: TurnResult) -> None:
         if r.error:
             self.error = (r.error, r.message)
+            self.failed_retries = dict(r.retries)
             return
         meta = {"finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens,
                 "completion_tokens": r.completion_tokens}
@@ -448,7 +449,8 @@ def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backe
         if st.error or st.n_answers == 0:
             kind, msg = st.error or (st.stopped or "no_answer", "no assistant turn could be generated")
             errors.append({"id": st.conv.id, "kind": kind, "message": msg,
-                           "retries": {k2: v for t in st.turn_meta for k2, v in t.get("retries", {}).items()}})
+                           "retries": dict(sum((Counter(t.get("retries", {})) for t in st.turn_meta),
+                                              Counter(getattr(st, "failed_retries", {}))))})
             continue
         lines.append(json.dumps(st.record(settings, backend_meta), ensure_ascii=False))
     # errors first: a shard file present means its errors file is complete too

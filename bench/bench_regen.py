@@ -1,0 +1,187 @@
+"""Benchmark `eyas regen` (embedded backend) against plain transformers `generate`, same batch size,
+same prompts, same machine, same run.
+
+    EYAS_STAGE_DIR=/path/with/smollm2-135m-instruct.gguf+sharegpt.json.gz \
+        PYTHONPATH=. python3 bench/bench_regen.py --prompts 1000 --out results.json
+
+Prompts are the first user turns of ShareGPT conversations (at most --max-prompt-tokens tokens),
+answered greedily with up to --max-new-tokens tokens each. eyas regen runs the whole stage (prompt
+rendering, generation, shard writing) over all prompts; the baseline runs `model.generate` on
+batches of the same prompts in their given order, left-padded, for --baseline-batches batches (it is
+slow: time-boxed). Both count generated tokens up to and including the end-of-turn token.
+--random-init uses SmolLM2's architecture with random weights (no GGUF needed; answers never end
+early, so it measures full-length batches only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def load(args):
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    if not args.random_init:
+        return load_target(TargetConfig(name=args.target))
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = args.target  # an HF folder holding config.json and the tokenizer
+    conf = AutoConfig.from_pretrained(src)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(conf)
+    out = Path(tempfile.mkdtemp(prefix="eyas-bench-model-"))
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return load_target(TargetConfig(name=str(out)))
+
+
+def prompts(target, n: int, max_tokens: int) -> list[str]:
+    from eyas.data import read_dataset
+
+    convs, _ = read_dataset("sharegpt", limit=n * 4)
+    out = []
+    for c in convs:
+        user = next((t.content for t in c.turns if t.role == "user"), "")
+        ids = target.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                                   add_generation_prompt=True)
+        if user.strip() and len(target.tokenizer(ids, add_special_tokens=False).input_ids) <= max_tokens:
+            out.append(user)
+        if len(out) == n:
+            break
+    if len(out) < n:
+        print(f"note: only {len(out)} prompts of at most {max_tokens} tokens found", file=sys.stderr)
+    return out
+
+
+def bench_eyas(target, users: list[str], args) -> dict:
+    from eyas.config import Config
+    from eyas.data.regen import run_regen
+
+    tmp = Path(tempfile.mkdtemp(prefix="eyas-bench-regen-"))
+    src = tmp / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": u}]}) + "\n"
+                           for i, u in enumerate(users)))
+    cfg = Config(out=str(tmp / "run"))
+    cfg.data.source = str(src)
+    cfg.data.max_seq_len = 0
+    r = cfg.regen
+    r.split, r.turns, r.max_new_tokens, r.temperature = "all", 1, args.max_new_tokens, 0.0
+    r.batch_size, r.shard_size, r.engine = args.batch_size, 256, args.engine
+    sync()
+    t0 = time.perf_counter()
+    rep = run_regen(cfg, target=target)
+    sync()
+    dt = time.perf_counter() - t0
+    gen = rep["completion_tokens"].get("total", 0) + (rep["assistant_turns"] - rep["truncated_turns"])  # + eot
+    return {"prompts": len(users), "records": rep["records"], "errors": rep["errors"], "seconds": round(dt, 2),
+            "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1), "engine": args.engine,
+            "truncated_turns": rep["truncated_turns"]}
+
+
+def bench_generate(target, users: list[str], args, static: bool = False) -> dict:
+    import torch
+
+    tok, model = target.tokenizer, target.model
+    eot = target.eot_token_ids
+    pad = eot[0]
+    texts = [tok.apply_chat_template([{"role": "user", "content": u}], tokenize=False, add_generation_prompt=True)
+             for u in users]
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eot, pad_token_id=pad)
+    if static:
+        kw["cache_implementation"] = "static"
+    total_tok, total_s, batches = 0, 0.0, 0
+    bs = args.batch_size
+    for b in range(args.baseline_batches + 1):  # batch 0 is a warm-up
+        chunk = texts[(b * bs) % len(texts):][:bs]
+        if len(chunk) < bs:
+            chunk = (chunk + texts)[:bs]
+        enc = [tok(t, add_special_tokens=False).input_ids for t in chunk]
+        width = max(map(len, enc))
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc], device=target.device)
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc], device=target.device)
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        sync()
+        dt = time.perf_counter() - t0
+        n = 0
+        for row in out[:, width:].tolist():
+            k = next((i for i, x in enumerate(row) if x in eot), None)
+            n += len(row) if k is None else k + 1
+        if b > 0:
+            total_tok, total_s, batches = total_tok + n, total_s + dt, batches + 1
+        if b > 0 and total_s > args.baseline_seconds:
+            break
+    return {"batches": batches, "batch_size": bs, "seconds": round(total_s, 2), "generated_tokens": total_tok,
+            "tokens_per_s": round(total_tok / max(total_s, 1e-9), 1),
+            "cache": "static" if static else "dynamic"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024)
+    p.add_argument("--baseline-batches", type=int, default=2, help="timed generate batches (after one warm-up)")
+    p.add_argument("--baseline-seconds", type=float, default=120, help="stop the baseline after this long")
+    p.add_argument("--static-baseline", action="store_true", help="also time generate with a static cache")
+    p.add_argument("--engine", default="auto", choices=("auto", "continuous", "generate"))
+    p.add_argument("--target", default="smollm2")
+    p.add_argument("--random-init", action="store_true", help="random weights with --target's architecture")
+    p.add_argument("--out", default="results.json")
+    args = p.parse_args(argv)
+
+    import torch
+    import transformers
+
+    t0 = time.perf_counter()
+    target = load(args)
+    users = prompts(target, args.prompts, args.max_prompt_tokens)
+    print(f"loaded {target.name} ({target.dtype}, {target.device}) and {len(users)} prompts in "
+          f"{time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    res = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+           else platform.processor() or "cpu", "torch": torch.__version__, "transformers": transformers.__version__,
+           "target": target.name, "random_init": args.random_init, "dtype": str(target.dtype),
+           "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "temperature": 0.0,
+           "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+    res["eyas_regen"] = bench_eyas(target, users, args)
+    print(f"eyas regen: {res['eyas_regen']}", file=sys.stderr)
+    res["hf_generate"] = bench_generate(target, users, args)
+    print(f"hf generate: {res['hf_generate']}", file=sys.stderr)
+    base = res["hf_generate"]["tokens_per_s"]
+    if args.static_baseline:
+        res["hf_generate_static"] = bench_generate(target, users, args, static=True)
+        base = max(base, res["hf_generate_static"]["tokens_per_s"])
+    res["speedup"] = round(res["eyas_regen"]["tokens_per_s"] / max(base, 1e-9), 2)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    rows = [("eyas regen (" + res["eyas_regen"]["engine"] + ")", res["eyas_regen"])]
+    rows.append(("transformers generate", res["hf_generate"]))
+    if args.static_baseline:
+        rows.append(("transformers generate, static cache", res["hf_generate_static"]))
+    print(f"\n{res['device']}, {target.name}, batch {args.batch_size}, greedy, max {args.max_new_tokens} new tokens")
+    print(f"{'what':<40} {'tokens':>10} {'seconds':>9} {'tok/s':>10}")
+    for name, r in rows:
+        print(f"{name:<40} {r['generated_tokens']:>10} {r['seconds']:>9} {r['tokens_per_s']:>10}")
+    print(f"speedup over the strongest baseline: {res['speedup']}x  (written to {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

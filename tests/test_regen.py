@@ -1,0 +1,351 @@
+"""eyas regen: conversation walking, the server backend against a real local HTTP server, the
+embedded backend with the tiny and the real SmolLM2 target, kill -9 and resume for both."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from eyas.config import Config
+from eyas.data import Conversation, Turn, read_dataset
+from eyas.data.regen import ConvState, regen_dir, run_regen, validation_report
+from eyas.data.server import TurnResult, chat_url, split_reasoning
+from eyas.util import EyasError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_conversation_walk_keeps_prompts_and_limits_turns():
+    conv = Conversation("a", [Turn("assistant", "greeting before any user"), Turn("system", "S"), Turn("user", "u1"),
+                              Turn("assistant", "old1"), Turn("user", "u2"), Turn("assistant", "old2"),
+                              Turn("user", "u3")])
+    st = ConvState(0, conv)
+    seen = []
+    while (msgs := st.next_messages()) is not None:
+        seen.append([m["content"] for m in msgs])
+        st.accept(TurnResult("x", content=f"new{len(seen)}", completion_tokens=1))
+    # leading assistant dropped; originals replaced; a final unanswered user turn gets an answer
+    assert seen == [["S", "u1"], ["S", "u1", "new1", "u2"], ["S", "u1", "new1", "u2", "new2", "u3"]]
+    rec = st.record({}, {})
+    assert [m["content"] for m in rec["messages"]] == ["S", "u1", "new1", "u2", "new2", "u3", "new3"]
+
+    st = ConvState(0, conv, max_turns=1)
+    assert st.next_messages() is not None
+    st.accept(TurnResult("x", content="only", completion_tokens=1))
+    assert st.next_messages() is None
+    assert [m["content"] for m in st.record({}, {})["messages"]] == ["S", "u1", "only"]
+
+    st = ConvState(0, conv)  # an empty second answer: the conversation ends at the last good answer
+    st.next_messages(); st.accept(TurnResult("x", content="good"))
+    st.next_messages(); st.accept(TurnResult("x", content="  "))
+    assert st.next_messages() is None and st.stopped == "empty_answer"
+    assert [m["content"] for m in st.record({}, {})["messages"]] == ["S", "u1", "good"]
+
+
+def test_split_reasoning_and_urls():
+    assert split_reasoning("<think>\nhmm\n</think>\n\nAnswer") == ("Answer", "hmm")
+    assert split_reasoning("hmm</think>Answer") == ("Answer", "hmm")  # opening tag in the prompt
+    assert split_reasoning("<think>cut short") == ("", "cut short")
+    assert split_reasoning(" plain ") == ("plain", None)
+    assert chat_url("http://h:1") == "http://h:1/v1/chat/completions"
+    assert chat_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert chat_url("https://h/x/chat/completions") == "https://h/x/chat/completions"
+    with pytest.raises(EyasError):
+        chat_url("h:1")
+
+
+# --------------------------------------------------------------------------- a real local OpenAI-style server
+
+
+class FakeOpenAI:
+    """A chat-completions server on 127.0.0.1. The last user message picks the behaviour:
+    [429xN]/[500xN]/[badjsonxN]/[slowxN] fail the first N attempts that way, [badjson-always],
+    [400], [reasoning_content], [reasoning], [think]. Every answer says which turn it is."""
+
+    def __init__(self, delay: float = 0.0):
+        self.attempts: Counter = Counter()
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self.delay = delay
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.handle(self, body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def send(self, h, code, payload: bytes, headers=()):
+        h.send_response(code)
+        for k, v in headers:
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        try:
+            h.wfile.write(payload)
+        except OSError:
+            pass
+
+    def handle(self, h, body):
+        msgs = body["messages"]
+        user = [m["content"] for m in msgs if m["role"] == "user"][-1]
+        turn = sum(m["role"] == "assistant" for m in msgs)
+        key = (user, turn)
+        with self.lock:
+            self.attempts[key] += 1
+            n = self.attempts[key]
+            self.requests.append(body)
+        if self.delay:
+            time.sleep(self.delay)
+
+        def first(tag):
+            for part in user.split("["):
+                if part.startswith(tag + "x"):
+                    return n <= int(part[len(tag) + 1:].split("]")[0])
+            return False
+
+        if first("429"):
+            return self.send(h, 429, b'{"error": "slow down"}', [("Retry-After", "0")])
+        if first("500"):
+            return self.send(h, 500, b'{"error": "boom"}')
+        if first("badjson") or "[badjson-always]" in user:
+            return self.send(h, 200, b'{"choices": [{"message": ')
+        if first("slow"):
+            time.sleep(1.5)
+        if "[400]" in user:
+            return self.send(h, 400, b'{"error": "prompt too long"}')
+        content = f"answer {turn} to {user}"
+        msg = {"role": "assistant", "content": content}
+        if "[reasoning_content]" in user:
+            msg["reasoning_content"] = f"thinking {turn}"
+        elif "[reasoning]" in user:
+            msg["reasoning"] = f"pondering {turn}"
+        elif "[think]" in user:
+            msg["content"] = f"<think>\ninline {turn}\n</think>\n\n{content}"
+        out = {"id": "x", "object": "chat.completion", "model": body["model"],
+               "choices": [{"index": 0, "message": msg, "finish_reason": "length" if "[long]" in user else "stop"}],
+               "usage": {"prompt_tokens": 10 + turn, "completion_tokens": 5}}
+        return self.send(h, 200, json.dumps(out).encode())
+
+
+@pytest.fixture
+def server():
+    s = FakeOpenAI()
+    yield s
+    s.close()
+
+
+def write_jsonl(path: Path, users: list[list[str]], system: str | None = None) -> Path:
+    lines = []
+    for i, us in enumerate(users):
+        msgs = [{"role": "system", "content": system}] if system else []
+        for u in us:
+            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "original answer"}]
+        lines.append(json.dumps({"id": f"c{i}", "messages": msgs}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def server_cfg(tmp_path, source, url, **regen) -> Config:
+    cfg = Config(out=str(tmp_path / "run"))
+    cfg.data.source = str(source)
+    r = cfg.regen
+    r.backend, r.endpoint, r.model, r.split = "server", [url], "m", "all"
+    r.backoff, r.timeout, r.retries, r.concurrency, r.shard_size = 0.01, 0.5, 3, 4, 3
+    for k, v in regen.items():
+        setattr(r, k, v)
+    return cfg
+
+
+def test_server_backend_retries_reasoning_and_records(tmp_path, server):
+    users = [["plain", "second"], ["[429x2] busy"], ["[500x1] flaky"], ["[badjsonx1] garbled"], ["[slowx1] slow"],
+             ["[reasoning_content] a", "[reasoning_content] b"], ["[reasoning] c"], ["[think] d"], ["[400] too long"],
+             ["[badjson-always] broken"], ["[long] cut"]]
+    src = write_jsonl(tmp_path / "d.jsonl", users, system="be nice")
+    rep = run_regen(server_cfg(tmp_path, src, server.url))
+    assert rep["complete"] and rep["planned"] == 11 and rep["records"] == 9 and rep["duplicates"] == 0
+    assert rep["errors"] == {"http_400": 1, "bad_response": 1}
+    assert rep["retries"] == {"http_429": 2, "http_500": 1, "bad_response": 1 + 3, "timeout": 1}
+    assert rep["truncated_turns"] == 1 and rep["assistant_turns"] == 11
+    assert rep["turns_with_reasoning"] == 4 and rep["reasoning_capture_rate"] == pytest.approx(4 / 11)
+    assert rep["completion_tokens"]["total"] == 55
+    convs, rr = read_dataset(str(regen_dir(tmp_path / "run")))
+    assert rr.n_skipped == 0
+    by_id = {c.id: c for c in convs}
+    assert set(by_id) == {f"c{i}" for i in range(11)} - {"c8", "c9"}
+    c0 = by_id["c0"]
+    assert [(t.role, t.content) for t in c0.turns] == [
+        ("system", "be nice"), ("user", "plain"), ("assistant", "answer 0 to plain"),
+        ("user", "second"), ("assistant", "answer 1 to second")]
+    assert c0.meta["source_id"] == "c0" and c0.meta["sampling"]["temperature"] == 0.8
+    assert [t["finish_reason"] for t in c0.meta["turns"]] == ["stop", "stop"]
+    # the second request carried the regenerated first answer, not the original
+    second = next(b for b in server.requests if b["messages"][-1]["content"] == "second")
+    assert second["messages"][2] == {"role": "assistant", "content": "answer 0 to plain"}
+    assert all("original answer" not in m["content"] for b in server.requests for m in b["messages"])
+    r5 = [t for t in by_id["c5"].turns if t.role == "assistant"]
+    assert [t.reasoning for t in r5] == ["thinking 0", "thinking 1"]
+    assert by_id["c6"].turns[-1].reasoning == "pondering 0"
+    assert by_id["c7"].turns[-1].reasoning == "inline 0" and by_id["c7"].turns[-1].content == "answer 0 to [think] d"
+    assert by_id["c1"].meta["turns"][0]["retries"] == {"http_429": 2}
+    assert validation_report(tmp_path / "run") == rep  # `eyas data --report` on the run directory
+
+
+def test_server_down_stops_with_progress_kept(tmp_path, server):
+    src = write_jsonl(tmp_path / "d.jsonl", [["a"], ["b"], ["c"], ["d"]])
+    cfg = server_cfg(tmp_path, src, server.url, shard_size=2, concurrency=1)
+    run_regen(cfg)
+    cfg2 = server_cfg(tmp_path, write_jsonl(tmp_path / "d2.jsonl", [["a"], ["b"]]), "http://127.0.0.1:9/v1",
+                      retries=1)
+    cfg2.out = str(tmp_path / "down")
+    with pytest.raises(EyasError, match="cannot connect.*resume"):
+        run_regen(cfg2)
+    cfg.regen.temperature = 0.1  # a finished folder refuses other settings instead of mixing them
+    with pytest.raises(EyasError, match="different 'settings'"):
+        run_regen(cfg)
+
+
+def _kill_and_resume(tmp_path, args: list[str], out: Path, n_shards: int, env=None) -> dict:
+    """Start `python -m eyas regen ARGS`, kill -9 it once a shard is written, check the shards then
+    present stay byte-identical after resuming."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    p = subprocess.Popen([sys.executable, "-m", "eyas", "regen", *args, "--out", str(out)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    d = regen_dir(out)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(d.glob("shard-*.jsonl")) and p.poll() is None:
+        time.sleep(0.02)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    kept = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in d.glob("shard-*.jsonl")}
+    assert 1 <= len(kept) < n_shards, f"the kill must land mid-run ({len(kept)} of {n_shards} shards done)"
+    r = subprocess.run([sys.executable, "-m", "eyas", "regen", *args, "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming" in r.stderr
+    for name, h in kept.items():
+        assert hashlib.sha256((d / name).read_bytes()).hexdigest() == h
+    return json.loads(r.stdout)
+
+
+def test_server_kill9_resume(tmp_path):
+    srv = FakeOpenAI(delay=0.05)
+    try:
+        src = write_jsonl(tmp_path / "d.jsonl", [[f"q{i}", f"r{i}"] for i in range(40)])
+        ref = run_regen(server_cfg(tmp_path, src, srv.url, shard_size=4, concurrency=2))
+        args = ["--backend", "server", "--endpoint", srv.url, "--model", "m", "--source", str(src), "--split",
+                "all", "--shard-size", "4", "--concurrency", "2", "--backoff", "0.01"]
+        rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 10)
+    finally:
+        srv.close()
+    assert rep["records"] == ref["records"] == 40 and rep["duplicates"] == 0 and rep["complete"]
+    ids = [c.id for c in read_dataset(str(regen_dir(tmp_path / "killed")))[0]]
+    assert sorted(ids) == sorted(c.id for c in read_dataset(str(regen_dir(tmp_path / "run")))[0])
+    assert len(ids) == len(set(ids))
+
+
+# --------------------------------------------------------------------------- embedded backend
+
+
+def tiny_cfg(tmp_path, source, **regen) -> Config:
+    cfg = Config(out=str(tmp_path / "run"))
+    cfg.target.name, cfg.target.dtype, cfg.target.device = "tiny", "float32", "cpu"
+    cfg.data.source = str(source)
+    r = cfg.regen
+    r.split, r.max_new_tokens, r.temperature, r.batch_size, r.shard_size = "all", 12, 0.0, 4, 3
+    for k, v in regen.items():
+        setattr(r, k, v)
+    return cfg
+
+
+def test_embedded_tiny_kill9_resume(tmp_path, tiny):
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(36)], system="S")
+    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=24), target=tiny)
+    assert ref["records"] == 36 and ref["assistant_turns"] == 72 and ref["generator"]["backend"] == "embedded"
+    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split",
+            "all", "--max-new-tokens", "24", "--temperature", "0", "--batch-size", "4", "--shard-size", "3"]
+    rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 12)
+    assert rep["records"] == 36 and rep["duplicates"] == 0 and rep["complete"]
+    a = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "killed")))[0]}
+    b = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
+    assert sorted(a) == sorted(b)
+
+
+def test_embedded_generate_engine_matches_continuous(tmp_path, tiny):
+    src = write_jsonl(tmp_path / "d.jsonl", [["hi"], ["a much longer question about many things"], ["x"]])
+    runs = {}
+    for engine in ("continuous", "generate"):
+        cfg = tiny_cfg(tmp_path, src, engine=engine, max_new_tokens=8)
+        cfg.out = str(tmp_path / engine)
+        rep = run_regen(cfg, target=tiny)
+        assert rep["records"] == 3 and rep["truncated_turns"] == 3  # random weights never stop early
+        runs[engine] = {c.id: c.turns[-1].content for c in read_dataset(str(regen_dir(cfg.out)))[0]}
+    assert runs["continuous"] == runs["generate"]  # greedy: both engines give the target's own answer
+
+
+def test_smollm2_regenerates_sharegpt(tmp_path, smol):
+    import torch
+
+    from eyas.data.tokenize import render, to_messages
+
+    convs, _ = read_dataset("sharegpt", limit=200)
+    multi = [c for c in convs if c.n_assistant() >= 2 and len(c.turns[0].content) < 300
+             and len([t for t in c.turns if t.role == "user"][1].content) < 300][:2]
+    single = [c for c in convs if len(c.turns[0].content) < 200][:1]
+    src = tmp_path / "sg.jsonl"
+    src.write_text("".join(json.dumps(c.to_dict()) + "\n" for c in multi + single))
+    outs = []
+    for run in ("a", "b"):
+        cfg = Config(out=str(tmp_path / run))
+        cfg.data.source = str(src)
+        r = cfg.regen
+        r.split, r.turns, r.max_new_tokens, r.temperature, r.batch_size = "all", 2, 10, 0.0, 4
+        rep = run_regen(cfg, target=smol)
+        assert rep["records"] == 3 and rep["errors_total"] == 0
+        got, rr = read_dataset(str(regen_dir(cfg.out)))
+        assert rr.n_skipped == 0
+        outs.append({c.id: c for c in got})
+    a, b = outs
+    assert {k: [t.content for t in c.turns] for k, c in a.items()} == {k: [t.content for t in c.turns]
+                                                                       for k, c in b.items()}  # greedy reproducible
+    for c in multi:
+        out = a[c.id]
+        assert [t.role for t in out.turns][-1] == "assistant" and out.n_assistant() == 2
+        originals = [t.content for t in c.turns if t.role == "assistant"]
+        assert all(t.content not in originals for t in out.turns if t.role == "assistant")
+        # turn 2 was conditioned on the regenerated turn 1: its prompt is exactly that history
+        second_user = max(i for i, t in enumerate(out.turns) if t.role == "user")
+        hist = Conversation("h", out.turns[:second_user + 1])
+        text = render(smol.tokenizer, to_messages(hist, smol.tokenizer), add_generation_prompt=True)
+        assert out.meta["turns"][1]["prompt_tokens"] == len(smol.tokenizer(text, add_special_tokens=False).input_ids)
+    # and the first answer is SmolLM2's own greedy answer
+    c = a[single[0].id]
+    text = render(smol.tokenizer, to_messages(Conversation("h", c.turns[:-1]), smol.tokenizer),
+                  add_generation_prompt=True)
+    ids = torch.tensor([smol.tokenizer(text, add_special_tokens=False).input_ids])
+    ref = smol.model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=smol.eot_token_ids,
+                              pad_token_id=smol.eot_token_ids[0])[0, ids.shape[1]:]
+    ref = [x for x in ref.tolist() if x not in smol.eot_token_ids]
+    assert c.turns[-1].content == smol.tokenizer.decode(ref, skip_special_tokens=True).strip()
