@@ -10,6 +10,7 @@ A feature sample for one tokenized sequence holds
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import shutil
@@ -393,7 +394,7 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                     written[0] += n * bpt
                     bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB", refresh=False)
                     writer.submit(d / _shard_name(rank, k), tensors,
-                                  {"plan": plan_key, "rank": str(rank), "shard": str(k)}, event,
+                                  _shard_meta(plan_key, rank, k), event,
                                   lambda b=buf: bufs.free.put(b), _entry(rank, k, seqs, lengths))
                     if sleep:
                         time.sleep(sleep)
@@ -434,9 +435,16 @@ def _shard_matches(path: Path, plan_key: str, seqs: list[int]) -> bool:
 
     try:
         with safe_open(str(path), "pt") as f:
-            return (f.metadata() or {}).get("plan") == plan_key and f.get_tensor("seq_index").tolist() == seqs
-    except (SafetensorError, OSError):
+            meta = json.loads((f.metadata() or {}).get("eyas", "{}"))
+            return meta.get("plan") == plan_key and f.get_tensor("seq_index").tolist() == seqs
+    except (SafetensorError, OSError, ValueError):
         return False
+
+
+def _shard_meta(plan_key: str, rank: int, k: int) -> dict[str, str]:
+    # one key: safetensors writes its metadata map in an arbitrary order, which would make
+    # otherwise identical shards differ byte for byte
+    return {"eyas": json.dumps({"plan": plan_key, "rank": rank, "shard": k}, sort_keys=True)}
 
 
 def _merge_index(d: Path, world: int, plan_key: str, n_ranks: int, manifest_path: Path) -> None:

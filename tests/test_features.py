@@ -1,0 +1,251 @@
+"""Hidden-state features: capture equals transformers' own hidden states, fp8 round trip, offline
+shards equal the online provider, kill -9 + resume, corrupt/foreign shards rejected, torchrun ranks."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.config import preset
+from eyas.data import read_dataset
+from eyas.data.prepare import TokenSet, load_tokens, tokens_dir
+from eyas.data.tokenize import tokenize_conversation
+from eyas.features import (OfflineFeatures, OnlineFeatures, bytes_per_token, dequantize_fp8, plan_batches,
+                           plan_shards, quantize_fp8, run_extract)
+from eyas.util import EyasError, atomic_write_json, sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_tokens(run: Path, target, n: int, max_len: int, n_val: int = 2) -> None:
+    """A run directory holding tokenized ShareGPT conversations (what the tokenize stage writes)."""
+    convs, _ = read_dataset("sharegpt", limit=400)
+    items = []
+    for c in convs:
+        if c.turns[0].role != "user":
+            continue
+        t = tokenize_conversation(target.tokenizer, c, max_len, "keep", target.eot_token_ids)
+        if sum(t.loss_mask):
+            items.append(t)
+        if len(items) == n + n_val:
+            break
+    assert len(items) == n + n_val
+    d = tokens_dir(run)
+    TokenSet.from_tokenized(items[:n]).save(d / "train.safetensors")
+    TokenSet.from_tokenized(items[n:]).save(d / "val.safetensors")
+    atomic_write_json(d / "meta.json", {"train_ids": [t.id for t in items[:n]], "val_ids": [t.id for t in items[n:]]})
+
+
+def tiny_cfg(run: Path, **features):
+    cfg = preset("tiny")
+    cfg.out = str(run)
+    cfg.target.device = "cpu"
+    for k, v in features.items():
+        setattr(cfg.features, k, v)
+    return cfg
+
+
+def shard_hashes(run: Path) -> dict[str, str]:
+    d = run / "features"
+    return {str(p.relative_to(d)): sha256_file(p) for p in sorted(d.rglob("*")) if p.is_file() and p.name[0] != "."}
+
+
+def test_capture_equals_output_hidden_states_exactly(smol):
+    """Aux ids [2, N//2, N-3] are HF hidden_states indices 2, N//2, N-3; final = last normed state."""
+    n = smol.num_layers
+    assert smol.aux_layers == [2, n // 2, n - 3]
+    ids = smol.tokenizer("The hawk circled twice over the valley before it dove.", return_tensors="pt").input_ids
+    aux, final = smol.capture(ids)
+    out = smol.model(input_ids=ids, output_hidden_states=True)
+    hs = out.hidden_states
+    H = smol.hidden_size
+    for j, layer in enumerate([2, n // 2, n - 3]):
+        assert torch.equal(aux[..., j * H:(j + 1) * H], hs[layer])
+    assert torch.equal(final, hs[-1])
+    # and the final state is what lm_head reads: it reproduces the model's logits
+    torch.testing.assert_close(smol.model.lm_head(final), out.logits, rtol=0, atol=1e-4)
+
+
+def test_fp8_round_trip_bound():
+    """Per token and layer: |x - deq(q(x))| <= 2^-4·|x| + 2^-10·scale (3 mantissa bits; half the
+    subnormal step), so the relative error of a whole state stays near 2-3%."""
+    torch.manual_seed(0)
+    x = torch.randn(257, 3 * 96) * torch.logspace(-2, 2, 257).unsqueeze(1)
+    x[5, 7] = 300.0  # an outlier dimension, as real residual streams have
+    q, scale = quantize_fp8(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (257, 3)
+    y = dequantize_fp8(q, scale, torch.float32)
+    bound = 2 ** -4 * x.abs() + 2 ** -10 * scale.repeat_interleave(96, dim=1)
+    assert ((x - y).abs() <= bound).all()
+    rel = (x - y).norm(dim=1) / x.norm(dim=1)
+    assert rel.max() < 0.05
+    assert bytes_per_token(576, "fp8") < 0.51 * bytes_per_token(576, "bf16")  # about half
+
+
+def test_plans_cover_every_sequence_once():
+    lengths = [5, 300, 17, 17, 120, 9, 64, 1, 250, 33]
+    for world in (1, 2, 3):
+        plans = plan_shards(lengths, world, 200)
+        flat = [i for r in plans for s in r for i in s]
+        assert sorted(flat) == list(range(len(lengths)))
+        for r in plans:
+            for s in r:
+                assert len(s) == 1 or sum(lengths[i] for i in s) <= 200
+                ls = [lengths[i] for i in s]
+                assert ls == sorted(ls, reverse=True)
+                for a, b in plan_batches(ls, 128):
+                    assert b - a == 1 or (b - a) * ls[a] <= 128
+
+
+def test_offline_equals_online_smol(smol, tmp_path):
+    """Real SmolLM2, fp32 features: each stored extraction batch is exactly what the online provider
+    gives for the same batch; other groupings agree to float rounding (padding changes kernel
+    blocking, not the math)."""
+    run = tmp_path / "run"
+    write_tokens(run, smol, 4, 40, n_val=1)
+    cfg = preset("smollm2")
+    cfg.out = str(run)
+    cfg.features.dtype = "fp32"
+    cfg.features.batch_tokens = 80
+    run_extract(cfg, smol)
+    off = OfflineFeatures(run, "train", target=smol)
+    tokens = load_tokens(run, "train")
+    on = OnlineFeatures(smol, tokens, max_batch_tokens=80)
+    assert len(off) == len(on) == 4
+    lengths = tokens.lengths().tolist()
+    (shard,) = plan_shards(lengths, 1, cfg.features.shard_tokens)[0]
+    batches = [shard[a:b] for a, b in plan_batches([lengths[i] for i in shard], 80)]
+    assert len(batches) == 2
+    for batch in batches:
+        for o, n in zip(off.get(batch), on.get(batch)):
+            assert torch.equal(o.input_ids, n.input_ids) and torch.equal(o.loss_mask, n.loss_mask)
+            assert o.aux.dtype == torch.float32
+            assert torch.equal(o.aux, n.aux) and torch.equal(o.final, n.final)
+    on.max_batch_tokens = 1000
+    for o, n in zip(off.get([3, 0, 1]), on.get([3, 0, 1])):
+        torch.testing.assert_close(o.aux, n.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o.final, n.final, rtol=1e-5, atol=1e-5)
+    assert len(OfflineFeatures(run, "val")) == 1
+
+
+def test_fp8_features_and_disk_refusal(tiny, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    write_tokens(run, tiny, 5, 64)
+    run_extract(tiny_cfg(run, dtype="fp32"), tiny)
+    ref = OfflineFeatures(run)
+    (tmp_path / "r8" / "data").mkdir(parents=True)
+    os.symlink(run / "data" / "tokens", tmp_path / "r8" / "data" / "tokens")
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(EyasError, match=r"needs about .* but only 1.0 KB is free"):
+        run_extract(tiny_cfg(tmp_path / "r8", dtype="fp8"), tiny)
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    run_extract(tiny_cfg(tmp_path / "r8", dtype="fp8"), tiny)
+    f8 = OfflineFeatures(tmp_path / "r8", dtype=torch.float32)
+    for a, b in zip(ref.get(range(5)), f8.get(range(5))):
+        for x, y in ((a.aux, b.aux), (a.final, b.final)):
+            assert ((x - y).norm(dim=1) / x.norm(dim=1)).max() < 0.05
+    assert f8.manifest["bytes_per_token"] == bytes_per_token(64, "fp8")
+    # bf16: every value is the fp32 one rounded once
+    (tmp_path / "rb" / "data").mkdir(parents=True)
+    os.symlink(run / "data" / "tokens", tmp_path / "rb" / "data" / "tokens")
+    run_extract(tiny_cfg(tmp_path / "rb", dtype="bf16"), tiny)
+    fb = OfflineFeatures(tmp_path / "rb")
+    for a, b in zip(ref.get(range(5)), fb.get(range(5))):
+        assert b.aux.dtype == torch.bfloat16
+        assert torch.equal(a.aux.to(torch.bfloat16), b.aux) and torch.equal(a.final.to(torch.bfloat16), b.final)
+
+
+def test_truncated_shard_and_wrong_target_rejected(tiny, smol, tmp_path):
+    run = tmp_path / "run"
+    write_tokens(run, tiny, 6, 64)
+    cfg = tiny_cfg(run, shard_tokens=128)
+    run_extract(cfg, tiny)
+    feats = OfflineFeatures(run, target=tiny)
+    assert len(feats) == 6
+    with pytest.raises(EyasError, match=r"manifest.json: features were extracted from target tiny"):
+        OfflineFeatures(run, target=smol)
+    # extracting into the same folder with another target is refused, naming the manifest
+    with pytest.raises(EyasError, match=r"features/train/manifest.json: these features belong to target tiny"):
+        run_extract(cfg, smol)
+    shard = sorted((run / "features" / "train").glob("shard-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(EyasError, match=rf"{shard.name}: shard is truncated"):
+        OfflineFeatures(run)
+    # same size but flipped bytes: caught by verify=True
+    shard.write_bytes(data[:-8] + bytes(b ^ 0xFF for b in data[-8:]))
+    OfflineFeatures(run)
+    with pytest.raises(EyasError, match=rf"{shard.name}: shard is corrupt"):
+        OfflineFeatures(run, verify=True)
+    # a rerun notices the damaged shard only by size/record; rewrite it and everything verifies again
+    shard.unlink()
+    res = run_extract(cfg, tiny)
+    assert res["splits"][0]["reused_shards"] == res["splits"][0]["shards"] - 1
+    OfflineFeatures(run, verify=True)
+
+
+def _extract_cmd(run: Path) -> list[str]:
+    return [sys.executable, "-m", "eyas", "extract", "--preset", "tiny", "--out", str(run), "--set",
+            "target.device=cpu", "--shard-tokens", "256", "--batch-tokens", "256"]
+
+
+def test_kill9_then_resume_gives_identical_shards(tiny, tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    write_tokens(ref, tiny, 16, 64)
+    (run / "data").mkdir(parents=True)
+    os.symlink(ref / "data" / "tokens", run / "data" / "tokens")
+    plain = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(_extract_cmd(ref), env=plain, capture_output=True, text=True)  # the uninterrupted run
+    assert out.returncode == 0, out.stderr
+    env = dict(plain, EYAS_DEBUG_SHARD_SLEEP="0.5")
+    p = subprocess.Popen(_extract_cmd(run), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    d = run / "features" / "train"
+    deadline = time.time() + 120
+    while len(list(d.glob("shard-*.safetensors"))) < 2 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, p.stderr.read().decode()
+    n_before = len(list(d.glob("shard-*.safetensors")))
+    assert 2 <= n_before < len(list((ref / "features" / "train").glob("shard-*.safetensors")))
+    with pytest.raises(EyasError, match="did not finish"):
+        OfflineFeatures(run)
+    out = subprocess.run(_extract_cmd(run), env=plain, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert '"reused_shards": ' + str(n_before) in out.stdout or f'"reused_shards": {n_before - 1}' in out.stdout
+    assert shard_hashes(run) == shard_hashes(ref)
+    assert not list(d.glob(".*.tmp"))
+
+
+def test_torchrun_two_ranks(tiny, tmp_path):
+    """Two gloo processes with torchrun's environment: each writes its own shards, rank 0 merges
+    the index, and every sequence matches the single-process extraction."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    write_tokens(ref, tiny, 8, 64)
+    (run / "data").mkdir(parents=True)
+    os.symlink(ref / "data" / "tokens", run / "data" / "tokens")
+    run_extract(tiny_cfg(ref, dtype="fp32"), tiny)
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+        procs.append(subprocess.Popen(_extract_cmd(run) + ["--dtype", "fp32"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    d = run / "features" / "train"
+    assert {s.name[:10] for s in d.glob("shard-*")} == {"shard-000-", "shard-001-"}
+    a, b = OfflineFeatures(ref), OfflineFeatures(run)
+    assert len(b) == 8 and b.manifest["world_size"] == 2
+    for x, y in zip(a.get(range(8)), b.get(range(8))):
+        assert torch.equal(x.input_ids, y.input_ids)
+        torch.testing.assert_close(x.aux, y.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.final, y.final, rtol=1e-5, atol=1e-5)
