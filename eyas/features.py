@@ -14,6 +14,7 @@ import json
 import os
 import queue
 import shutil
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ class OnlineFeatures:
 FORMAT = "eyas-features-1"
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-MAX_SHARD_BYTES = 2 << 30  # a shard stays under ~2 GiB whatever shard_tokens says
+MAX_SHARD_BYTES = 512 << 20  # a shard stays under ~512 MiB whatever shard_tokens says (short tail, small buffers)
 
 
 def quantize_fp8(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,10 +183,10 @@ def _barrier():
 
 
 class _ShardBuffers:
-    """Host buffers the GPU copies into (pinned on CUDA) and the writer thread saves from; two of
-    them, so the target computes shard k+1 while shard k is written."""
+    """Host buffers the GPU copies into (pinned on CUDA) and the writer threads save from; one
+    more than there are writer threads, so the target computes the next shard while others are written."""
 
-    def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 2):
+    def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 3):
         self.free: queue.Queue = queue.Queue()
         sd = STORE_DTYPES[dtype]
         for _ in range(count):
@@ -197,28 +198,55 @@ class _ShardBuffers:
             self.free.put(b)
 
 
-class _Writer:
-    """Saves shards on a background thread (atomic rename), then reports each finished shard."""
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
-    def __init__(self, on_done):
-        self.q: queue.Queue = queue.Queue(maxsize=1)
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write a safetensors file straight from the (pinned) host buffers, hashing as it goes:
+    no serialized copy, and file writes and hashing release the GIL, so several writer threads
+    run in parallel. Tensors are laid out in the order given; returns (bytes, sha256)."""
+    header: dict = {}
+    off = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = metadata
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    h = hashlib.sha256()
+    size = 0
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            for chunk in [struct.pack("<Q", len(hb)), hb,
+                          *(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values())]:
+                f.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+    return size, h.hexdigest()
+
+
+class _Writer:
+    """Saves shards on background threads (atomic rename), then reports each finished shard."""
+
+    def __init__(self, on_done, threads: int = 2):
+        self.q: queue.Queue = queue.Queue(maxsize=threads)
         self.on_done = on_done
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
 
     def _loop(self):
-        from safetensors.torch import save_file
-
         while (item := self.q.get()) is not None:
             path, tensors, meta, event, release, entry = item
             try:
                 if self.error is None:
                     if event is not None:
                         event.synchronize()
-                    with atomic_path(path) as tmp:
-                        save_file(tensors, str(tmp), metadata=meta)
-                    entry.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+                    size, digest = write_safetensors(path, tensors, meta)
+                    entry.update(bytes=size, sha256=digest)
                     self.on_done(entry)
             except BaseException as e:  # reported on the main thread
                 self.error = e
@@ -234,8 +262,10 @@ class _Writer:
             raise self.error
 
     def close(self):
-        self.q.put(None)
-        self.thread.join()
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
         self.check()
 
 
@@ -385,8 +415,10 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                     seqs = my[k]
                     buf = bufs.free.get()
                     n = _extract_shard(target, tokens, seqs, cfg.features.batch_tokens, dtype, buf, bar.update)
-                    tensors = {key: v[:n] for key, v in buf.items()}
-                    tensors.update(_token_tensors(tokens, seqs))
+                    tok = _token_tensors(tokens, seqs)
+                    tensors = {"offsets": tok["offsets"], "seq_index": tok["seq_index"],
+                               **{key: v[:n] for key, v in buf.items()},
+                               "input_ids": tok["input_ids"], "loss_mask": tok["loss_mask"]}
                     event = None
                     if pin:
                         event = torch.cuda.Event()
