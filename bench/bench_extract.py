@@ -1,0 +1,165 @@
+"""Benchmark `eyas extract` against the target's plain forward on the same batches, in one run.
+
+    PYTHONPATH=. python3 bench/bench_extract.py --target smollm2 --sequences 2000 --out results.json
+    PYTHONPATH=. python3 bench/bench_extract.py --target qwen-coder-0.5b --sequences 2000 --out qwen.json
+
+Measures, over the same length-sorted token-budget batches:
+  forward_tok_s    model(input_ids).logits (what a user's plain prefill costs)
+  capture_tok_s    the aux+final capture alone (no copy to the host, no disk)
+  extract_tok_s    the whole extraction (bf16 and fp8): capture, quantize, copy to host, write shards
+and bytes/token on disk for bf16 and fp8, and the draft-vocabulary coverage at --vocab-size over
+the loss-masked tokens of the same sequences. Token counts are real (unpadded) tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.config import PRESETS, TargetConfig, preset
+from eyas.data import read_dataset
+from eyas.data.prepare import TokenSet, tokens_dir
+from eyas.data.tokenize import tokenize_conversation
+from eyas.features import _pad_batch, extract_split, plan_batches, plan_shards
+from eyas.target import load_target
+from eyas.util import atomic_write_json
+from eyas.vocab import choose_vocab, count_tokens, required_token_ids
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def tokenize(target, n: int, max_len: int) -> TokenSet:
+    convs, _ = read_dataset("sharegpt")
+    items = []
+    for c in convs:
+        if not c.turns or c.turns[0].role != "user":
+            continue
+        t = tokenize_conversation(target.tokenizer, c, max_len, "keep", target.eot_token_ids)
+        if sum(t.loss_mask):
+            items.append(t)
+        if len(items) == n:
+            break
+    return TokenSet.from_tokenized(items)
+
+
+def batches_of(tokens: TokenSet, batch_tokens: int) -> list[list[int]]:
+    lengths = tokens.lengths().tolist()
+    (order,) = [[i for s in plan_shards(lengths, 1, 1 << 62)[0] for i in s]]
+    return [order[a:b] for a, b in plan_batches([lengths[i] for i in order], batch_tokens)]
+
+
+def timed(fn, batches, tokens: TokenSet, dev) -> float:
+    """Real tokens per second of fn(batch) over all batches (after one warm-up batch)."""
+    pin = dev.type == "cuda"
+    fn(_pad_batch(tokens, batches[0], pin)[0].to(dev))
+    sync(dev)
+    t0 = time.perf_counter()
+    n = 0
+    with torch.inference_mode():
+        for b in batches:
+            x, lens = _pad_batch(tokens, b, pin)
+            fn(x.to(dev, non_blocking=True))
+            n += sum(lens)
+    sync(dev)
+    return n / (time.perf_counter() - t0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--sequences", type=int, default=2000)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--batch-tokens", type=int, default=32768)
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--workdir", default="", help="where shards are written (default: a temp folder, removed)")
+    ap.add_argument("--out", default="results.json")
+    args = ap.parse_args()
+
+    target = load_target(TargetConfig(name=args.target))
+    dev = target.device
+    t0 = time.perf_counter()
+    tokens = tokenize(target, args.sequences, args.max_seq_len)
+    t_tok = time.perf_counter() - t0
+    batches = batches_of(tokens, args.batch_tokens)
+    model = target.model
+
+    def forward(x):
+        return model(input_ids=x, use_cache=False).logits
+
+    def capture(x):
+        return target.capture(x)
+
+    res = {"target": args.target, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "dtype": str(target.dtype).replace("torch.", ""), "torch": torch.__version__,
+           "sequences": len(tokens), "tokens": tokens.n_tokens, "batch_tokens": args.batch_tokens,
+           "batches": len(batches), "tokenize_s": round(t_tok, 1),
+           "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    # alternate plain forward and capture twice; keep the best of each (same batches, same run)
+    fw, cap = [], []
+    for _ in range(2):
+        fw.append(timed(forward, batches, tokens, dev))
+        cap.append(timed(capture, batches, tokens, dev))
+    res["forward_tok_s"], res["capture_tok_s"] = max(fw), max(cap)
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="eyas-bench-"))
+    try:
+        for dtype in ("bf16", "fp8"):
+            run = work / dtype
+            shutil.rmtree(run, ignore_errors=True)
+            d = tokens_dir(run)
+            tokens.save(d / "train.safetensors")
+            atomic_write_json(d / "meta.json", {"train_ids": tokens.ids, "val_ids": []})
+            cfg = preset(args.target if args.target in PRESETS else "smollm2")
+            cfg.out = str(run)
+            cfg.features.dtype = dtype
+            cfg.features.batch_tokens = args.batch_tokens
+            sync(dev)
+            t0 = time.perf_counter()
+            info = extract_split(cfg, target, "train")
+            sync(dev)
+            dt = time.perf_counter() - t0
+            man = json.loads((Path(info["dir"]) / "manifest.json").read_text())
+            res[f"extract_{dtype}_tok_s"] = tokens.n_tokens / dt
+            res[f"extract_{dtype}_s"] = round(dt, 2)
+            res[f"bytes_per_token_{dtype}"] = round(man["bytes_per_token_measured"], 1)
+            res[f"shards_{dtype}"] = man["shards"]
+            shutil.rmtree(run, ignore_errors=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    for dtype in ("bf16", "fp8"):
+        res[f"extract_{dtype}_vs_forward"] = res[f"extract_{dtype}_tok_s"] / res["forward_tok_s"]
+    res["capture_vs_forward"] = res["capture_tok_s"] / res["forward_tok_s"]
+
+    counts = count_tokens(tokens, target.vocab_size)
+    size = min(args.vocab_size, target.vocab_size)
+    keep = choose_vocab(counts, size, required_token_ids(target, counts))
+    res["vocab"] = {"size": size, "target_vocab": target.vocab_size, "loss_tokens": int(counts.sum()),
+                    "coverage": float(counts[keep].sum()) / float(counts.sum()),
+                    "data": "ShareGPT assistant turns (not regenerated)"}
+
+    rows = [("plain forward (logits)", res["forward_tok_s"], 1.0),
+            ("capture only (aux+final)", res["capture_tok_s"], res["capture_vs_forward"]),
+            ("extract bf16 -> shards", res["extract_bf16_tok_s"], res["extract_bf16_vs_forward"]),
+            ("extract fp8 -> shards", res["extract_fp8_tok_s"], res["extract_fp8_vs_forward"])]
+    print(f"\n{args.target} on {res['device']}: {res['sequences']} sequences, {res['tokens']:,} tokens, "
+          f"{res['batches']} batches of <= {args.batch_tokens} tokens")
+    print(f"{'':28}{'tok/s':>14}{'vs forward':>12}")
+    for name, v, r in rows:
+        print(f"{name:28}{v:14,.0f}{100 * r:11.1f}%")
+    print(f"bytes/token: bf16 {res['bytes_per_token_bf16']}, fp8 {res['bytes_per_token_fp8']}")
+    print(f"draft vocab {size:,} of {target.vocab_size:,}: coverage {100 * res['vocab']['coverage']:.2f}% "
+          f"of {res['vocab']['loss_tokens']:,} trained-on tokens")
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
