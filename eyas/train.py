@@ -1,0 +1,609 @@
+"""The train stage: EAGLE-3 drafter training with training-time test, on one process or many.
+
+One code path for 1 and N processes (torchrun: gloo on CPU, NCCL on GPU): the drafter is wrapped
+in DDP only when there is more than one process. Each optimizer step takes a *group* of
+`world × grad_accum` packed micro-batches; rank r trains on micro-batches r·A .. r·A+A-1 of it.
+The loss of every TTT step is normalised by the number of loss-masked positions of the whole
+group (computed from the token data, known to every rank), so the update is the same for any
+split of a group over processes and micro-batches.
+
+Run directory: `ckpt/step-NNNNNNN/` (model.safetensors, optim.safetensors, state.json) and
+`ckpt/latest.json` written atomically; `ckpt/best.json` + `draft/` (the drafter with the best
+validation simulated acceptance length, written with save_drafter); `train/metrics.jsonl`,
+`train/curves.png`, `train/tb/` (TensorBoard, when it is installed). A killed run started again
+with the same command continues from the last checkpoint and, on the CPU, repeats the same losses.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
+from .ttt import PackedBatch, StepStats, acceptance_length, count_positions, pack_samples, target_labels, ttt_unroll
+from .util import EyasError, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, stable_hash
+
+# settings whose change makes a checkpoint belong to a different run
+TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
+                   "warmup_ratio", "finetune_from", "batch_tokens", "grad_accum", "grad_clip", "seed",
+                   "max_steps", "draft_intermediate_size"]
+
+
+# ------------------------------------------------------------------------------ distributed
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+
+def dist_setup(device: str = "auto") -> Dist:
+    """Read torchrun's environment; start the process group when there is more than one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = (device == "auto" and torch.cuda.is_available()) or device.startswith("cuda")
+    if use_cuda:
+        torch.cuda.set_device(local if world > 1 else torch.device(device if device != "auto" else "cuda").index or 0)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Dist(rank, world, local, dev)
+
+
+# ------------------------------------------------------------------------------------ data
+
+def pack_indices(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
+    """Sequences (already capped at `budget` tokens) into bins of at most `budget` tokens: shuffle,
+    then best fit in decreasing length, then shuffle the bins. Deterministic in `seed`."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    order.sort(key=lambda i: -lengths[i])
+    free: list[tuple[int, int]] = []  # (space left, bin) sorted
+    bins: list[list[int]] = []
+    for i in order:
+        L = lengths[i]
+        k = bisect.bisect_left(free, (L, -1))
+        if k < len(free):
+            space, b = free.pop(k)
+        else:
+            space, b = budget, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if space - L > 0:
+            bisect.insort(free, (space - L, b))
+    rng.shuffle(bins)
+    return [sorted(b) for b in bins]
+
+
+class Data:
+    """Token lengths, epoch packing and feature access for one split."""
+
+    def __init__(self, tokens, features, max_len: int, budget: int):
+        self.tokens = tokens
+        self.features = features
+        self.max_len = max_len
+        self.budget = budget
+        self.lengths = [min(int(x), max_len) for x in tokens.lengths()]
+        self._epoch: tuple[int, list] | None = None
+
+    def bins(self, seed: int) -> list[list[int]]:
+        if self._epoch is None or self._epoch[0] != seed:
+            self._epoch = (seed, pack_indices(self.lengths, self.budget, seed))
+        return self._epoch[1]
+
+    def counts(self, bins: list[list[int]], steps: int) -> list[int]:
+        total = [0] * steps
+        for b in bins:
+            for i in b:
+                _, m = self.tokens[i]
+                L = self.lengths[i]
+                for j, c in enumerate(count_positions(m[:L], [L], steps)):
+                    total[j] += c
+        return total
+
+    def batch(self, idx: list[int], device, multiple: int) -> PackedBatch:
+        samples = self.features.get(idx)
+        return pack_samples(samples, self.max_len, self.budget, multiple).to(device)
+
+
+def make_features(cfg: Config, target, tokens, split: str):
+    if cfg.train.online:
+        from .features import OnlineFeatures
+
+        return OnlineFeatures(target, tokens, max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens))
+    try:
+        from .features import OfflineFeatures
+    except ImportError:
+        raise EyasError("offline features are not available in this version of eyas; use --online") from None
+    return OfflineFeatures(cfg.out, split)
+
+
+# ------------------------------------------------------------------------------- schedule
+
+def lr_factor(step: int, total: int, scheduler: str, warmup_ratio: float) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (0-based) of `total`."""
+    warm = int(round(warmup_ratio * total))
+    if warm and step < warm:
+        return (step + 1) / warm
+    if scheduler == "constant":
+        return 1.0
+    frac = (step - warm) / max(1, total - warm)
+    if scheduler == "linear":
+        return max(0.0, 1.0 - frac)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
+# --------------------------------------------------------------------------------- drafter
+
+def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Drafter:
+    """A fresh drafter, or the one --finetune-from names (eyas draft folder, run directory,
+    checkpoint folder, or an SGLang/EAGLE/vLLM-speculators folder via eyas.export)."""
+    src = cfg.train.finetune_from
+    if not src:
+        return build_drafter(target, draft_ids.numel(), draft_ids, cfg.train.draft_intermediate_size)
+    p = Path(src).expanduser()
+    if not p.exists():
+        raise EyasError(f"train.finetune_from: {p} does not exist")
+    if (p / "draft" / "config.json").exists():
+        p = p / "draft"
+    if (p / "state.json").exists() and (p / "model.safetensors").exists():  # an eyas checkpoint folder
+        return _drafter_from_checkpoint(p, target)
+    if (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("eyas_format") == 1:
+        d = load_drafter(p, target)
+    else:
+        try:
+            from .export import import_drafter
+        except ImportError:
+            raise EyasError(f"train.finetune_from: {p} is not an eyas drafter, and importing other formats "
+                            f"needs eyas.export, which this version lacks") from None
+        d = import_drafter(p, target)
+        check_fits(d.config, target, str(p))
+    if d.config.draft_vocab_size != draft_ids.numel() or not torch.equal(d.draft_ids.cpu(), draft_ids.cpu()):
+        log(f"finetune: keeping the draft vocabulary of {p} ({d.config.draft_vocab_size} tokens), "
+            f"not the run's ({draft_ids.numel()})")
+    return d
+
+
+def _drafter_from_checkpoint(p: Path, target) -> Eagle3Drafter:
+    from safetensors.torch import load_file
+
+    from .draft import DraftConfig
+
+    state = read_json(p / "state.json")
+    c = DraftConfig.from_dict(state["draft_config"])
+    check_fits(c, target, str(p))
+    d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float())
+    d.load_state_dict(load_file(str(p / "model.safetensors")), strict=False)
+    return d
+
+
+class TTTModule(torch.nn.Module):
+    """The drafter plus the TTT unroll in one forward, so that DDP sees one forward per backward."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch, labels, steps, noise_std, generator):
+        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+def ckpt_dir(run: Path) -> Path:
+    return run / "ckpt"
+
+
+def save_checkpoint(run: Path, drafter: Eagle3Drafter, opt: torch.optim.Optimizer, state: dict, keep: int = 1) -> Path:
+    """ckpt/step-N/{model,optim}.safetensors + state.json, renamed into place, then latest.json."""
+    from safetensors.torch import save_file
+
+    root = ckpt_dir(run)
+    name = f"step-{state['step']:07d}"
+    tmp = root / f".{name}.{os.getpid()}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({k: v.cpu() for k, v in drafter.trainable_state_dict().items()}, str(tmp / "model.safetensors"))
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    osd = opt.state_dict()
+    tensors, groups = {}, []
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for k, v in osd["state"].get(i, {}).items():
+            tensors[f"{names[id(p)]}::{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+    for g in osd["param_groups"]:
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(params[i])] for i in g["params"]]})
+    rng = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["rng.cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors | rng, str(tmp / "optim.safetensors"))
+    atomic_write_json(tmp / "state.json", {**state, "param_groups": groups, "draft_config": drafter.config.to_dict(),
+                                           "python_random": repr(random.getstate())})
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_json(root / "latest.json", {"step": state["step"], "dir": name})
+    olds = sorted(d for d in root.glob("step-*") if d.name != name)
+    for d in olds[: max(0, len(olds) - (keep - 1))]:
+        shutil.rmtree(d, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(run: Path, drafter: Eagle3Drafter, opt: torch.optim.Optimizer) -> dict | None:
+    from safetensors.torch import load_file
+
+    latest = ckpt_dir(run) / "latest.json"
+    if not latest.exists():
+        return None
+    info = read_json(latest)
+    d = ckpt_dir(run) / info["dir"]
+    state = read_json(d / "state.json")
+    try:
+        sd = load_file(str(d / "model.safetensors"))
+        ot = load_file(str(d / "optim.safetensors"))
+    except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing problem
+        raise EyasError(f"{d}: unreadable checkpoint ({e}); delete {ckpt_dir(run)} to start over") from None
+    missing, unexpected = drafter.load_state_dict(sd, strict=False)
+    if [m for m in missing if m != "embed_tokens.weight"] or unexpected:
+        raise EyasError(f"{d}/model.safetensors does not match the drafter (missing {missing}, unexpected {unexpected})")
+    by_name = dict(drafter.named_parameters())
+    params = [p for g in opt.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    st: dict = {}
+    for key, v in ot.items():
+        if key.startswith("rng."):
+            continue
+        n, k = key.split("::")
+        p = by_name[n]
+        st.setdefault(index[id(p)], {})[k] = v.to(p.device) if k != "step" or v.dim() else v
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [index[id(by_name[n])] for n in g["params"]]}
+              for g in state["param_groups"]]
+    opt.load_state_dict({"state": st, "param_groups": groups})
+    torch.set_rng_state(ot["rng.torch"])
+    if "rng.cuda" in ot and torch.cuda.is_available():
+        torch.cuda.set_rng_state(ot["rng.cuda"])
+    return state
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+class Metrics:
+    """metrics.jsonl (rank 0), TensorBoard scalars when available, curves.png at the end."""
+
+    def __init__(self, run: Path, main: bool, resume_step: int):
+        self.path = run / "train" / "metrics.jsonl"
+        self.main = main
+        self.rows: list[dict] = []
+        self.tb = None
+        if not main:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():  # keep what the checkpoint covers; drop rows a killed run wrote after it
+            for line in self.path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if r.get("step", 0) <= resume_step:
+                    self.rows.append(r)
+        atomic_write_text_lines(self.path, self.rows)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run / "train" / "tb"), purge_step=resume_step + 1)
+        except Exception:  # noqa: BLE001 - TensorBoard is optional
+            self.tb = None
+
+    def add(self, row: dict) -> None:
+        if not self.main:
+            return
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k == "step":
+                    continue
+                if isinstance(v, list):
+                    for i, x in enumerate(v):
+                        self.tb.add_scalar(f"{k}/{i}", x, row["step"])
+                elif isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def close(self, png: Path) -> None:
+        if not self.main:
+            return
+        if self.tb is not None:
+            self.tb.close()
+        plot_curves(self.rows, png)
+
+
+def atomic_write_text_lines(path: Path, rows: list[dict]) -> None:
+    from .util import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def plot_curves(rows: list[dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [r for r in rows if "loss" in r]
+    ev = [r for r in rows if "val_al" in r]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    if tr:
+        ax[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], lw=0.8)
+        for j in range(len(tr[0]["acc"])):
+            ax[1].plot([r["step"] for r in tr], [r["acc"][j] for r in tr], lw=0.8, label=f"train step {j}")
+    for j in range(len(ev[0]["val_acc"]) if ev else 0):
+        ax[1].plot([r["step"] for r in ev], [r["val_acc"][j] for r in ev], "o-", label=f"val step {j}")
+    if ev:
+        ax[2].plot([r["step"] for r in ev], [r["val_al"] for r in ev], "o-")
+    ax[0].set_title("training loss (TTT, weighted)")
+    ax[1].set_title("accuracy per TTT step")
+    ax[2].set_title("val simulated acceptance length")
+    for a in ax:
+        a.set_xlabel("optimizer step")
+        a.grid(alpha=0.3)
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ steps
+
+def autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def step_generator(seed: int, step: int, micro: int, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(stable_hash(f"noise:{seed}:{step}:{micro}") % (1 << 62))
+    return g
+
+
+@torch.no_grad()
+def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int) -> dict:
+    """Per-position accuracy, simulated acceptance length and loss on a split, all ranks together."""
+    module.eval()
+    bins = data.bins(0)[d.rank::d.world]
+    loss = torch.zeros(steps, dtype=torch.float64, device=d.device)
+    cnt = torch.zeros_like(loss)
+    cor = torch.zeros_like(loss)
+    for b in bins:
+        batch = data.batch(b, d.device, multiple)
+        with autocast(d.device):
+            labels = target_labels(batch.final, lm_head, drafter.draft_ids)
+            st = ttt_unroll(drafter, batch, labels, steps)
+        loss += torch.stack(st.loss_sum).double()
+        cnt += torch.stack(st.count).double()
+        cor += torch.stack(st.correct).double()
+    t = d.all_sum(torch.stack([loss, cnt, cor]))
+    module.train()
+    acc = (t[2] / t[1].clamp(min=1)).tolist()
+    return {"val_loss": float((t[0] / t[1].clamp(min=1)).sum()), "val_acc": acc, "val_al": acceptance_length(acc),
+            "val_positions": int(t[1][0])}
+
+
+def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
+    return {"train": {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}, "target": target.identity(),
+            "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
+            "world": world}
+
+
+def run_train(cfg: Config, target=None) -> dict:
+    """Train the drafter of run directory `cfg.out` (tokenizing and choosing the vocabulary first if
+    those stages have not run) and write the best drafter to `<run>/draft/`."""
+    from .data.prepare import load_tokens, run_tokenize, tokens_dir
+    from .target import load_target
+    from .vocab import load_vocab, run_vocab, vocab_dir
+
+    tc = cfg.train
+    if tc.ttt_steps < 1:
+        raise EyasError(f"train.ttt_steps must be at least 1, got {tc.ttt_steps}")
+    if tc.batch_tokens < 16 or tc.grad_accum < 1 or tc.epochs < 1:
+        raise EyasError("train.batch_tokens must be >= 16, train.grad_accum and train.epochs >= 1")
+    d = dist_setup(cfg.target.device)
+    run = Path(cfg.out)
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    if target is None:
+        tcfg = replace(cfg.target, device=str(d.device))
+        target = load_target(tcfg)
+    if d.main:
+        if not (tokens_dir(run) / "meta.json").exists():
+            run_tokenize(cfg, target)
+        if not (vocab_dir(run) / "vocab.safetensors").exists():
+            run_vocab(cfg, target)
+    d.barrier()
+    draft_ids = load_vocab(run, target)
+    max_len = min(tc.max_seq_len, tc.batch_tokens)
+    multiple = 128 if d.device.type == "cuda" else 1
+    train = Data(load_tokens(run, "train"), make_features(cfg, target, load_tokens(run, "train"), "train"),
+                 max_len, tc.batch_tokens)
+    val_tokens = load_tokens(run, "val")
+    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val"), max_len, tc.batch_tokens) if len(val_tokens) else None
+    if len(train.tokens) == 0:
+        raise EyasError(f"{tokens_dir(run)}: the training split is empty")
+
+    torch.manual_seed(tc.seed)
+    drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
+    drafter.float()
+    drafter.embed_tokens.weight.requires_grad_(False)
+    draft_ids = drafter.draft_ids
+    lm_head = target.model.get_output_embeddings()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
+                            **({"fused": True} if d.device.type == "cuda" else {}))
+    module = TTTModule(drafter)
+    model = module
+    if d.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
+
+    group = d.world * tc.grad_accum
+    n_bins = min(len(train.bins(tc.seed + e)) for e in range(tc.epochs))
+    spe = n_bins // group
+    if spe == 0:
+        raise EyasError(f"the training split packs into {n_bins} micro-batches of {tc.batch_tokens} tokens, fewer than "
+                        f"the {group} one optimizer step needs ({d.world} processes x grad_accum {tc.grad_accum}); "
+                        f"lower --batch-tokens or --grad-accum")
+    total = tc.epochs * spe
+    if tc.max_steps:
+        total = min(total, tc.max_steps)
+    fp = fingerprint(cfg, target, draft_ids, d.world)
+
+    state = load_checkpoint(run, drafter, opt)
+    step, best = 0, {"val_al": -1.0, "step": -1}
+    if state is not None:
+        if state.get("fingerprint") != fp:
+            old = state.get("fingerprint", {})
+            diff = sorted(k for k in fp["train"] if old.get("train", {}).get(k) != fp["train"][k])
+            what = ", ".join(f"train.{k}" for k in diff) or "the target, draft vocabulary or process count"
+            raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({what} changed); "
+                            f"use another --out or delete {ckpt_dir(run)} to start over")
+        step, best = state["step"], state["best"]
+        log(f"train: resuming from step {step} of {total}")
+    metrics = Metrics(run, d.main, step)
+    evals_due = (lambda s: s % tc.eval_every == 0) if tc.eval_every else (lambda s: s % spe == 0)
+    saves_due = (lambda s: s % tc.save_every == 0) if tc.save_every else (lambda s: s % spe == 0)
+    decay = [tc.ttt_decay ** j for j in range(tc.ttt_steps)]
+    n_params = sum(p.numel() for p in params)
+    log(f"train: {len(train.tokens)} sequences in {n_bins} micro-batches of <= {tc.batch_tokens} tokens, "
+        f"{spe} steps/epoch x {tc.epochs} epochs -> {total} steps on {d.world} x {d.device.type}; "
+        f"drafter {n_params / 1e6:.1f}M trainable parameters, draft vocab {draft_ids.numel()}")
+
+    def do_eval(s: int) -> None:
+        nonlocal best
+        if val is None:
+            return
+        r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple)
+        metrics.add({"step": s, **r})
+        log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}")
+        if r["val_al"] > best["val_al"]:
+            best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "step": s}
+            if d.main:
+                save_drafter(drafter, run / "draft", extra={"trained": {"step": s, **r}})
+                atomic_write_json(ckpt_dir(run) / "best.json", best)
+
+    def do_save(s: int) -> None:
+        if d.main:
+            save_checkpoint(run, drafter, opt, {"step": s, "epoch": s // spe, "best": best, "fingerprint": fp,
+                                                "total": total})
+        d.barrier()
+
+    if d.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(d.device)
+    bar = progress(total=total, initial=step, desc="train", unit="step", **({} if d.main else {"disable": True}))
+    t0, tok_done, tok_window, t_window = time.perf_counter(), 0, 0, time.perf_counter()
+    warm_steps = min(5, max(0, (total - step) // 4))  # steady-state rate leaves out compilation and warm-up
+    steady = [0.0, 0]
+    module.train()
+    while step < total:
+        t_step = time.perf_counter()
+        epoch, i = divmod(step, spe)
+        bins = train.bins(tc.seed + epoch)[i * group:(i + 1) * group]
+        counts = train.counts(bins, tc.ttt_steps)
+        denom = [max(1, c) for c in counts]
+        mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
+        lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
+        for a, m in enumerate(mine):
+            batch = train.batch(bins[m], d.device, multiple)
+            if d.device.type != "cuda":
+                batch.aux, batch.final = batch.aux.float(), batch.final.float()
+            gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
+            sync = contextlib.nullcontext() if (d.world == 1 or a == len(mine) - 1) else model.no_sync()
+            with sync:
+                with autocast(d.device):
+                    labels = target_labels(batch.final, lm_head, draft_ids)
+                    st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen)
+                loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
+                (loss * d.world).backward()
+            acc_t[0] += loss.detach().double()
+            acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
+            acc_t[-1] += batch.n_real
+        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        acc_t = d.all_sum(acc_t)
+        acc = [float(c) / dn for c, dn in zip(acc_t[1:1 + tc.ttt_steps].tolist(), denom)]
+        ntok = int(acc_t[-1])
+        tok_done += ntok
+        if warm_steps > 0:
+            warm_steps -= 1
+        else:  # time spent training (not validating or saving) after warm-up
+            steady[0] += time.perf_counter() - t_step
+            steady[1] += ntok
+        tok_window += ntok
+        now = time.perf_counter()
+        tps = tok_window / max(now - t_window, 1e-9)
+        if now - t_window > 10:
+            tok_window, t_window = 0, now
+        row = {"step": step, "epoch": epoch, "loss": float(acc_t[0]), "acc": acc, "lr": lr,
+               "grad_norm": float(gnorm), "tokens": ntok, "tok_s": tps}
+        metrics.add(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in acc), tok_s=f"{tps:,.0f}")
+        if evals_due(step) or step == total:
+            do_eval(step)
+        if saves_due(step) or step == total:
+            do_save(step)
+    bar.close()
+    t_end = time.perf_counter()
+    wall = t_end - t0
+    peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else 0
+    if best["step"] < 0 and d.main:  # no validation split: keep the last drafter
+        save_drafter(drafter, run / "draft", extra={"trained": {"step": step}})
+    metrics.close(run / "train" / "curves.png")
+    summary = {"steps": step, "total_steps": total, "processes": d.world, "device": str(d.device),
+               "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,
+               "tok_s_steady": steady[1] / steady[0] if steady[1] else None,
+               "peak_memory": human_bytes(peak) if peak else None, "best": best,
+               "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
+    if d.main:
+        atomic_write_json(run / "train" / "summary.json", summary)
+    d.barrier()
+    return summary

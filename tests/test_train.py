@@ -1,0 +1,220 @@
+"""`eyas train`: overfitting real SmolLM2 features, exact resume after kill -9, two gloo processes
+equal one, --finetune-from, packing and schedules."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.config import resolve
+from eyas.data.conversation import Conversation, Turn
+from eyas.data.prepare import TokenSet
+from eyas.data.tokenize import tokenize_conversation
+from eyas.draft import DraftConfig, Eagle3Drafter, build_drafter, save_drafter
+from eyas.features import OnlineFeatures
+from eyas.train import initial_drafter, lr_factor, pack_indices, run_train
+from eyas.ttt import pack_samples, target_labels, ttt_unroll
+from eyas.util import EyasError
+from eyas.vocab import choose_vocab, count_tokens, load_vocab, required_token_ids, run_vocab
+
+ROOT = Path(__file__).resolve().parents[1]
+
+QA = [
+    ("What is the capital of France?", "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre "
+     "museum and its cafes along the river Seine."),
+    ("Write a Python function that adds two numbers.", "Here is a simple function:\n\n```python\ndef add(a, b):\n"
+     "    return a + b\n```\n\nCall it as `add(2, 3)` to get 5."),
+    ("Give me three tips for better sleep.", "1. Go to bed at the same time every night.\n2. Keep your bedroom dark "
+     "and cool.\n3. Avoid screens for an hour before sleeping."),
+    ("Explain photosynthesis in one paragraph.", "Photosynthesis is the process by which plants use sunlight, water "
+     "and carbon dioxide to make glucose and oxygen. It happens in the chloroplasts of leaf cells."),
+]
+
+
+def test_pack_indices_is_a_partition_within_budget():
+    lengths = [5, 17, 3, 30, 30, 1, 12, 8, 29, 2] * 7
+    bins = pack_indices(lengths, 32, seed=3)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 32 for b in bins)
+    assert len(bins) <= -(-sum(lengths) // 32) + 3  # nearly tight
+    assert bins == pack_indices(lengths, 32, seed=3) and bins != pack_indices(lengths, 32, seed=4)
+
+
+def test_lr_schedules():
+    assert [round(lr_factor(s, 10, "constant", 0.2), 3) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    lin = [lr_factor(s, 10, "linear", 0.0) for s in range(10)]
+    cos = [lr_factor(s, 10, "cosine", 0.0) for s in range(10)]
+    assert lin[0] == 1.0 and lin == sorted(lin, reverse=True) and lin[-1] == pytest.approx(0.1)
+    assert cos[0] == 1.0 and cos == sorted(cos, reverse=True) and cos[5] == pytest.approx(0.5)
+
+
+def test_overfits_real_smollm2_features(smol):
+    """A drafter trained on a handful of real SmolLM2 feature batches: the TTT loss falls and the
+    accuracy of every step rises."""
+    torch.manual_seed(0)
+    toks = [tokenize_conversation(smol.tokenizer, Conversation(f"qa{i}", [Turn("user", q), Turn("assistant", a)]),
+                                  512, "keep", smol.eot_token_ids) for i, (q, a) in enumerate(QA)]
+    ts = TokenSet.from_tokenized(toks)
+    counts = count_tokens(ts, smol.vocab_size)
+    draft_ids = choose_vocab(counts, 1024, required_token_ids(smol, counts))
+    feats = OnlineFeatures(smol, ts).get(list(range(len(ts))))
+    lm_head = smol.model.get_output_embeddings()
+    batches = [pack_samples(feats[:2]), pack_samples(feats[2:])]
+    labels = [target_labels(b.final, lm_head, draft_ids) for b in batches]
+    drafter = build_drafter(smol, draft_ids.numel(), draft_ids)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95))
+    hist = []
+    for it in range(24):
+        b = it % 2
+        st = ttt_unroll(drafter, batches[b], labels[b], 3)
+        loss = sum(st.loss_sum[j] / st.count[j] for j in range(3))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        hist.append((float(loss), [float(st.correct[j] / st.count[j]) for j in range(3)]))
+    first = (hist[0][0] + hist[1][0]) / 2
+    last = (hist[-1][0] + hist[-2][0]) / 2
+    assert last < 0.5 * first, [h[0] for h in hist]
+    for j in range(3):
+        acc0 = (hist[0][1][j] + hist[1][1][j]) / 2
+        acc1 = (hist[-1][1][j] + hist[-2][1][j]) / 2
+        assert acc1 > acc0 + 0.2, (j, acc0, acc1)
+
+
+# ------------------------------------------------------------------ run-directory tests (CLI)
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny):
+    """A tiny-preset run directory with tokens and a vocabulary, made once."""
+    from eyas.data.prepare import run_tokenize
+
+    run = tmp_path_factory.mktemp("train") / "base"
+    data = run.parent / "chats.jsonl"
+    with open(data, "w") as f:
+        for i in range(48):
+            q, a = QA[i % len(QA)]
+            f.write(json.dumps({"id": f"c{i}", "messages": [
+                {"role": "user", "content": f"{q} (variant {i})"},
+                {"role": "assistant", "content": " ".join([a] * (1 + i % 3))}]}) + "\n")
+    cfg = resolve(preset_name="tiny", overrides={"out": str(run), "data.source": str(data), "data.limit": 0,
+                                                 "data.test_ratio": 0.0, "train.val_ratio": 0.1})
+    run_tokenize(cfg, tiny)
+    run_vocab(cfg, tiny)
+    return run
+
+
+def clone_run(base: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for sub in ("data", "vocab"):
+        shutil.copytree(base / sub, dst / sub)
+    return dst
+
+
+def cli(run: Path, *args, torchrun: int = 0) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}", "-m"] \
+        if torchrun else [sys.executable, "-m"]
+    return launcher + ["eyas", "train", "--preset", "tiny", "--out", str(run), "--batch-tokens", "512",
+                       "--max-seq-len", "256", *args]
+
+
+def env():
+    e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    e.pop("EYAS_PROGRESS", None)
+    return e
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
+    args = ["--epochs", "3", "--max-steps", "24", "--save-every", "4", "--eval-every", "8", "--noise-std", "0.05"]
+    full = clone_run(tiny_run, tmp_path / "full")
+    subprocess.run(cli(full, *args), env=env(), check=True, capture_output=True, timeout=300)
+    ref = losses(full)
+    assert [s for s, _ in ref] == list(range(1, 25))
+
+    cut = clone_run(tiny_run, tmp_path / "cut")
+    p = subprocess.Popen(cli(cut, *args), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = cut / "ckpt" / "latest.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if latest.exists() and json.loads(latest.read_text())["step"] >= 8:
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "the run finished before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert 8 <= killed_at < 24
+    r = subprocess.run(cli(cut, *args), env=env(), check=True, capture_output=True, text=True, timeout=300)
+    assert f"resuming from step {killed_at}" in r.stderr
+    assert losses(cut) == ref  # exactly: same data order, noise, weights and optimizer state
+    assert (cut / "draft" / "model.safetensors").exists() and (cut / "train" / "curves.png").exists()
+    best = json.loads((cut / "ckpt" / "best.json").read_text())
+    assert best == json.loads((full / "ckpt" / "best.json").read_text())
+    assert len(best["val_acc"]) == 3
+
+
+def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path):
+    """2 processes x 1 micro-batch and 1 process x 2 micro-batches see the same global batches, so
+    after 3 AdamW steps the weights agree to float32 rounding (atol 1e-6, while they move ~1e-3)."""
+    from safetensors.torch import load_file
+
+    args = ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-3", "--warmup-ratio", "0"]
+    one = clone_run(tiny_run, tmp_path / "one")
+    two = clone_run(tiny_run, tmp_path / "two")
+    subprocess.run(cli(one, *args, "--grad-accum", "2"), env=env(), check=True, capture_output=True, timeout=300)
+    r = subprocess.run(cli(two, *args, "--grad-accum", "1", torchrun=2), env=env(), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((two / "train" / "summary.json").read_text())["processes"] == 2
+    a = load_file(str(one / "ckpt" / "step-0000003" / "model.safetensors"))
+    b = load_file(str(two / "ckpt" / "step-0000003" / "model.safetensors"))
+    assert losses(one) == pytest.approx(losses(two), rel=1e-5)
+    torch.manual_seed(0)
+    init = build_drafter(tiny, load_vocab(tiny_run).numel(), load_vocab(tiny_run)).trainable_state_dict()
+    moved = max(float((a[k] - init[k]).abs().max()) for k in ("fc.weight", "lm_head.weight"))
+    assert moved > 1e-3
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_finetune_from_saved_drafter_and_refuse_misfit(tiny_run, tiny, tmp_path):
+    ids = load_vocab(tiny_run)
+    torch.manual_seed(5)
+    src = build_drafter(tiny, ids.numel(), ids)
+    save_drafter(src, tmp_path / "mine")
+    cfg = resolve(preset_name="tiny", overrides={"out": str(tiny_run), "train.finetune_from": str(tmp_path / "mine")})
+    got = initial_drafter(cfg, tiny, ids)
+    for k, v in src.trainable_state_dict().items():
+        assert torch.equal(got.state_dict()[k], v), k
+
+    # fine-tuning runs end to end from it
+    run = clone_run(tiny_run, tmp_path / "ft")
+    cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.finetune_from": str(tmp_path / "mine"),
+                                                 "train.max_steps": 2, "train.batch_tokens": 512,
+                                                 "train.max_seq_len": 256})
+    res = run_train(cfg, tiny)
+    assert res["steps"] == 2 and (run / "draft" / "config.json").exists()
+
+    # a drafter made for a target of another width is refused, saying why
+    c = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    target_hidden_size=32, target_vocab_size=tiny.vocab_size, draft_vocab_size=ids.numel(),
+                    aux_layers=[1, 2, 3, 4])
+    save_drafter(Eagle3Drafter(c), tmp_path / "wrong")
+    cfg = resolve(preset_name="tiny", overrides={"out": str(tiny_run), "train.finetune_from": str(tmp_path / "wrong")})
+    with pytest.raises(EyasError, match="hidden size 32 != target's 64.*4 aux layers"):
+        initial_drafter(cfg, tiny, ids)
+    # the CLI says so in one line, exit status 2
+    r = subprocess.run(cli(clone_run(tiny_run, tmp_path / "bad"), "--finetune-from", str(tmp_path / "wrong")),
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "does not fit target" in r.stderr and "Traceback" not in r.stderr
