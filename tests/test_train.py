@@ -25,6 +25,7 @@ from eyas.vocab import choose_vocab, count_tokens, load_vocab, required_token_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
+ITERS = 16
 QA = [
     ("What is the capital of France?", "The capital of France is Paris. It is known for the Eiffel Tower, the Louvre "
      "museum and its cafes along the river Seine."),
@@ -70,7 +71,7 @@ def test_overfits_real_smollm2_features(smol):
     drafter = build_drafter(smol, draft_ids.numel(), draft_ids)
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3, betas=(0.9, 0.95))
     hist = []
-    for it in range(24):
+    for it in range(ITERS):
         b = it % 2
         st = ttt_unroll(drafter, batches[b], labels[b], 3)
         loss = sum(st.loss_sum[j] / st.count[j] for j in range(3))
@@ -85,7 +86,7 @@ def test_overfits_real_smollm2_features(smol):
     for j in range(3):
         acc0 = (hist[0][1][j] + hist[1][1][j]) / 2
         acc1 = (hist[-1][1][j] + hist[-2][1][j]) / 2
-        assert acc1 > acc0 + 0.2, (j, acc0, acc1)
+        assert acc1 > acc0 + 0.2, (j, acc0, acc1, hist)
 
 
 # ------------------------------------------------------------------ run-directory tests (CLI)
