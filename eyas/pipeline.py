@@ -9,6 +9,7 @@ and so, through the keys, does every stage after it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import platform
 import shutil
 import time
@@ -156,7 +157,7 @@ def run_pipeline(cfg: C.Config) -> dict:
         manifest["stages"][name] = {"key": keys[name], "status": "running", "started": time.time()}
         atomic_write_json(mpath, manifest)
         t0 = time.perf_counter()
-        result = fn(cfg, target=target) if "target" in fn.__code__.co_varnames else fn(cfg)
+        result = fn(cfg, target=target) if "target" in inspect.signature(fn).parameters else fn(cfg)
         dt = time.perf_counter() - t0
         line = one_line(name, result or {})
         manifest["stages"][name] = {"key": keys[name], "status": "done", "seconds": round(dt, 2),
