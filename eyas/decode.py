@@ -1,0 +1,423 @@
+"""Speculative decoding engine: an EAGLE-3 drafter proposes K tokens, the target verifies them in one pass.
+
+One round, with L tokens committed (the target has processed positions 0..L-2, the last token
+x[L-1] is not yet in its cache; the drafter's cache holds positions 0..L-2 and its last output,
+at position L-2, predicts token L):
+
+    draft   d1 from the drafter's last output; d2..dK from K-1 one-token drafter steps that feed
+            back the drafter's own prenorm hidden state (positions L-1 .. L+K-3)
+    verify  target forward over [x[L-1], d1..dK] at positions L-1..L-1+K (one pass, K+1 logits,
+            aux states via pre-hooks); accept the longest prefix (greedy: d_i == argmax; sampling:
+            the standard rejection rule), then one target token (correction or bonus)
+    commit  one host sync (`.tolist()`), roll the target cache's length pointer back to the
+            committed length, and rebuild the drafter's cache for the new positions from the
+            target's aux states (fixed shape K+1; entries past the committed length are stale,
+            are masked by position, and are overwritten before anything attends to them)
+
+Greedy verification is exactly lossless (the output equals plain greedy decoding); rejection
+sampling is lossless in distribution. `Decoder.generate(..., speculative=False)` is plain decoding
+on the same caches and code path, the baseline for speedups. Batch size 1.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .target import decoder_layers
+from .util import EyasError, log
+
+
+# ---------------------------------------------------------------------------------------------
+# token choice and verification rules (pure functions over a leading batch dimension)
+
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax at `temperature`, then nucleus filtering (the smallest set of most likely tokens whose
+    mass reaches top_p is kept and renormalised). Works over the last dimension."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) >= top_p  # mass before this token already reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits [B, K+1, V], drafts [B, K] -> (accepted [B], next token [B]).
+    Accept while each draft equals the target's argmax; then emit the target's argmax there."""
+    g = target_logits.argmax(-1)  # [B, K+1]
+    ok = (drafts == g[:, :-1]).long()
+    a = ok.cumprod(-1).sum(-1)
+    return a, g.gather(1, a[:, None])[:, 0]
+
+
+def verify_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative-sampling rule. p [B, K+1, V]: target probabilities at the K+1 verified
+    positions; q [B, K, V]: the drafter's probabilities each draft was sampled from (over the target
+    vocabulary); drafts [B, K]. Draft i is accepted with probability min(1, p_i(d)/q_i(d)); at the
+    first rejection the token is drawn from normalise(max(p_i - q_i, 0)); if all K are accepted a
+    bonus token is drawn from p_K. Returns (accepted [B], next token [B]); no host sync."""
+    B, K = drafts.shape
+    pd = p[:, :K].gather(-1, drafts[..., None])[..., 0]
+    qd = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(B, K, device=p.device, generator=generator)
+    ok = (u * qd < pd).long()  # u < p/q, with q > 0 for a token sampled from q
+    a = ok.cumprod(-1).sum(-1)  # [B]
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # position K: residual = p itself
+    rows = torch.arange(B, device=p.device)
+    pa, qa = p[rows, a], q_pad[rows, a]
+    r = (pa - qa).clamp_min(0)
+    r = torch.where(r.sum(-1, keepdim=True) > 0, r, pa)  # p == q exactly: residual is empty
+    return a, sample(r, generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# caches
+
+class TargetRunner:
+    """The target with a preallocated transformers StaticCache and pre-hooks that grab the aux
+    states (the residual streams entering the aux layers) of every forward pass."""
+
+    def __init__(self, target, max_len: int):
+        from transformers import StaticCache
+
+        self.target = target
+        self.model = target.model
+        self.max_len = max_len
+        self.cache = StaticCache(config=self.model.config, max_cache_len=max_len)
+        self._grab: dict[int, torch.Tensor] = {}
+        self._handles = []
+        layers = decoder_layers(self.model)
+        n = len(layers)
+        grab = self._grab
+
+        def pre_hook(idx):
+            def fn(module, args, kwargs):
+                grab[idx] = args[0] if args else kwargs["hidden_states"]
+            return fn
+
+        for a in sorted(set(target.aux_layers)):
+            mod = layers[a] if a < n else self.model.get_decoder().norm
+            self._handles.append(mod.register_forward_pre_hook(pre_hook(a), with_kwargs=True))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __del__(self):
+        self.close()
+
+    def set_length(self, n) -> None:
+        """Move the cache's write pointer to `n` tokens (an int or a 0-d tensor; a rollback when n is
+        smaller). Entries past it are stale and masked by position until they are overwritten."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(n)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False):
+        """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H])."""
+        self.set_length(pos[0])
+        out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1 if last_only else 0)
+        aux = torch.cat([self._grab[a] for a in self.target.aux_layers], dim=-1)
+        return out.logits, aux
+
+
+class DraftCache:
+    """A preallocated KV cache for the drafter's one attention layer. Keys/values are written at
+    absolute positions; a query at position p attends to slots 0..p, so a rollback needs no work:
+    stale slots past the committed length are rewritten before any query can see them."""
+
+    def __init__(self, drafter, max_len: int, device, dtype):
+        c = drafter.config
+        shape = (1, c.num_key_value_heads, max_len, c.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.slots = torch.arange(max_len, device=device)
+        self.max_len = max_len
+        self.pos: torch.Tensor | None = None  # [T] positions of the current call
+        self.upto = max_len  # host-known bound on the slots the current call may attend to
+        self.gqa = c.num_attention_heads != c.num_key_value_heads
+
+    def attend(self, q, k, v):
+        pos = self.pos
+        self.k.index_copy_(2, pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, pos, v.to(self.v.dtype))
+        n = self.upto
+        mask = self.slots[None, :n] <= pos[:, None]  # [T, n]
+        return F.scaled_dot_product_attention(q, self.k[:, :, :n].to(q.dtype), self.v[:, :, :n].to(q.dtype),
+                                              attn_mask=mask, enable_gqa=self.gqa)
+
+
+# ---------------------------------------------------------------------------------------------
+# the engine
+
+@dataclass
+class Generation:
+    tokens: list[int]                                   # new tokens (stop token included if hit)
+    accepted: list[int] = field(default_factory=list)   # accepted drafts per verify round
+    target_forwards: int = 0                            # verify (or plain decode) passes, prefill excluded
+    prompt_tokens: int = 0
+    seconds: float = 0.0                                # wall time including prefill, device-synced
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    stopped: bool = False                               # ended on a stop token
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per target forward (verify rounds only)."""
+        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+
+class _Clock:
+    """Phase timer that never syncs the device mid-generation: CUDA events on GPU (read at the
+    end), perf_counter on CPU (where work is synchronous anyway)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object, object]] = []
+        self._t: dict[str, float] = {}
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self):
+        return self._now()
+
+    def stop(self, name: str, t0) -> None:
+        self.marks.append((name, t0, self._now()))
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, a, b in self.marks:
+            dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+            out[name] = out.get(name, 0.0) + dt
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Decoder:
+    """Speculative (and plain) decoding of one sequence at a time with a target and an EAGLE-3 drafter.
+
+    target: eyas Target (any transformers causal LM); drafter: Eagle3Drafter or None (plain only).
+    The drafter is moved to the target's device and dtype. temperature 0 = greedy verification.
+    max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
+
+    def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
+                 max_len: int = 2048, compile: bool = False, seed: int = 0):
+        if k < 1:
+            raise EyasError(f"eval.k must be at least 1, got {k}")
+        if temperature < 0:
+            raise EyasError(f"eval.temperature must be >= 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise EyasError(f"eval.top_p must be in (0, 1], got {top_p}")
+        self.target = target
+        self.device = target.device
+        self.dtype = target.dtype
+        self.k = k
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_len = max_len
+        self.runner = TargetRunner(target, max_len)
+        self.drafter = None
+        if drafter is not None:
+            from .draft import check_fits
+
+            check_fits(drafter.config, target, "given to the decoder")
+            self.drafter = drafter.to(device=self.device, dtype=self.dtype).eval()
+            self.dcache = DraftCache(self.drafter, max_len, self.device, self.dtype)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._draft_step = self._draft_step_eager
+        self._verify_fwd = self._verify_fwd_eager
+        self._compiled = False
+        if compile and self.device.type == "cuda":
+            self._try_compile()
+
+    # -- GPU speed-ups (guarded: any failure falls back to eager) ------------------------------
+    def _try_compile(self) -> None:
+        try:
+            opts = dict(mode="reduce-overhead", fullgraph=False, dynamic=False)
+            self._draft_step = torch.compile(self._draft_step_eager, **opts)
+            self._verify_fwd = torch.compile(self._verify_fwd_eager, **opts)
+            self._compiled = True
+        except Exception as e:  # pragma: no cover - depends on the GPU stack
+            log(f"torch.compile unavailable ({e}); decoding eagerly")
+            self._draft_step, self._verify_fwd = self._draft_step_eager, self._verify_fwd_eager
+            self._compiled = False
+
+    def _call(self, name: str, *args):
+        fn = getattr(self, name)
+        if not self._compiled:
+            return fn(*args)
+        try:
+            if self.device.type == "cuda" and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+                torch.compiler.cudagraph_mark_step_begin()
+            return tuple(t.clone() for t in fn(*args))
+        except Exception as e:  # pragma: no cover - depends on the GPU stack
+            log(f"compiled step failed ({type(e).__name__}: {e}); decoding eagerly from now on")
+            self._draft_step, self._verify_fwd = self._draft_step_eager, self._verify_fwd_eager
+            self._compiled = False
+            return getattr(self, name)(*args)
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target token from logits [..., V]."""
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        return sample(probs_from_logits(logits, self.temperature, self.top_p), self.generator)
+
+    def _pos(self, start: int, T: int) -> torch.Tensor:
+        return torch.arange(start, start + T, device=self.device)
+
+    def _drafter_fwd(self, ids, hidden, pos: torch.Tensor, upto: int):
+        """Drafter over ids [1, T] at positions pos [T], attending to cache slots < upto."""
+        self.dcache.pos = pos
+        self.dcache.upto = upto
+        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend)
+
+    def _upto(self, end: int) -> int:
+        """Slots a drafter call ending before `end` attends to: all of them when compiled (one
+        shape), else `end` rounded up to 256 (less work, few distinct shapes)."""
+        return self.max_len if self._compiled else min(self.max_len, ((end + 255) // 256) * 256)
+
+    def _draft_step_eager(self, ids, hidden, pos, upto: int):
+        return self._drafter_fwd(ids, hidden, pos, upto)
+
+    def _verify_fwd_eager(self, ids, pos):
+        return self.runner.forward(ids, pos)
+
+    def _propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft-vocab logits [1, Vd] -> (target token id [1], q over the target vocab [1, V] or None)."""
+        d2t = self.drafter.d2t
+        if self.temperature == 0:
+            i = logits.argmax(-1)
+            return i + d2t[i], None
+        qd = probs_from_logits(logits, self.temperature, self.top_p)
+        i = sample(qd, self.generator)
+        q = torch.zeros(qd.shape[0], self.target.vocab_size, device=self.device, dtype=qd.dtype)
+        q.index_copy_(1, self.drafter.draft_ids, qd)
+        return i + d2t[i], q
+
+    def draft(self, h_last: torch.Tensor, logits_last: torch.Tensor, L: int):
+        """K drafts from the drafter's last output (at position L-2) -> (drafts [1, K], q [1, K, V] or None)."""
+        toks, qs = [], []
+        t, q = self._propose(logits_last)
+        toks.append(t)
+        qs.append(q)
+        h = h_last
+        for j in range(1, self.k):
+            h, lg = self._call("_draft_step", t[:, None], h, self._pos(L - 2 + j, 1), self._upto(L - 1 + j))
+            h, lg = h[:, -1:], lg[:, -1]
+            t, q = self._propose(lg)
+            toks.append(t)
+            qs.append(q)
+        drafts = torch.stack(toks, 1)
+        return drafts, (torch.stack(qs, 1) if qs[0] is not None else None)
+
+    def verify(self, last_tok: torch.Tensor, drafts: torch.Tensor, q, L: int):
+        """-> (accepted [1], next [1], aux [1, K+1, 3H])."""
+        ids = torch.cat([last_tok.view(1, 1), drafts], dim=1)
+        logits, aux = self._call("_verify_fwd", ids, self._pos(L - 1, ids.shape[1]))
+        if self.temperature == 0:
+            a, nxt = verify_greedy(logits, drafts)
+        else:
+            p = probs_from_logits(logits, self.temperature, self.top_p)
+            a, nxt = verify_sample(p, q, drafts, self.generator)
+        return a, nxt, aux
+
+    # -- generation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
+        """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any
+        token in `stop_ids`. speculative=False: plain decoding, one target forward per token."""
+        if speculative and self.drafter is None:
+            raise EyasError("speculative decoding needs a drafter")
+        ids = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
+                              dtype=torch.long, device=self.device).view(1, -1)
+        n = ids.shape[1]
+        if n == 0:
+            raise EyasError("empty prompt")
+        need = n + max_new_tokens + self.k + 1
+        if need > self.max_len:
+            raise EyasError(f"prompt of {n} tokens + {max_new_tokens} new tokens does not fit the decoder's "
+                            f"cache of {self.max_len} tokens")
+        stop = set(int(s) for s in stop_ids)
+        clock = _Clock(self.device)
+        _sync(self.device)
+        t_start = time.perf_counter()
+        gen = Generation(tokens=[], prompt_tokens=n)
+
+        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True)
+        first = self._pick(logits[:, -1])  # [1]
+        if speculative:
+            h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
+                                      self._upto(n))
+            h_last, logits_last = h[:, -1:], dl[:, -1]
+        out = [int(first.item())]
+        L = n + 1
+        while len(out) < max_new_tokens and out[-1] not in stop:
+            last = torch.tensor([out[-1]], device=self.device)
+            if not speculative:
+                t0 = clock.start()
+                logits, _ = self._call("_verify_fwd", last.view(1, 1), self._pos(L - 1, 1))
+                nxt = self._pick(logits[:, -1])
+                clock.stop("verify", t0)
+                new = [int(nxt.item())]
+                gen.target_forwards += 1
+            else:
+                t0 = clock.start()
+                drafts, q = self.draft(h_last, logits_last, L)
+                clock.stop("draft", t0)
+                t0 = clock.start()
+                a, nxt, aux = self.verify(last, drafts, q, L)
+                clock.stop("verify", t0)
+                # the one host sync of the round: accepted count and the emitted tokens
+                packed = torch.cat([a, drafts[0], nxt]).tolist()
+                na = packed[0]
+                new = packed[1:1 + na] + [packed[-1]]
+                gen.accepted.append(na)
+                gen.target_forwards += 1
+                # rebuild the drafter's cache from the target's aux states at positions L-1..L-1+K
+                t0 = clock.start()
+                feed = torch.cat([drafts, nxt.view(1, 1)], 1)
+                feed[0, na] = nxt[0]
+                h, dl = self._call("_draft_step", feed, aux, self._pos(L - 1, self.k + 1),
+                                    self._upto(L + self.k))
+                h_last, logits_last = h[:, na:na + 1], dl[:, na]
+                clock.stop("draft", t0)
+            for t in new:
+                out.append(t)
+                if t in stop or len(out) >= max_new_tokens:
+                    break
+            L += len(new)
+        _sync(self.device)
+        gen.seconds = time.perf_counter() - t_start
+        tot = clock.totals()
+        gen.draft_seconds, gen.verify_seconds = tot.get("draft", 0.0), tot.get("verify", 0.0)
+        gen.tokens = out
+        gen.stopped = out[-1] in stop
+        return gen
+
+    def close(self) -> None:
+        self.runner.close()

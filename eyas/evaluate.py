@@ -1,0 +1,347 @@
+"""`eyas eval`: what a decoder accepts. Acceptance length, per-position acceptance, speedup over plain
+decoding on the same engine, and a token-for-token lossless check against plain greedy decoding.
+
+Writes <run>/eval/report.json (DESIGN.md keys and more), report.md and PNG plots.
+`measure_acceptance` gives eyas' own acceptance on a list of prompts (the parity tool compares it
+with a serving engine's counters).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+from pathlib import Path
+
+import torch
+
+from .util import EyasError, atomic_path, atomic_write_json, atomic_write_text, log, progress
+
+MAX_CONTEXT = 4096  # longest prompt + answer an eval turn may reach; longer turns are skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+def load_eval_drafter(path: str | Path, target):
+    """An eyas drafter folder, or an SGLang/EAGLE or vLLM-speculators folder (via eyas.export)."""
+    from .draft import load_drafter
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise EyasError(f"drafter folder {path} not found or has no config.json (train one with `eyas train`, "
+                        f"or pass --draft)")
+    import json
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise EyasError(f"{path}/config.json: line {e.lineno}: invalid JSON ({e.msg})") from None
+    if raw.get("eyas_format") == 1:
+        return load_drafter(path, target)
+    try:
+        from .export import import_drafter
+    except ImportError:
+        raise EyasError(f"{path} is not an eyas drafter folder, and this version of eyas cannot import "
+                        f"SGLang/vLLM drafters yet") from None
+    return import_drafter(path, target)
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    if torch.is_tensor(ids):
+        ids = ids.view(-1).tolist()
+    return list(ids)
+
+
+def load_prompt_set(cfg) -> tuple[str, list]:
+    """(set name, conversations) for cfg.eval.prompts: held-out ShareGPT test split, humaneval, or a file."""
+    from .data import read_dataset, select_split
+
+    src = cfg.eval.prompts
+    limit = cfg.eval.limit
+    if src == "sharegpt":
+        source = cfg.data.source if cfg.data.source not in ("humaneval",) else "sharegpt"
+        convs, _ = read_dataset(source, strict=False)
+        convs = select_split(convs, "test", cfg.data.val_ratio, cfg.data.test_ratio)
+        if not convs:
+            raise EyasError(f"the held-out test split of {source} is empty (data.test_ratio = {cfg.data.test_ratio})")
+        name = "sharegpt-test" if source == "sharegpt" else f"{source}:test"
+    elif src == "humaneval":
+        convs, _ = read_dataset("humaneval")
+        name = "humaneval"
+    else:
+        p = Path(src).expanduser()
+        if not p.exists():
+            raise EyasError(f"eval.prompts: file not found: {p}")
+        convs, rep = read_dataset(str(p))
+        if not convs:
+            raise EyasError(f"eval.prompts: {p} holds no usable prompts ({rep.summary()})")
+        name = p.name
+    return name, (convs[:limit] if limit else convs)
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+class Tally:
+    """Acceptance statistics over verify rounds."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.hist = [0] * (k + 1)
+        self.tokens = 0
+        self.spec_s = self.plain_s = self.draft_s = self.verify_s = 0.0
+        self.spec_tokens = self.plain_tokens = 0
+        self.checked = self.matched = 0
+        self.mismatches: list[str] = []
+
+    def add_rounds(self, accepted: list[int]) -> None:
+        for a in accepted:
+            self.hist[a] += 1
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.hist)
+
+    def acceptance_length(self) -> float:
+        return sum((a + 1) * c for a, c in enumerate(self.hist)) / max(1, self.rounds)
+
+    def per_position(self) -> list[float]:
+        """P(draft i accepted | drafts 1..i-1 accepted), i = 1..K."""
+        out = []
+        for i in range(1, self.k + 1):
+            reached = sum(self.hist[i - 1:])
+            out.append(sum(self.hist[i:]) / reached if reached else 0.0)
+        return out
+
+
+def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0):
+    from .decode import Decoder
+
+    return Decoder(target, drafter, k=k, temperature=temperature, top_p=top_p, max_len=max_len,
+                   compile=compile_, seed=seed)
+
+
+def measure_acceptance(target, drafter, prompts: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
+                       max_new_tokens: int = 256, seed: int = 0) -> dict:
+    """eyas' own acceptance on `prompts` (each a user message string, a list of chat messages, or a
+    list of token ids), one answer per prompt. Returns acceptance_length (tokens per target
+    forward), per_position_acceptance, accepted_length_histogram, rounds, new_tokens, and the
+    generated token ids per prompt."""
+    lens = []
+    ids_list = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids = prompt_ids(target.tokenizer, [{"role": "user", "content": p}])
+        elif p and isinstance(p[0], dict):
+            ids = prompt_ids(target.tokenizer, p)
+        else:
+            ids = [int(t) for t in p]
+        ids_list.append(ids)
+        lens.append(len(ids))
+    dec = _new_decoder(target, drafter, k, temperature, top_p, max(lens, default=1) + max_new_tokens + k + 2, False,
+                       seed)
+    tally = Tally(k)
+    outputs = []
+    try:
+        for ids in progress(ids_list, desc="acceptance", unit="prompt"):
+            g = dec.generate(ids, max_new_tokens, target.eot_token_ids, speculative=True)
+            tally.add_rounds(g.accepted)
+            tally.tokens += len(g.tokens)
+            outputs.append(g.tokens)
+    finally:
+        dec.close()
+    return {"k": k, "temperature": temperature, "prompts": len(ids_list),
+            "acceptance_length": tally.acceptance_length(), "per_position_acceptance": tally.per_position(),
+            "accepted_length_histogram": tally.hist, "rounds": tally.rounds, "new_tokens": tally.tokens,
+            "outputs": outputs}
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # max RSS, Linux kB
+
+
+def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
+             max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True) -> dict:
+    """Answer every user turn of every conversation in sequence (the history holds eyas' own
+    answers), with speculative decoding and, when `baseline`, plain decoding on the same engine."""
+    from .data.tokenize import to_messages
+
+    tok = target.tokenizer
+    max_len = min(MAX_CONTEXT, getattr(target.config, "max_position_embeddings", MAX_CONTEXT) or MAX_CONTEXT)
+    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed)
+    stop = target.eot_token_ids
+    t = Tally(k)
+    n_prompts = skipped = 0
+    if target.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(target.device)
+    try:
+        # warm-up (compilation, allocator, kernels) on a short prompt, not timed
+        warm = prompt_ids(tok, [{"role": "user", "content": "Hello! Say something short."}])
+        dec.generate(warm, min(16, max_new_tokens), stop, speculative=True)
+        if baseline:
+            dec.generate(warm, min(16, max_new_tokens), stop, speculative=False)
+        bar = progress(total=len(convs), desc="eval", unit="conv")
+        for conv in convs:
+            history: list[dict] = []
+            for turn in conv.turns:
+                if turn.role == "system":
+                    history.append({"role": "system", "content": turn.content})
+                    continue
+                if turn.role != "user":
+                    continue  # the data set's answers are replaced by the target's own
+                msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
+                ids = prompt_ids(tok, msgs)
+                if len(ids) + max_new_tokens + k + 2 > max_len:
+                    skipped += 1
+                    break  # later turns would be longer still
+                g = dec.generate(ids, max_new_tokens, stop, speculative=True)
+                t.add_rounds(g.accepted)
+                t.spec_s += g.seconds
+                t.spec_tokens += len(g.tokens)
+                t.draft_s += g.draft_seconds
+                t.verify_s += g.verify_seconds
+                if baseline:
+                    b = dec.generate(ids, max_new_tokens, stop, speculative=False)
+                    t.plain_s += b.seconds
+                    t.plain_tokens += len(b.tokens)
+                    if temperature == 0:
+                        t.checked += 1
+                        if b.tokens == g.tokens:
+                            t.matched += 1
+                        elif len(t.mismatches) < 10:
+                            first = next((i for i, (x, y) in enumerate(zip(b.tokens, g.tokens)) if x != y),
+                                         min(len(b.tokens), len(g.tokens)))
+                            t.mismatches.append(f"{conv.id}: first difference at new token {first}")
+                n_prompts += 1
+                answer = tok.decode([x for x in g.tokens if x not in stop], skip_special_tokens=True)
+                history = msgs + [{"role": "assistant", "content": answer}]
+            bar.update(1)
+        bar.close()
+    finally:
+        dec.close()
+    tps = t.spec_tokens / t.spec_s if t.spec_s else 0.0
+    base = t.plain_tokens / t.plain_s if t.plain_s else None
+    return {
+        "k": k, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+        "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
+        "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position(),
+        "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
+        "tokens_per_s": tps, "baseline_tokens_per_s": base,
+        "speedup": (tps / base) if base else None,
+        "lossless": (t.matched == t.checked) if (temperature == 0 and t.checked) else None,
+        "lossless_checked": t.checked, "lossless_mismatches": t.mismatches,
+        "time_split": {"draft_s": t.draft_s, "verify_s": t.verify_s, "speculative_total_s": t.spec_s,
+                       "other_s": max(0.0, t.spec_s - t.draft_s - t.verify_s), "plain_total_s": t.plain_s},
+        "peak_memory_bytes": _peak_memory(target.device), "device": _device_name(target.device),
+        "compile": bool(compile_ and target.device.type == "cuda"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# reports
+
+def write_plots(report: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    k = report["k"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.bar(range(1, k + 1), report["per_position_acceptance"], color="#3b6ea8")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (given earlier accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"per-position acceptance, K={k}, T={report['temperature']}")
+    fig.tight_layout()
+    with atomic_path(out_dir / "per_position_acceptance.png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    made.append("per_position_acceptance.png")
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    hist = report["accepted_length_histogram"]
+    total = max(1, sum(hist))
+    ax.bar(range(len(hist)), [h / total for h in hist], color="#a8583b")
+    ax.set_xlabel("drafts accepted per verify step")
+    ax.set_ylabel("share of verify steps")
+    ax.set_title(f"accepted lengths, tau = {report['acceptance_length']:.2f}")
+    fig.tight_layout()
+    with atomic_path(out_dir / "accepted_length_histogram.png") as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    made.append("accepted_length_histogram.png")
+    return made
+
+
+def report_markdown(r: dict) -> str:
+    def f(x, fmt="{:.2f}"):
+        return "n/a" if x is None else fmt.format(x)
+
+    ts = r["time_split"]
+    lines = [
+        f"# eyas eval: {r['target']}", "",
+        f"Drafter `{r.get('draft', '')}`, K = {r['k']}, temperature = {r['temperature']}, top-p = {r['top_p']}, "
+        f"{r['prompts']['count']} prompts from `{r['prompts']['set']}`, up to {r['max_new_tokens']} new tokens, "
+        f"device {r['device']}.", "",
+        "| metric | value |", "| --- | --- |",
+        f"| acceptance length τ (tokens per target forward) | {f(r['acceptance_length'])} |",
+        f"| speculative tokens/s | {f(r['tokens_per_s'], '{:.1f}')} |",
+        f"| plain decoding tokens/s (same engine) | {f(r['baseline_tokens_per_s'], '{:.1f}')} |",
+        f"| speedup | {f(r['speedup'])}× |",
+        f"| lossless (greedy output = plain greedy) | {r['lossless']} ({r['lossless_checked']} checked) |",
+        f"| draft / verify / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['other_s']:.2f} |",
+        f"| peak memory | {r['peak_memory_bytes'] / 1e6:.0f} MB |", "",
+        "Per-position acceptance (draft i accepted given drafts 1..i-1 were): " +
+        ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(r["per_position_acceptance"])), "",
+        "Accepted drafts per verify step: " +
+        ", ".join(f"{i}: {c}" for i, c in enumerate(r["accepted_length_histogram"])), "",
+        "![per-position acceptance](per_position_acceptance.png)",
+        "![accepted lengths](accepted_length_histogram.png)", "",
+    ]
+    if r.get("lossless_mismatches"):
+        lines += ["Mismatches:", *[f"- {m}" for m in r["lossless_mismatches"]], ""]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report["plots"] = write_plots(report, out_dir)
+    atomic_write_json(out_dir / "report.json", report)
+    atomic_write_text(out_dir / "report.md", report_markdown(report))
+    return out_dir / "report.json"
+
+
+def run_eval(cfg) -> dict:
+    """The `eyas eval` stage."""
+    from .target import load_target
+
+    e = cfg.eval
+    if e.max_new_tokens < 1:
+        raise EyasError(f"eval.max_new_tokens must be at least 1, got {e.max_new_tokens}")
+    draft_path = Path(e.draft or os.path.join(cfg.out, "draft")).expanduser()
+    target = load_target(cfg.target)
+    drafter = load_eval_drafter(draft_path, target)
+    set_name, convs = load_prompt_set(cfg)
+    log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
+    res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
+                   max_new_tokens=e.max_new_tokens, compile_=e.compile)
+    report = {"target": target.name, "target_identity": target.identity(), "draft": str(draft_path),
+              "k": e.k, "temperature": e.temperature,
+              "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},
+              **{k: v for k, v in res.items() if k not in ("k", "temperature")}}
+    path = write_report(report, Path(cfg.out) / "eval")
+    keys = ("acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless")
+    return {"report": str(path), **{k: report[k] for k in keys}}

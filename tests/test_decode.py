@@ -1,0 +1,274 @@
+"""The speculative decoding engine: lossless greedy decoding on the real SmolLM2 target, the
+rejection-sampling rule against exact distributions, and cache rollback under forced rejections."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.decode import Decoder, probs_from_logits, verify_greedy, verify_sample
+from eyas.draft import build_drafter, causal_attend
+from eyas.evaluate import prompt_ids
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Explain what a CPU does in one sentence.",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "Write a Python function that adds two numbers.",
+    "What is 12 times 7?",
+    "Name a famous painter.",
+    "Translate 'good morning' into Spanish.",
+]
+NEW = 24
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampling rule, statistically (no model needed: a Markov-chain "model" with exact probabilities)
+
+def _wrong_resample_from_p(p, q, drafts, generator=None):
+    """A plausible bug: on rejection, draw from p instead of the residual max(p - q, 0)."""
+    B, K = drafts.shape
+    pd = p[:, :K].gather(-1, drafts[..., None])[..., 0]
+    qd = q.gather(-1, drafts[..., None])[..., 0]
+    u = torch.rand(B, K, generator=generator)
+    a = (u * qd < pd).long().cumprod(-1).sum(-1)
+    return a, torch.multinomial(p[torch.arange(B), a], 1, generator=generator)[:, 0]
+
+
+def _wrong_deterministic(p, q, drafts, generator=None):
+    """Another: accept whenever p(d) >= q(d)... and otherwise never (no coin flip)."""
+    B, K = drafts.shape
+    pd = p[:, :K].gather(-1, drafts[..., None])[..., 0]
+    qd = q.gather(-1, drafts[..., None])[..., 0]
+    a = (pd >= qd).long().cumprod(-1).sum(-1)
+    q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], 1)
+    r = (p[torch.arange(B), a] - q_pad[torch.arange(B), a]).clamp_min(0) + 1e-12
+    return a, torch.multinomial(r, 1, generator=generator)[:, 0]
+
+
+def _chain_sample_joint(rule, P, Q, K, n_tokens, N, seed):
+    """Run speculative rounds with `rule` for N independent sequences of a Markov chain that starts
+    at token 0 (target transition matrix P, drafter Q) and return the counts of the first n_tokens."""
+    g = torch.Generator().manual_seed(seed)
+    V = P.shape[0]
+    last = torch.zeros(N, dtype=torch.long)
+    buf = torch.full((N, n_tokens), -1, dtype=torch.long)
+    count = torch.zeros(N, dtype=torch.long)
+    ar = torch.arange(N)
+    while (count < n_tokens).any():
+        drafts, qs, ps = [], [], []
+        x = last
+        for _ in range(K):
+            qs.append(Q[x])
+            ps.append(P[x])
+            x = torch.multinomial(Q[x], 1, generator=g)[:, 0]
+            drafts.append(x)
+        ps.append(P[x])
+        d = torch.stack(drafts, 1)
+        a, nxt = rule(torch.stack(ps, 1), torch.stack(qs, 1), d, g)
+        emitted = torch.cat([d, torch.zeros(N, 1, dtype=torch.long)], 1)
+        emitted[ar, a] = nxt
+        for j in range(K + 1):
+            put = (j <= a) & (count < n_tokens)
+            buf[ar[put], count[put]] = emitted[put, j]
+            count = count + put.long()
+        last = nxt
+    idx = torch.zeros(N, dtype=torch.long)
+    for j in range(n_tokens):
+        idx = idx * V + buf[:, j]
+    return torch.bincount(idx, minlength=V ** n_tokens).double()
+
+
+def _exact_joint(P, n_tokens):
+    V = P.shape[0]
+    probs = P[0]
+    for _ in range(n_tokens - 1):
+        probs = (probs.view(-1, V)[..., None] * P[None]).reshape(-1)
+    return probs
+
+
+def _chi2(counts, probs):
+    """Pearson chi-square of counts against probs (inf if a probability-zero cell was hit), and df."""
+    e = probs * counts.sum()
+    keep = e > 0
+    if counts[~keep].sum() > 0:
+        return float("inf"), int(keep.sum()) - 1
+    return float(((counts[keep] - e[keep]) ** 2 / e[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_rejection_sampling_reproduces_target_distribution(top_p):
+    """First 3 emitted tokens of a 5-token Markov chain, K=3, 60k sequences: the joint law of the
+    emitted tokens must equal the target chain's (chi-square below df + 6·sqrt(2·df), a >6-sigma
+    bound), while two deliberately wrong rules must exceed it. With top_p < 1 the target
+    (temperature 0.7, nucleus 0.8) puts zero mass where the drafter does not."""
+    torch.manual_seed(0)
+    V, K, n, N = 5, 3, 3, 60_000
+    P = probs_from_logits(torch.randn(V, V), 0.7, top_p).double()
+    Q = probs_from_logits(torch.randn(V, V), 1.0, 1.0).double()
+    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    exact = _exact_joint(P, n)
+    assert abs(exact.sum() - 1) < 1e-9
+    stats = {}
+    for name, rule in [("right", verify_sample), ("resample-from-p", _wrong_resample_from_p),
+                       ("deterministic", _wrong_deterministic)]:
+        chi2, df = _chi2(_chain_sample_joint(rule, P, Q, K, n, N, seed=1), exact)
+        stats[name] = (chi2, df + 6 * (2 * df) ** 0.5)
+    chi2, bound = stats["right"]
+    assert chi2 < bound, stats
+    for name in ("resample-from-p", "deterministic"):
+        assert stats[name][0] > stats[name][1], (name, stats)
+
+
+def test_probs_top_p_and_greedy_rule():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = probs_from_logits(logits, 1.0, 0.7)
+    full = torch.softmax(logits, -1)
+    assert full[0, 0] < 0.7 < full[0, :2].sum()
+    assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], full[0, :2] / full[0, :2].sum())
+    tl = torch.zeros(1, 4, 10)
+    tl[0, torch.arange(4), torch.tensor([3, 5, 7, 9])] = 1.0  # target argmax: 3, 5, 7, 9
+    for drafts, a_exp, n_exp in [([3, 5, 7], 3, 9), ([3, 4, 7], 1, 5), ([0, 5, 7], 0, 3)]:
+        a, nxt = verify_greedy(tl, torch.tensor([drafts]))
+        assert (int(a), int(nxt)) == (a_exp, n_exp)
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy losslessness on the real target
+
+@pytest.fixture(scope="module")
+def prompt_set(smol):
+    return [prompt_ids(smol.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smol, prompt_set):
+    """Plain greedy decoding on the engine (checked against transformers' generate on two prompts)."""
+    dec = Decoder(smol, None, k=1, max_len=256)
+    outs = [dec.generate(ids, NEW + 8, smol.eot_token_ids, speculative=False).tokens for ids in prompt_set]
+    for ids, out in list(zip(prompt_set, outs))[:2]:
+        x = torch.tensor([ids])
+        ref = smol.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(out),
+                                  do_sample=False)[0, len(ids):].tolist()
+        assert ref == out
+    return outs
+
+
+def _draft_vocab(smol, seqs, size=2048):
+    used = sorted({t for s in seqs for t in s})
+    rest = [i for i in range(smol.vocab_size) if i not in set(used)][: size - len(used)]
+    return torch.tensor(sorted(used + rest)[:size])
+
+
+@pytest.fixture(scope="module")
+def untrained(smol, prompt_set, plain_outputs):
+    torch.manual_seed(0)
+    return build_drafter(smol, 2048, _draft_vocab(smol, [p + o for p, o in zip(prompt_set, plain_outputs)]))
+
+
+@pytest.fixture(scope="module")
+def trained(smol, prompt_set, plain_outputs):
+    """A drafter distilled in a few seconds from SmolLM2 features: greedy continuations of the test
+    prompts plus the prompts, step-0 objective (soft cross-entropy over the draft vocabulary)."""
+    seqs = [p + o for p, o in zip(prompt_set, plain_outputs)]
+    draft_ids = _draft_vocab(smol, seqs)
+    torch.manual_seed(0)
+    d = build_drafter(smol, 2048, draft_ids)
+    feats = []
+    W = smol.model.get_output_embeddings().weight[draft_ids]
+    for s in seqs:
+        x = torch.tensor([s])
+        aux, final = smol.capture(x)
+        feats.append((x[:, 1:], aux[:, :-1], torch.softmax(final[:, 1:] @ W.T, -1)))
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(150):
+        ids, aux, tgt = feats[step % len(feats)]
+        _, logits = d(ids, aux, attend=causal_attend)
+        loss = -(tgt * F.log_softmax(logits, -1)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which, request):
+    drafter = request.getfixturevalue(which)
+    taus = {}
+    for k in (1, 3, 7):
+        dec = Decoder(smol, drafter, k=k, max_len=256)
+        acc = []
+        for ids, ref in zip(prompt_set, plain_outputs):
+            g = dec.generate(ids, NEW, smol.eot_token_ids, speculative=True)
+            assert g.tokens == ref[:NEW], (which, k, smol.tokenizer.decode(ids[-12:]))
+            acc += g.accepted
+        taus[k] = (sum(acc) + len(acc)) / len(acc)
+    if which == "trained":  # the test exercises acceptance, not only rejection
+        assert taus[3] > 1.5 and taus[7] >= taus[1], taus
+    else:
+        assert taus[1] < 1.5, taus
+
+
+# ---------------------------------------------------------------------------------------------
+# rollback: rejections forced at every draft position
+
+class ScriptedDecoder(Decoder):
+    """Runs the real drafter (so its cache is written and rolled back) but proposes the target's own
+    greedy tokens, wrong at a scripted position each round: round r rejects at position r % (K+1)
+    (K+1 meaning all accepted)."""
+
+    def __init__(self, *a, reference, prompt_len, **kw):
+        super().__init__(*a, **kw)
+        self.reference, self.n, self.round = reference, prompt_len, 0
+
+    def draft(self, h_last, logits_last, L):
+        drafts, q = super().draft(h_last, logits_last, L)
+        start = L - self.n  # index into reference of the first draft's token
+        oracle = list(self.reference[start:start + self.k])
+        oracle += [0] * (self.k - len(oracle))
+        err = self.round % (self.k + 1)
+        if err < self.k:
+            oracle[err] = (oracle[err] + 1) % self.target.vocab_size
+        self.round += 1
+        return torch.tensor([oracle], device=drafts.device), q
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k):
+    ids = prompt_set[1]
+    ref = Decoder(smol, None, max_len=256).generate(ids, 48, (), speculative=False).tokens
+    dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids))
+    g = dec.generate(ids, 40, (), speculative=True)
+    assert g.tokens == ref[:40]
+    expected = [r % (k + 1) for r in range(len(g.accepted))]
+    assert g.accepted == expected  # every position 0..K-1 was rejected, and K accepted in full
+    assert set(expected) == set(range(k + 1))
+    # the drafter cache of every committed position equals a fresh pass over the final sequence
+    seq = torch.tensor([ids + g.tokens])
+    aux, _ = smol.capture(seq)
+    keys = []
+
+    def record(q, kk, v):
+        keys.append(kk)
+        return causal_attend(q, kk, v)
+
+    untrained(seq[:, 1:], aux[:, :-1], attend=record)
+    m = seq.shape[1] - 1
+    assert torch.allclose(dec.dcache.k[:, :, :m], keys[0], atol=1e-4), \
+        (dec.dcache.k[:, :, :m] - keys[0]).abs().max()
+
+
+def test_sampling_decoding_runs_and_is_seeded(tiny):
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
+    outs = []
+    for _ in range(2):
+        dec = Decoder(tiny, d, k=3, temperature=0.8, top_p=0.9, max_len=128, seed=7)
+        g = dec.generate(ids, 20, (), speculative=True)
+        assert len(g.tokens) == 20 and all(0 <= t < tiny.vocab_size for t in g.tokens)
+        outs.append(g.tokens)
+    assert outs[0] == outs[1]
+    with pytest.raises(Exception, match="fit"):
+        Decoder(tiny, d, k=3, max_len=16).generate(ids, 20)
