@@ -1,0 +1,66 @@
+"""`eyas eval` end to end on the tiny target: report files and keys, multi-turn prompts, errors."""
+import json
+
+import pytest
+import torch
+
+from eyas.config import resolve
+from eyas.draft import build_drafter, save_drafter
+from eyas.evaluate import measure_acceptance, run_eval
+from eyas.util import EyasError
+
+DESIGN_KEYS = ["target", "k", "temperature", "prompts", "acceptance_length", "per_position_acceptance",
+               "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless", "device"]
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny, tmp_path_factory):
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 1024)
+    return save_drafter(d, tmp_path_factory.mktemp("draft") / "draft")
+
+
+def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
+                                     {"role": "assistant", "content": "ignored"},
+                                     {"role": "user", "content": "And again?"}]},
+            {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Name a fruit."}]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 2,
+                                 "eval.max_new_tokens": 6, "eval.draft": str(tiny_drafter), "target.device": "cpu"})
+    res = run_eval(cfg)
+    rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert res["report"].endswith("report.json")
+    for k in DESIGN_KEYS:
+        assert k in rep, k
+    assert rep["prompts"] == {"set": "p.jsonl", "count": 3, "conversations": 2}  # each user turn answered
+    assert rep["k"] == 2 and len(rep["per_position_acceptance"]) == 2
+    assert len(rep["accepted_length_histogram"]) == 3 and sum(rep["accepted_length_histogram"]) == rep["verify_rounds"]
+    assert 1.0 <= rep["acceptance_length"] <= 3.0
+    assert rep["lossless"] is True and rep["lossless_checked"] == 3
+    assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
+    assert rep["peak_memory_bytes"] > 0 and set(rep["time_split"]) >= {"draft_s", "verify_s"}
+    for f in ("report.md", "per_position_acceptance.png", "accepted_length_histogram.png"):
+        assert (tmp_path / "run" / "eval" / f).stat().st_size > 100, f
+    assert "acceptance length" in (tmp_path / "run" / "eval" / "report.md").read_text()
+
+
+def test_run_eval_missing_drafter_is_a_user_error(tmp_path):
+    cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "target.device": "cpu"})
+    with pytest.raises(EyasError, match="draft"):
+        run_eval(cfg)
+
+
+def test_measure_acceptance_counts(tiny, tiny_drafter):
+    from eyas.draft import load_drafter
+
+    d = load_drafter(tiny_drafter, tiny)
+    res = measure_acceptance(tiny, d, ["hi", [{"role": "user", "content": "yo"}]], k=3, max_new_tokens=8)
+    assert res["prompts"] == 2 and len(res["outputs"]) == 2
+    assert res["rounds"] == sum(res["accepted_length_histogram"])
+    emitted = sum((a + 1) * c for a, c in enumerate(res["accepted_length_histogram"]))
+    assert res["acceptance_length"] == pytest.approx(emitted / res["rounds"])
+    # every verify round emits at least one token; the first token comes from the prefill
+    assert emitted + 2 >= res["new_tokens"]
