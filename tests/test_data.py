@@ -110,3 +110,10 @@ def test_split_is_deterministic_and_keeps_chat_parts_together():
     convs, _ = read_dataset(str(FIX / "bad_sharegpt.json"))
     parts = [select_split(convs, s, 0.3, 0.3) for s in ("train", "val", "test")]
     assert sorted(c.id for p in parts for c in p) == sorted(c.id for c in convs)
+
+
+def test_fragment_opening_with_an_answer_starts_at_the_first_user_turn(tmp_path):
+    (tmp_path / "f.json").write_text('[{"id": "frag_3", "conversations": [{"from": "gpt", "value": "...continued"}, '
+                                     '{"from": "human", "value": "thanks, and?"}, {"from": "gpt", "value": "More."}]}]')
+    convs, rep = read_dataset(str(tmp_path / "f.json"))
+    assert [t.role for t in convs[0].turns] == ["user", "assistant"] and rep.n_skipped == 0

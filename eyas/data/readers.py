@@ -111,6 +111,9 @@ def _conversation(rec, default_id: str, msgs_key: str, role_map, role_key, conte
     turns = [_turn(m, i, role_map, role_key, content_key) for i, m in enumerate(msgs)]
     if not any(t.role == "user" for t in turns):
         raise BadRecord("no user turn", "conversation has no user turn")
+    # a chat fragment that opens with an answer (ShareGPT splits long chats) starts at its first user turn
+    first_user = next(i for i, t in enumerate(turns) if t.role == "user")
+    turns = [t for i, t in enumerate(turns) if i >= first_user or t.role == "system"]
     rid = rec.get("id", default_id)
     meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
     return Conversation(id=str(rid), turns=turns, meta=meta)
