@@ -1,0 +1,173 @@
+"""Decoding benchmark, batch 1, greedy: eyas speculative decoding vs plain decoding on the same engine
+vs transformers `generate` (dynamic cache, static cache, prompt-lookup decoding), in one run.
+
+    PYTHONPATH=. python3 bench/bench_decode.py --draft DIR --prompts sharegpt|humaneval \
+        --limit 80 --k 3 --out results.json
+
+Each method gets a warm-up and a time box (--budget seconds); tokens/s = new tokens / device-synced
+wall time over the prompts it finished. ShareGPT prompts are the first user turn of held-out
+(test-split) conversations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_prompts(name: str, limit: int, tokenizer) -> list[list[int]]:
+    from eyas.config import DataConfig
+    from eyas.data import read_dataset, select_split
+    from eyas.evaluate import prompt_ids
+
+    if name == "sharegpt":
+        dc = DataConfig()
+        convs, _ = read_dataset("sharegpt")
+        convs = select_split(convs, "test", dc.val_ratio, dc.test_ratio)
+    else:
+        convs, _ = read_dataset(name)
+    out = []
+    for c in convs:
+        user = next((t for t in c.turns if t.role == "user"), None)
+        if user is None:
+            continue
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": user.content}])
+        if len(ids) <= 1536:
+            out.append(ids)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def run_engine(dec, prompts, max_new, stop, speculative, budget):
+    toks = secs = 0.0
+    acc, draft_s, verify_s, done = [], 0.0, 0.0, 0
+    t_end = time.perf_counter() + budget
+    for ids in prompts:
+        g = dec.generate(ids, max_new, stop, speculative=speculative)
+        toks += len(g.tokens)
+        secs += g.seconds
+        acc += g.accepted
+        draft_s += g.draft_seconds
+        verify_s += g.verify_seconds
+        done += 1
+        if time.perf_counter() > t_end:
+            break
+    res = {"prompts": done, "new_tokens": int(toks), "seconds": secs, "tokens_per_s": toks / secs if secs else 0.0}
+    if speculative:
+        k = dec.k
+        hist = [acc.count(i) for i in range(k + 1)]
+        res.update(acceptance_length=(sum(acc) + len(acc)) / max(1, len(acc)), accepted_length_histogram=hist,
+                   per_position_acceptance=[sum(hist[i:]) / max(1, sum(hist[i - 1:])) for i in range(1, k + 1)],
+                   draft_s=draft_s, verify_s=verify_s)
+    return res
+
+
+def run_hf(model, prompts, max_new, stop, budget, device, **gen_kw):
+    import torch
+
+    toks, secs, done = 0, 0.0, 0
+    t_end = time.perf_counter() + budget
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=list(stop), pad_token_id=stop[0], **gen_kw)
+        _sync(device)
+        secs += time.perf_counter() - t0
+        toks += out.shape[1] - x.shape[1]
+        done += 1
+        if time.perf_counter() > t_end:
+            break
+    return {"prompts": done, "new_tokens": toks, "seconds": secs, "tokens_per_s": toks / secs if secs else 0.0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True, help="drafter folder (eyas, or SGLang/vLLM via eyas.export)")
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--prompts", default="sharegpt", help="sharegpt | humaneval | a .jsonl/.txt file")
+    ap.add_argument("--limit", type=int, default=80)
+    ap.add_argument("--k", default="3", help="draft length, or a comma list (3,7)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds per method (time box)")
+    ap.add_argument("--no-compile", action="store_true", help="eager engine on GPU")
+    ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
+    ap.add_argument("--out", default="results.json")
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from eyas.config import TargetConfig
+    from eyas.decode import Decoder
+    from eyas.evaluate import _device_name, load_eval_drafter
+    from eyas.util import atomic_write_json
+
+    from eyas.target import load_target
+
+    target = load_target(TargetConfig(name=a.target))
+    dev = target.device
+    drafter = load_eval_drafter(a.draft, target)
+    prompts = load_prompts(a.prompts, a.limit, target.tokenizer)
+    stop = target.eot_token_ids
+    max_len = max(len(p) for p in prompts) + max(a.max_new_tokens, 32) + max(int(k) for k in a.k.split(",")) + 2
+    ks = [int(k) for k in a.k.split(",")]
+    warm = prompts[:2]
+    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(dev), "target": target.name,
+               "dtype": str(target.dtype), "prompts": {"set": a.prompts, "count": len(prompts)},
+               "max_new_tokens": a.max_new_tokens, "budget_s": a.budget, "command": " ".join(sys.argv),
+               "torch": torch.__version__, "methods": {}}
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    compile_ = not a.no_compile and dev.type == "cuda"
+
+    def record(name, res):
+        results["methods"][name] = res
+        print(f"{name:28s} {res['tokens_per_s']:9.1f} tok/s  ({res['prompts']} prompts"
+              + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "") + ")", flush=True)
+        atomic_write_json(a.out, results)
+
+    plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_)
+    run_engine(plain, warm, 32, stop, False, 1e9)
+    record("eyas_plain", run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget))
+    plain.close()
+    for k in ks:
+        dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_)
+        run_engine(dec, warm, 32, stop, True, 1e9)
+        record(f"eyas_spec_k{k}", run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget))
+        dec.close()
+    if not a.skip_hf:
+        m = target.model
+        for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),
+                         ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})]:
+            try:
+                run_hf(m, warm, 16, stop, 1e9, dev, **kw)
+                record(name, run_hf(m, prompts, a.max_new_tokens, stop, a.budget, dev, **kw))
+            except Exception as e:  # a baseline that does not run here is reported, not fatal
+                results["methods"][name] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{name}: failed ({e})", flush=True)
+    base = results["methods"]["eyas_plain"]["tokens_per_s"]
+    hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
+    for k in ks:
+        r = results["methods"][f"eyas_spec_k{k}"]
+        r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
+        r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None
+    atomic_write_json(a.out, results)
+    print(json.dumps({n: {k: v for k, v in r.items() if k in ("tokens_per_s", "acceptance_length", "speedup_vs_plain",
+                                                              "speedup_vs_best_hf")}
+                      for n, r in results["methods"].items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
