@@ -72,7 +72,7 @@ class RegenConfig:
     shard_size: int = opt(256, "records per output JSONL shard")
     backoff: float = opt(1.0, "server backend: seconds before the first retry, doubled on each further retry (max 60)")
     engine: str = opt("auto", "embedded backend: continuous (transformers continuous batching, paged KV cache), "
-                      "generate (padded batches grouped by length), auto (continuous if it starts, else generate)",
+                      "generate (padded batches grouped by length), auto (= generate, the faster one measured)",
                       choices=("auto", "continuous", "generate"))
 
 

@@ -281,13 +281,13 @@ def tiny_cfg(tmp_path, source, **regen) -> Config:
 
 
 def test_embedded_tiny_kill9_resume(tmp_path, tiny):
-    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(36)], system="S")
-    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=24), target=tiny)
-    assert ref["records"] == 36 and ref["assistant_turns"] == 72 and ref["generator"]["backend"] == "embedded"
-    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split",
-            "all", "--max-new-tokens", "24", "--temperature", "0", "--batch-size", "4", "--shard-size", "3"]
-    rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 12)
-    assert rep["records"] == 36 and rep["duplicates"] == 0 and rep["complete"]
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(24)], system="S")
+    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=16, engine="continuous"), target=tiny)
+    assert ref["records"] == 24 and ref["assistant_turns"] == 48 and ref["generator"]["backend"] == "embedded"
+    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split", "all", "--engine", "continuous",
+            "--max-new-tokens", "16", "--temperature", "0", "--batch-size", "4", "--shard-size", "3"]
+    rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 8)
+    assert rep["records"] == 24 and rep["duplicates"] == 0 and rep["complete"]
     a = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "killed")))[0]}
     b = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
     assert sorted(a) == sorted(b)
@@ -313,7 +313,7 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
     convs, _ = read_dataset("sharegpt", limit=200)
     multi = [c for c in convs if c.n_assistant() >= 2 and len(c.turns[0].content) < 300
              and len([t for t in c.turns if t.role == "user"][1].content) < 300][:2]
-    single = [c for c in convs if len(c.turns[0].content) < 200][:1]
+    single = [c for c in convs if len(c.turns[0].content) < 200 and c.id not in {m.id for m in multi}][:1]
     src = tmp_path / "sg.jsonl"
     src.write_text("".join(json.dumps(c.to_dict()) + "\n" for c in multi + single))
     outs = []
@@ -321,7 +321,7 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
         cfg = Config(out=str(tmp_path / run))
         cfg.data.source = str(src)
         r = cfg.regen
-        r.split, r.turns, r.max_new_tokens, r.temperature, r.batch_size = "all", 2, 10, 0.0, 4
+        r.split, r.turns, r.max_new_tokens, r.temperature, r.batch_size = "all", 2, 8, 0.0, 4
         rep = run_regen(cfg, target=smol)
         assert rep["records"] == 3 and rep["errors_total"] == 0
         got, rr = read_dataset(str(regen_dir(cfg.out)))
@@ -345,7 +345,7 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
     text = render(smol.tokenizer, to_messages(Conversation("h", c.turns[:-1]), smol.tokenizer),
                   add_generation_prompt=True)
     ids = torch.tensor([smol.tokenizer(text, add_special_tokens=False).input_ids])
-    ref = smol.model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=smol.eot_token_ids,
+    ref = smol.model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=smol.eot_token_ids,
                               pad_token_id=smol.eot_token_ids[0])[0, ids.shape[1]:]
     ref = [x for x in ref.tolist() if x not in smol.eot_token_ids]
     assert c.turns[-1].content == smol.tokenizer.decode(ref, skip_special_tokens=True).strip()

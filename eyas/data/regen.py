@@ -292,14 +292,14 @@ class GenerateEngine(_Embedded):
 
 
 def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
-    if rc.engine in ("auto", "continuous") and hasattr(target.model, "init_continuous_batching"):
+    # auto = generate: on an H200 (SmolLM2, batch 256) transformers 5.17's continuous batching ran at
+    # 0.44x the speed of this padded, length-grouped generate (bench/bench_regen.py), and on CPU it is slower too
+    if rc.engine == "continuous" and hasattr(target.model, "init_continuous_batching"):
         try:
             return ContinuousEngine(target, rc, reasoning, ctx_limit)
         except Exception as e:  # noqa: BLE001 - e.g. an architecture without paged attention
-            if rc.engine == "continuous":
-                raise EyasError(f"continuous batching could not start for this target ({type(e).__name__}: {e}); "
-                                f"use --engine generate") from None
-            log(f"regen: continuous batching unavailable ({type(e).__name__}: {e}); using padded generate")
+            raise EyasError(f"continuous batching could not start for this target ({type(e).__name__}: {e}); "
+                            f"use --engine generate") from None
     elif rc.engine == "continuous":
         raise EyasError("this transformers version has no continuous batching; use --engine generate")
     return GenerateEngine(target, rc, reasoning, ctx_limit)
