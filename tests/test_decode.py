@@ -145,10 +145,10 @@ def prompt_set(smol):
 
 @pytest.fixture(scope="module")
 def plain_outputs(smol, prompt_set):
-    """Plain greedy decoding on the engine (checked against transformers' generate on two prompts)."""
+    """Plain greedy decoding on the engine (checked against transformers' generate on one prompt)."""
     dec = Decoder(smol, None, k=1, max_len=256)
     outs = [dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens for ids in prompt_set]
-    for ids, out in list(zip(prompt_set, outs))[:2]:
+    for ids, out in list(zip(prompt_set, outs))[:1]:
         x = torch.tensor([ids])
         ref = smol.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(out),
                                   do_sample=False)[0, len(ids):].tolist()
