@@ -104,14 +104,19 @@ def _compiled_flex():
 
 class TTTAttend:
     """The `attend(q, k, v)` the drafter calls; remembers each step's keys and values so that
-    step j attends to the keys of steps 0..j with the TTT pattern. One object per unroll."""
+    step j attends to the keys of steps 0..j with the TTT pattern. One object per unroll.
 
-    def __init__(self, doc: torch.Tensor, backend: str = "auto"):
+    On CUDA (flex) the keys of the steps not run yet are zeros and the step number is a tensor, so
+    every step has the same shapes and the compiled kernels are built once; the block mask skips
+    the zero blocks."""
+
+    def __init__(self, doc: torch.Tensor, backend: str = "auto", steps: int = 0):
         self.doc = doc
         self.n = doc.shape[0]
         if backend == "auto":
             backend = "flex" if doc.is_cuda else "dense"
         self.backend = backend
+        self.steps = steps
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
 
@@ -119,17 +124,32 @@ class TTTAttend:
         self.ks.append(k)
         self.vs.append(v)
         j = len(self.ks) - 1
-        K = k if j == 0 else torch.cat(self.ks, dim=2)
-        V = v if j == 0 else torch.cat(self.vs, dim=2)
         gqa = q.shape[1] != k.shape[1]
         if self.backend == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            bm = create_block_mask(ttt_mask_mod(self.doc, self.n), None, None, self.n, (j + 1) * self.n,
-                                   device=q.device)
-            return _compiled_flex()(q, K, V, block_mask=bm, enable_gqa=gqa)
+            total = max(self.steps, j + 1)
+            zeros = [k.new_zeros(k.shape)] * (total - j - 1)
+            K = torch.cat(self.ks + zeros, dim=2)
+            V = torch.cat(self.vs + zeros, dim=2)
+            return _compiled_flex()(q, K, V, block_mask=_block_mask(self.doc, total, j), enable_gqa=gqa)
+        K = k if j == 0 else torch.cat(self.ks, dim=2)
+        V = v if j == 0 else torch.cat(self.vs, dim=2)
         mask = ttt_dense_mask(self.doc, j)
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask[None, None], enable_gqa=gqa)
+
+
+def _block_mask(doc: torch.Tensor, total: int, j: int):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = doc.shape[0]
+    jt = torch.tensor(j, device=doc.device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        step = kv_idx // n
+        p = kv_idx - step * n
+        causal = (step == 0) & (doc[q_idx] == doc[p]) & (p <= q_idx)
+        return causal | ((step > 0) & (step <= jt) & (p == q_idx))
+
+    return create_block_mask(mask_mod, None, None, n, total * n, device=doc.device, _compile=True)
 
 
 # ------------------------------------------------------------------------------------- labels
@@ -196,7 +216,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
         noise = torch.randn(aux.shape, generator=generator, device=generator.device if generator else aux.device,
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
-    attend = TTTAttend(batch.doc, backend)
+    attend = TTTAttend(batch.doc, backend, steps)
     pos = batch.pos[None]
     hidden = aux[None]
     stats = StepStats([], [], [])

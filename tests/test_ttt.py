@@ -205,7 +205,7 @@ def test_flex_equals_dense_on_gpu():
         qs = [torch.randn(1, 8, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
         ks = [torch.randn(1, 2, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
         vs = [torch.randn(1, 2, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
-        att = TTTAttend(doc, backend)
+        att = TTTAttend(doc, backend, steps=3)
         o = torch.cat([att(q, k, v) for q, k, v in zip(qs, ks, vs)])
         o.square().sum().backward()
         outs[backend] = (o.detach(), [t.grad for t in qs + ks + vs])
