@@ -14,7 +14,9 @@ acceptance length of a chain of drafts.
 
 Attention at step j, query position t: the step-0 keys at positions <= t of the same sequence, and
 the keys of steps 1..j at position t only (what the drafter saw while drafting that chain).
-Every step keeps the rope positions of step 0. Sequences are packed into one row; `doc` keeps
+Step j runs at rope position t+j: the position the drafted token has when the drafter runs
+chained at serving time (eyas' decoder and vLLM advance the position one per draft step), so the
+relative distances the drafter learns are the ones it meets when it drafts. Sequences are packed into one row; `doc` keeps
 attention inside each sequence. The pattern is one mask over the keys of all steps so far,
 concatenated: flex-attention with a block mask on CUDA (only the causal blocks and the diagonal
 blocks of later steps are computed), the same mask as a dense boolean SDPA mask elsewhere.
@@ -222,7 +224,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     stats = StepStats([], [], [])
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
-        hidden, logits = drafter(ids[nxt][None], hidden, pos, attend)
+        hidden, logits = drafter(ids[nxt][None], hidden, pos + j, attend)
         rows = valid.nonzero().squeeze(1)
         label_rows = nxt[rows]
         didx = labels.draft_idx[label_rows]
