@@ -65,7 +65,7 @@ class RegenConfig:
     temperature: float = opt(0.8, "sampling temperature (0 = greedy)")
     top_p: float = opt(0.95, "nucleus sampling threshold")
     seed: int = opt(0, "sampling seed")
-    batch_size: int = opt(0, "embedded backend: sequences decoded together (0 = auto: 8 on CPU, 256 on GPU)")
+    batch_size: int = opt(0, "embedded backend: sequences decoded together (0 = auto: 32 on CPU, 256 on GPU)")
     concurrency: int = opt(16, "server backend: requests in flight")
     timeout: float = opt(120.0, "server backend: seconds before a request is abandoned and retried")
     retries: int = opt(5, "server backend: retries per request on 429/5xx/connection errors")
@@ -83,8 +83,6 @@ class VocabConfig:
 
 @dataclass
 class FeaturesConfig:
-    mode: str = opt("online", "offline (store hidden states as shards) or online (compute them during training)",
-                    choices=("offline", "online"))
     dtype: str = opt("bf16", "stored feature dtype", choices=("bf16", "fp8", "fp32"))
     batch_tokens: int = opt(16384, "tokens per extraction forward pass")
     shard_tokens: int = opt(1 << 20, "tokens per feature shard")
@@ -108,7 +106,8 @@ class TrainConfig:
     grad_accum: int = opt(1, "micro-batches per optimizer step")
     grad_clip: float = opt(0.5, "gradient norm clip")
     seed: int = opt(0, "random seed")
-    online: bool = opt(True, "compute target features on the fly instead of reading stored shards")
+    online: bool = opt(True, "compute target features on the fly instead of reading stored shards "
+                             "(--no-online: eyas run extracts shards first and trains from them)")
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")

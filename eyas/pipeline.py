@@ -24,8 +24,8 @@ STAGES = [
     ("regen", "eyas.data.regen:run_regen", ["target", "data", "regen"], ["data/regen"]),
     ("tokenize", "eyas.data.prepare:run_tokenize", ["target", "data", "train.val_ratio"], ["data/tokens"]),
     ("vocab", "eyas.vocab:run_vocab", ["vocab"], ["vocab"]),
-    ("extract", "eyas.features:run_extract", ["features"], ["features"]),
-    ("train", "eyas.train:run_train", ["train", "features.mode", "vocab"], ["ckpt", "draft", "train"]),
+    ("extract", "eyas.features:run_extract", ["features", "train.online"], ["features"]),
+    ("train", "eyas.train:run_train", ["train", "features", "vocab"], ["ckpt", "draft", "train"]),
     ("eval", "eyas.evaluate:run_eval", ["eval"], ["eval"]),
     ("export", "eyas.export:run_export", ["export"], ["export"]),
 ]
@@ -69,7 +69,7 @@ def stage_keys(cfg: C.Config) -> dict[str, str]:
         for r in reads:
             sec, _, field = r.partition(".")
             part[r] = d[sec][field] if field else d[sec]
-        if name == "extract" and cfg.features.mode == "online":
+        if name == "extract" and cfg.train.online:
             part = {"skipped": "online"}
         prev = sha256_json({"stage": name, "config": part, "prev": prev})[:16]
         keys[name] = prev
@@ -133,7 +133,7 @@ def run_pipeline(cfg: C.Config) -> dict:
     missing = []
     for name, spec, _, outputs in STAGES:
         rec = manifest["stages"].get(name, {})
-        if name == "regen" and not cfg.regen.enabled or name == "extract" and cfg.features.mode == "online":
+        if name == "regen" and not cfg.regen.enabled or name == "extract" and cfg.train.online:
             manifest["stages"][name] = {"key": keys[name], "status": "skipped", "reason":
                                         "regen disabled" if name == "regen" else "features computed online"}
             continue

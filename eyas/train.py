@@ -133,7 +133,10 @@ class Data:
 
     def batch(self, idx: list[int], device, multiple: int) -> PackedBatch:
         samples = self.features.get(idx)
-        return pack_samples(samples, self.max_len, self.budget, multiple).to(device)
+        batch = pack_samples(samples, self.max_len, self.budget, multiple).to(device)
+        if batch.aux.device.type != "cuda":  # no bf16 autocast off the GPU: stored bf16/fp8 features train in fp32
+            batch.aux, batch.final = batch.aux.float(), batch.final.float()
+        return batch
 
 
 def make_features(cfg: Config, target, tokens, split: str):
@@ -551,8 +554,6 @@ def run_train(cfg: Config, target=None) -> dict:
         acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
         for a, m in enumerate(mine):
             batch = train.batch(bins[m], d.device, multiple)
-            if d.device.type != "cuda":
-                batch.aux, batch.final = batch.aux.float(), batch.final.float()
             gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
             sync = contextlib.nullcontext() if (d.world == 1 or a == len(mine) - 1) else model.no_sync()
             with sync:

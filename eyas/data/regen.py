@@ -153,7 +153,7 @@ class _Embedded:
         self.eot = set(target.eot_token_ids)
         self.model_max = int(getattr(target.config, "max_position_embeddings", 0) or 1 << 30)
         self.ctx_limit = min(ctx_limit or self.model_max, self.model_max)
-        self.batch = rc.batch_size or (256 if target.device.type == "cuda" else 8)
+        self.batch = rc.batch_size or (256 if target.device.type == "cuda" else 32)
         self.ready: list[TurnResult] = []
         self.generated_tokens = 0
 

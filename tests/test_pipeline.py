@@ -1,0 +1,120 @@
+"""`eyas run` end to end on the real SmolLM2 target at tiny scale: the report, skipping, kill + resume."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ARGS = [
+    "--preset", "smollm2", "--set", "target.device=cpu", "--set", "target.dtype=float32",
+    "--set", "regen.limit=8", "--set", "regen.turns=1", "--set", "regen.max_new_tokens=48",
+    "--set", "regen.temperature=0", "--set", "data.max_seq_len=320",
+    "--set", "vocab.draft_vocab_size=2048",
+    "--set", "train.online=false", "--set", "train.epochs=12", "--set", "train.batch_tokens=1024",
+    "--set", "train.lr=3e-3", "--set", "train.save_every=4", "--set", "train.eval_every=12",
+    "--set", "train.val_ratio=0.15",
+    "--set", "eval.limit=2", "--set", "eval.max_new_tokens=24", "--set", "eval.k=3",
+    "--set", "eval.prompts=sharegpt",
+]
+
+
+def eyas(out: Path, *extra, **kw):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "eyas", "run", "--out", str(out), *ARGS, *extra],
+                          capture_output=True, text=True, env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, smol):
+    out = tmp_path_factory.mktemp("e2e") / "run"
+    r = eyas(out, timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
+def test_report_tau_and_lossless(full_run):
+    out, r = full_run
+    rep = json.loads((out / "eval" / "report.json").read_text())
+    assert rep["lossless"] is True
+    assert rep["acceptance_length"] > 1.0, rep["per_position_acceptance"]
+    md = (out / "eval" / "report.md").read_text()
+    for section in ("## Result", "## Stages", "## Data", "## Vocabulary", "## Training"):
+        assert section in md
+    man = json.loads((out / "manifest.json").read_text())
+    assert [s for s, v in man["stages"].items() if v["status"] == "done"] == \
+        ["regen", "tokenize", "vocab", "extract", "train", "eval", "export"]
+    assert (out / "eyas.toml").exists() and (out / "export" / "sglang" / "config.json").exists()
+    for stage in ("regen", "train", "eval"):  # one line per stage as it finishes
+        assert f"[{stage}] done" in r.stderr
+
+
+def test_second_run_skips_every_stage(full_run):
+    out, _ = full_run
+    before = {p: p.stat().st_mtime_ns for p in (out / "draft").iterdir()}
+    r = eyas(out, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for stage in ("regen", "tokenize", "vocab", "extract", "train", "eval", "export"):
+        assert f"[{stage}] unchanged, skipped" in r.stderr
+    assert before == {p: p.stat().st_mtime_ns for p in (out / "draft").iterdir()}
+
+
+def test_changed_stage_reruns_it_and_what_follows(full_run, tmp_path):
+    out, _ = full_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    r = eyas(copy, "--set", "eval.max_new_tokens=16", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[train] unchanged, skipped" in r.stderr and "[eval] done" in r.stderr and "[export] done" in r.stderr
+
+
+def test_kill_during_training_then_rerun_gives_the_same_result(full_run, tmp_path):
+    out, _ = full_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    # forget training and what follows, keep the data stages
+    man = json.loads((copy / "manifest.json").read_text())
+    for s in ("train", "eval", "export"):
+        man["stages"].pop(s)
+    (copy / "manifest.json").write_text(json.dumps(man))
+    for d in ("ckpt", "draft", "train", "eval", "export"):
+        shutil.rmtree(copy / d, ignore_errors=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "eyas", "run", "--out", str(copy), *ARGS],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (copy / "ckpt" / "latest.json").exists():
+        time.sleep(0.05)
+    assert (copy / "ckpt" / "latest.json").exists(), "training never wrote a checkpoint"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (copy / "draft" / "model.safetensors").exists() or \
+        json.loads((copy / "manifest.json").read_text())["stages"]["train"]["status"] != "done"
+    r = eyas(copy, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[regen] unchanged, skipped" in r.stderr and "[train] done" in r.stderr
+    a = json.loads((out / "eval" / "report.json").read_text())
+    b = json.loads((copy / "eval" / "report.json").read_text())
+    assert b["acceptance_length"] == a["acceptance_length"]
+    assert b["per_position_acceptance"] == a["per_position_acceptance"]
+    assert (copy / "draft" / "model.safetensors").read_bytes() == (out / "draft" / "model.safetensors").read_bytes()
+
+
+def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol):
+    cases = [
+        (["--set", "vocab.draft_vocab_size=60000"], "larger than the target's vocabulary"),
+        (["--set", "target.aux_layers=2,15,40"], "out of range"),
+        (["--set", f"data.source={tmp_path / 'missing.json'}"], "not found"),
+    ]
+    for extra, msg in cases:
+        r = eyas(tmp_path / "bad", *extra, timeout=300)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert not (tmp_path / "bad" / "data").exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_text(json.dumps({"stages": {}, "target": {"name": "qwen", "sha256": "x"}}))
+    r = eyas(tmp_path / "other", timeout=300)
+    assert r.returncode == 2 and "made with target 'qwen'" in r.stderr
