@@ -111,7 +111,7 @@ class TrainConfig:
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
-    draft_hidden_size: int = opt(0, "drafter hidden size (0 = the target's)")
+    init_head: bool = opt(True, "start the drafter's lm_head and final norm from the target's (draft-vocabulary rows)")
     draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
 
 

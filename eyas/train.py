@@ -37,7 +37,7 @@ from .util import EyasError, atomic_path, atomic_write_json, human_bytes, log, p
 # settings whose change makes a checkpoint belong to a different run
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
                    "warmup_ratio", "finetune_from", "batch_tokens", "grad_accum", "grad_clip", "seed",
-                   "max_steps", "draft_intermediate_size"]
+                   "max_steps", "draft_intermediate_size", "init_head"]
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -173,7 +173,10 @@ def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Draft
     checkpoint folder, or an SGLang/EAGLE/vLLM-speculators folder via eyas.export)."""
     src = cfg.train.finetune_from
     if not src:
-        return build_drafter(target, draft_ids.numel(), draft_ids, cfg.train.draft_intermediate_size)
+        d = build_drafter(target, draft_ids.numel(), draft_ids, cfg.train.draft_intermediate_size)
+        if cfg.train.init_head:
+            init_head_from_target(d, target)
+        return d
     p = Path(src).expanduser()
     if not p.exists():
         raise EyasError(f"train.finetune_from: {p} does not exist")
@@ -195,6 +198,19 @@ def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Draft
         log(f"finetune: keeping the draft vocabulary of {p} ({d.config.draft_vocab_size} tokens), "
             f"not the run's ({draft_ids.numel()})")
     return d
+
+
+@torch.no_grad()
+def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
+    """Start the drafter's output side where the target's is: lm_head = the target's output rows of
+    the draft vocabulary, final norm = the target's final norm. The drafter's hidden state lives in
+    the target's hidden space (fc maps the aux states into it), so from step 0 the head reads it the
+    way the target reads its own last state."""
+    W = target.model.get_output_embeddings().weight
+    drafter.lm_head.weight.copy_(W[drafter.draft_ids.to(W.device)].to(drafter.lm_head.weight))
+    norm = getattr(target.model.get_decoder(), "norm", None)
+    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight))
 
 
 def _drafter_from_checkpoint(p: Path, target) -> Eagle3Drafter:

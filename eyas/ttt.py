@@ -116,7 +116,7 @@ class TTTAttend:
         self.doc = doc
         self.n = doc.shape[0]
         if backend == "auto":
-            backend = "flex" if doc.is_cuda else "dense"
+            backend = "flex" if doc.is_cuda else "docs"
         self.backend = backend
         self.steps = steps
         self.ks: list[torch.Tensor] = []
@@ -133,10 +133,40 @@ class TTTAttend:
             K = torch.cat(self.ks + zeros, dim=2)
             V = torch.cat(self.vs + zeros, dim=2)
             return _compiled_flex()(q, K, V, block_mask=_block_mask(self.doc, total, j), enable_gqa=gqa)
+        if self.backend == "docs":
+            return self._per_document(q)
         K = k if j == 0 else torch.cat(self.ks, dim=2)
         V = v if j == 0 else torch.cat(self.vs, dim=2)
         mask = ttt_dense_mask(self.doc, j)
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask[None, None], enable_gqa=gqa)
+
+
+    def _per_document(self, q):
+        """The same pattern without a dense n × (j+1)·n mask: causal attention inside each packed
+        sequence (cost Σ L², not n²), plus one score per earlier step at the query's own position,
+        all in one softmax."""
+        ks, vs = self.ks, self.vs
+        rep = q.shape[1] // ks[0].shape[1]
+        if rep > 1:
+            ks = [k.repeat_interleave(rep, 1) for k in ks]
+            vs = [v.repeat_interleave(rep, 1) for v in vs]
+        scale = q.shape[-1] ** -0.5
+        diag_s = torch.stack([(q * k).sum(-1) for k in ks[1:]], -1) * scale if len(ks) > 1 else None  # [B,h,n,j]
+        out = torch.empty_like(q)
+        bounds = torch.nonzero(torch.diff(self.doc.long(), prepend=self.doc.new_full((1,), -1).long())).flatten().tolist()
+        bounds.append(self.n)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            L = b - a
+            s = (q[:, :, a:b] @ ks[0][:, :, a:b].transpose(-1, -2)) * scale  # [B,h,L,L]
+            s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+            if diag_s is not None:
+                s = torch.cat([s, diag_s[:, :, a:b]], -1)
+            w = torch.softmax(s, -1, dtype=torch.promote_types(s.dtype, torch.float32)).to(q.dtype)
+            o = w[..., :L] @ vs[0][:, :, a:b]
+            for i in range(1, len(ks)):
+                o = o + w[..., L + i - 1, None] * vs[i][:, :, a:b]
+            out[:, :, a:b] = o
+        return out
 
 
 def _block_mask(doc: torch.Tensor, total: int, j: int):

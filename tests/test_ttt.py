@@ -212,3 +212,24 @@ def test_flex_equals_dense_on_gpu():
     torch.testing.assert_close(outs["flex"][0], outs["dense"][0], rtol=2e-3, atol=2e-3)
     for a, b in zip(outs["flex"][1], outs["dense"][1]):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_per_document_equals_dense_mask():
+    """The CPU backend (attention inside each packed sequence + diagonal scores) computes the same
+    outputs and gradients as SDPA with the dense TTT mask."""
+    lens = [30, 1, 17, 5, 40]
+    n = 96
+    doc = torch.cat([torch.full((L,), i) for i, L in enumerate(lens + [n - sum(lens)])]).int()
+    outs = {}
+    for backend in ("docs", "dense"):
+        g = torch.Generator().manual_seed(0)
+        qs = [torch.randn(1, 6, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        ks = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        vs = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        att = TTTAttend(doc, backend, steps=3)
+        o = torch.cat([att(q, k, v) for q, k, v in zip(qs, ks, vs)])
+        o.square().sum().backward()
+        outs[backend] = (o.detach(), [t.grad for t in qs + ks + vs])
+    torch.testing.assert_close(outs["docs"][0], outs["dense"][0], rtol=1e-10, atol=1e-10)
+    for a, b in zip(outs["docs"][1], outs["dense"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
