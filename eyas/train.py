@@ -133,7 +133,9 @@ class Data:
 
     def batch(self, idx: list[int], device, multiple: int) -> PackedBatch:
         samples = self.features.get(idx)
-        batch = pack_samples(samples, self.max_len, self.budget, multiple).to(device)
+        # on the GPU every batch has the budget's shape (compiled kernels are built once); elsewhere no padding
+        pad_to = self.budget if torch.device(device).type == "cuda" else 0
+        batch = pack_samples(samples, self.max_len, pad_to, multiple).to(device)
         if batch.aux.device.type != "cuda":  # no bf16 autocast off the GPU: stored bf16/fp8 features train in fp32
             batch.aux, batch.final = batch.aux.float(), batch.final.float()
         return batch

@@ -112,8 +112,9 @@ class TTTAttend:
     every step has the same shapes and the compiled kernels are built once; the block mask skips
     the zero blocks."""
 
-    def __init__(self, doc: torch.Tensor, backend: str = "auto", steps: int = 0):
+    def __init__(self, doc: torch.Tensor, backend: str = "auto", steps: int = 0, n_real: int | None = None):
         self.doc = doc
+        self.n_real = doc.shape[0] if n_real is None else n_real  # rows past it are padding (output zeros)
         self.n = doc.shape[0]
         if backend == "auto":
             backend = "flex" if doc.is_cuda else "docs"
@@ -152,10 +153,12 @@ class TTTAttend:
             vs = [v.repeat_interleave(rep, 1) for v in vs]
         scale = q.shape[-1] ** -0.5
         diag_s = torch.stack([(q * k).sum(-1) for k in ks[1:]], -1) * scale if len(ks) > 1 else None  # [B,h,n,j]
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)
         bounds = torch.nonzero(torch.diff(self.doc.long(), prepend=self.doc.new_full((1,), -1).long())).flatten().tolist()
         bounds.append(self.n)
         for a, b in zip(bounds[:-1], bounds[1:]):
+            if a >= self.n_real:
+                break
             L = b - a
             s = (q[:, :, a:b] @ ks[0][:, :, a:b].transpose(-1, -2)) * scale  # [B,h,L,L]
             s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=q.device).tril(), float("-inf"))
@@ -248,7 +251,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
         noise = torch.randn(aux.shape, generator=generator, device=generator.device if generator else aux.device,
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
-    attend = TTTAttend(batch.doc, backend, steps)
+    attend = TTTAttend(batch.doc, backend, steps, batch.n_real)
     pos = batch.pos[None]
     hidden = aux[None]
     stats = StepStats([], [], [])
