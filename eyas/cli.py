@@ -11,7 +11,7 @@ import importlib
 import json
 import sys
 import typing
-from typing import Any, Callable
+from typing import Any
 
 from . import config as C
 from .util import EyasError, NotBuiltError
@@ -37,10 +37,6 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
 }
 
 
-def _flag_type(tp) -> Callable[[str], Any]:
-    return lambda s: s  # values are strings; config.set_key coerces them and names the key on error
-
-
 def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[str, str]:
     """Add one flag per config field; returns dest -> dotted key. A name used by an earlier
     section is prefixed with the section (--data-limit vs --limit)."""
@@ -63,6 +59,7 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[st
                 kw["action"] = argparse.BooleanOptionalAction
             elif typing.get_origin(tp) is list:
                 kw["action"] = "append"
+                kw["metavar"] = "VALUE"
                 kw["help"] += "; repeat the flag or give a comma list"
             else:
                 kw["metavar"] = getattr(tp, "__name__", "VALUE").upper()
@@ -83,8 +80,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
         sp = sub.add_parser(name, help=help_, description=help_)
         common(sp, run_dir_required=name in ("report",))
         maps[name] = add_config_flags(sp, sections)
-        if name == "data":
-            pass
     sp = sub.add_parser("target", help="show what eyas sees in a target", description="show what eyas sees in a target")
     common(sp)
     maps["target"] = add_config_flags(sp, ["target"])

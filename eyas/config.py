@@ -111,7 +111,8 @@ class TrainConfig:
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
-    init_head: bool = opt(True, "start the drafter's lm_head and final norm from the target's (draft-vocabulary rows)")
+    init_head: bool = opt(False, "start the drafter's lm_head and final norm from the target's (draft-vocabulary rows); "
+                          "off by default: it trained slower in our runs (README)")
     draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
 
 

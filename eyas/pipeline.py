@@ -31,9 +31,9 @@ STAGES = [
 ]
 
 # settings left at their defaults are sized to the machine for the embedded default run
-AUTO_CPU = {"regen.limit": 160, "regen.turns": 1, "regen.max_new_tokens": 160, "data.max_seq_len": 512,
-            "vocab.draft_vocab_size": 8192, "train.epochs": 4, "train.batch_tokens": 4096, "train.lr": 1e-3,
-            "eval.limit": 8, "eval.max_new_tokens": 96}
+AUTO_CPU = {"regen.limit": 40, "regen.turns": 1, "regen.max_new_tokens": 128, "data.max_seq_len": 384,
+            "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 6, "train.batch_tokens": 1024,
+            "train.lr": 1e-3, "train.val_ratio": 0.1, "eval.limit": 3, "eval.max_new_tokens": 64}
 AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1}
 
 
