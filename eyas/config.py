@@ -46,6 +46,8 @@ class DataConfig:
     val_ratio: float = opt(0.02, "share of records in the validation split (by a hash of the record id)")
     test_ratio: float = opt(0.02, "share of records in the held-out test split used by eval")
     max_seq_len: int = opt(2048, "truncate tokenized conversations to this many tokens")
+    extra_original: int = opt(0, "besides the regenerated conversations, train on this many original ones of the train "
+                              "split (their labels are still the target's own distribution; they cost a prefill, not a generation)")
     reasoning: str = opt("keep", "assistant reasoning: keep (render it the template's way) or drop", choices=("keep", "drop"))
     strict: bool = opt(False, "stop at the first bad record instead of skipping and counting it")
 

@@ -21,7 +21,8 @@ from .util import EyasError, NotBuiltError, atomic_write_json, log, read_json, s
 
 # name, "module:function", config keys it reads, output paths under the run dir
 STAGES = [
-    ("regen", "eyas.data.regen:run_regen", ["target", "data", "regen"], ["data/regen"]),
+    ("regen", "eyas.data.regen:run_regen", ["target", "data.source", "data.limit", "data.val_ratio", "data.test_ratio",
+                                            "data.max_seq_len", "data.reasoning", "data.strict", "regen"], ["data/regen"]),
     ("tokenize", "eyas.data.prepare:run_tokenize", ["target", "data", "train.val_ratio"], ["data/tokens"]),
     ("vocab", "eyas.vocab:run_vocab", ["vocab"], ["vocab"]),
     ("extract", "eyas.features:run_extract", ["features", "train.online"], ["features"]),
@@ -31,9 +32,10 @@ STAGES = [
 ]
 
 # settings left at their defaults are sized to the machine for the embedded default run
-AUTO_CPU = {"regen.limit": 40, "regen.turns": 1, "regen.max_new_tokens": 128, "data.max_seq_len": 384,
-            "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 6, "train.batch_tokens": 1024,
-            "train.lr": 1e-3, "train.val_ratio": 0.1, "eval.limit": 3, "eval.max_new_tokens": 64}
+AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "data.max_seq_len": 384,
+            "data.extra_original": 120, "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 5,
+            "train.batch_tokens": 1024, "train.lr": 1e-3, "train.val_ratio": 0.05, "eval.limit": 3,
+            "eval.max_new_tokens": 64}
 AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1}
 
 

@@ -84,14 +84,24 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     rdir = regen_dir(Path(cfg.out))
     if rdir.exists() and any(rdir.glob("*.jsonl")):
         convs, rep = read_dataset(str(rdir), strict=cfg.data.strict)
-        return convs, f"regenerated ({rdir})"
-    convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict)
-    if rep.n_skipped:
-        log(rep.summary())
-    convs = select_split(convs, "train", cfg.data.val_ratio, cfg.data.test_ratio)
+        source = f"regenerated ({rdir})"
+        if cfg.data.extra_original:
+            done = {c.id for c in convs}
+            extra = [c for c in _original_train(cfg) if c.id not in done][: cfg.data.extra_original]
+            convs += extra
+            source += f" + {len(extra)} original from {cfg.data.source}"
+        return convs, source
+    convs = _original_train(cfg)
     if cfg.data.limit:
         convs = convs[: cfg.data.limit]
     return convs, cfg.data.source
+
+
+def _original_train(cfg: Config) -> list[Conversation]:
+    convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict)
+    if rep.n_skipped:
+        log(rep.summary())
+    return select_split(convs, "train", cfg.data.val_ratio, cfg.data.test_ratio)
 
 
 def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: list[int]) -> tuple[list[Tokenized], dict]:
