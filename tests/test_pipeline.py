@@ -13,7 +13,7 @@ import pytest
 ARGS = [
     "--preset", "smollm2", "--set", "target.device=cpu", "--set", "target.dtype=float32",
     "--set", "regen.limit=8", "--set", "regen.turns=1", "--set", "regen.max_new_tokens=48",
-    "--set", "regen.temperature=0", "--set", "data.max_seq_len=320",
+    "--set", "regen.temperature=0", "--set", "data.max_seq_len=320", "--set", "data.extra_original=0",
     "--set", "vocab.draft_vocab_size=2048",
     "--set", "train.online=false", "--set", "train.epochs=12", "--set", "train.batch_tokens=1024",
     "--set", "train.lr=3e-3", "--set", "train.save_every=4", "--set", "train.eval_every=12",
