@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .config import TargetConfig
-from .util import EyasError, atomic_path, atomic_write_json, log, sha256_file
+from .util import EyasError, atomic_path, atomic_write_json, installed_file, log, sha256_file
 
 # preset name -> (package(s), file(s) inside them, cache name, env var holding a path to the GGUF)
 PRESET_GGUF = {
@@ -60,14 +60,6 @@ def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:
     return list(aux)
 
 
-def _package_file(package: str, rel: str) -> Path | None:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / rel
-    return p if p.exists() else None
-
-
 def find_preset_gguf(name: str, cfg: TargetConfig | None = None) -> Path:
     """The GGUF file of a preset: an explicit path, then $EYAS_<NAME>_GGUF, then
     $EYAS_STAGE_DIR/<file>, then the installed PyPI package(s) (Qwen's six parts are joined once
@@ -82,7 +74,7 @@ def find_preset_gguf(name: str, cfg: TargetConfig | None = None) -> Path:
             if not p.exists():
                 raise EyasError(f"GGUF file for target '{name}' not found: {p}")
             return p
-    parts = [_package_file(pkg, rel) for pkg, rel in info["packages"]]
+    parts = [installed_file(pkg, rel) for pkg, rel in info["packages"]]
     if len(parts) == 1 and parts[0]:
         return parts[0]
     if parts and all(parts):

@@ -60,6 +60,17 @@ def atomic_path(path: str | os.PathLike):
             os.unlink(tmp)
 
 
+def installed_file(package: str, rel: str) -> Path | None:
+    """A file shipped inside an installed package (model and data packages), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = Path(list(spec.submodule_search_locations)[0]) / rel
+    return p if p.exists() else None
+
+
 def read_json(path: str | os.PathLike) -> Any:
     path = Path(path)
     try:

@@ -70,7 +70,7 @@ class TokenSet:
         return cls(ids, t["input_ids"], t["loss_mask"], t["offsets"])
 
 
-def regen_dir(run_dir: Path) -> Path:
+def regen_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "data" / "regen"
 
 

