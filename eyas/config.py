@@ -277,7 +277,17 @@ def resolve(config_file: str | None = None, preset_name: str | None = None,
     cfg.preset = name
     for k, v in (overrides or {}).items():
         set_key(cfg, k, v)
+    # keys the user gave (file or flags), even when equal to a default: machine sizing leaves them alone
+    cfg.explicit = set(_flat_keys(file_data)) | set(overrides or {})
     return cfg
+
+
+def _flat_keys(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _flat_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
 
 
 def to_dict(cfg: Config) -> dict:

@@ -56,8 +56,9 @@ def autosize(cfg: C.Config, device_type: str) -> dict:
         return {}
     table = AUTO_GPU if device_type == "cuda" else AUTO_CPU
     changed = {}
+    explicit = getattr(cfg, "explicit", set())
     for key, value in table.items():
-        if _get(cfg, key) == _default(key):
+        if key not in explicit and _get(cfg, key) == _default(key):
             C.set_key(cfg, key, value)
             changed[key] = value
     return changed

@@ -72,3 +72,14 @@ def test_resolved_config_round_trips(tmp_path):
     again = C.resolve(str(path))
     assert C.to_dict(again) == C.to_dict(cfg)
     assert data["train"]["lr"] == 1e-3
+
+
+def test_machine_sizing_leaves_given_settings_alone():
+    from eyas.pipeline import autosize
+
+    cfg = C.resolve(None, "smollm2", {"data.extra_original": "0", "train.lr": "3e-4"})  # both equal the defaults
+    changed = autosize(cfg, "cpu")
+    assert "data.extra_original" not in changed and "train.lr" not in changed
+    assert cfg.data.extra_original == 0 and cfg.train.lr == 3e-4
+    assert changed["regen.limit"] == 32  # settings left alone are sized
+    assert autosize(C.resolve(None, "tiny", {}), "cpu") == {}  # only the embedded default is sized
