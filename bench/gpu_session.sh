@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: the SmolLM2 pipeline at small scale, then the decoding benchmark with its drafter.
-# Run from the repo root on the device machine after the stage pieces are unpacked into ~/eyas-stage:
+# Stage first: python3 ../shared/tools/stage.py --model smollm2 --data humaneval --wheels gguf, and
+# python3 bench/sharegpt_subset.py (carry .carry with the last piece). Then, on the device machine, from the
+# repo root after the stage pieces are unpacked into ~/eyas-stage:
 #   bash bench/gpu_session.sh [PROMPTS] [BUDGET_S]
 # Everything worth keeping is copied to $OUT as it appears, so a time-out still returns results.
 set -uo pipefail
