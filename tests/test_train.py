@@ -79,7 +79,7 @@ def test_overfits_real_smollm2_features(smol):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
-        hist.append((float(loss), [float(st.correct[j] / st.count[j]) for j in range(3)]))
+        hist.append((float(loss.detach()), [float(st.correct[j] / st.count[j]) for j in range(3)]))
     first = (hist[0][0] + hist[1][0]) / 2
     last = (hist[-1][0] + hist[-2][0]) / 2
     assert last < 0.5 * first, [h[0] for h in hist]

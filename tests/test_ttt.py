@@ -4,11 +4,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from eyas.draft import build_drafter
 from eyas.features import OnlineFeatures, Sample
-from eyas.ttt import (PackedBatch, TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
+from eyas.ttt import (TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
                       ttt_dense_mask, ttt_unroll)
 
 LENGTHS = [9, 4, 13, 2, 7]
