@@ -257,32 +257,31 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
+    def bar_png(name, x, y, color, xlabel, ylabel, title, ylim=None):
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.bar(x, y, color=color)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.set_title(title)
+        fig.tight_layout()
+        with atomic_path(out_dir / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+        plt.close(fig)
+        return name
+
     k = report["k"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(range(1, k + 1), report["per_position_acceptance"], color="#3b6ea8")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance (given earlier accepted)")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"per-position acceptance, K={k}, T={report['temperature']}")
-    fig.tight_layout()
-    with atomic_path(out_dir / "per_position_acceptance.png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    made.append("per_position_acceptance.png")
-    fig, ax = plt.subplots(figsize=(5, 3.2))
     hist = report["accepted_length_histogram"]
     total = max(1, sum(hist))
-    ax.bar(range(len(hist)), [h / total for h in hist], color="#a8583b")
-    ax.set_xlabel("drafts accepted per verify step")
-    ax.set_ylabel("share of verify steps")
-    ax.set_title(f"accepted lengths, tau = {report['acceptance_length']:.2f}")
-    fig.tight_layout()
-    with atomic_path(out_dir / "accepted_length_histogram.png") as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    made.append("accepted_length_histogram.png")
-    return made
+    return [
+        bar_png("per_position_acceptance.png", range(1, k + 1), report["per_position_acceptance"], "#3b6ea8",
+                "draft position", "acceptance (given earlier accepted)",
+                f"per-position acceptance, K={k}, T={report['temperature']}", (0, 1)),
+        bar_png("accepted_length_histogram.png", range(len(hist)), [h / total for h in hist], "#a8583b",
+                "drafts accepted per verify step", "share of verify steps",
+                f"accepted lengths, tau = {report['acceptance_length']:.2f}"),
+    ]
 
 
 def report_markdown(r: dict) -> str:

@@ -192,43 +192,35 @@ def test_packing_keeps_sequences_apart(tiny, setup):
         assert float(lm.loss_sum[j]) == pytest.approx(float(la.loss_sum[j]) + float(lo.loss_sum[j]), rel=1e-5)
 
 
+def _attend_outputs(backend, lens, n, heads, dim, dtype, device="cpu"):
+    """Outputs and gradients of three TTT steps of `backend` attention over a packed row."""
+    doc = torch.cat([torch.full((L,), i) for i, L in enumerate(lens + [n - sum(lens)])]).int().to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(h):
+        return [torch.randn(1, h, n, dim, generator=g, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+    qs, ks, vs = rand(heads), rand(2), rand(2)
+    att = TTTAttend(doc, backend, steps=3)
+    o = torch.cat([att(q, k, v) for q, k, v in zip(qs, ks, vs)])
+    o.square().sum().backward()
+    return o.detach(), [t.grad for t in qs + ks + vs]
+
+
+def _assert_same(a, b, tol):
+    torch.testing.assert_close(a[0], b[0], rtol=tol, atol=tol)
+    for x, y in zip(a[1], b[1]):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+
+
 @pytest.mark.gpu
 def test_flex_equals_dense_on_gpu():
-    torch.manual_seed(0)
-    lens = [300, 17, 129, 5, 400]
-    n = 1024
-    doc = torch.cat([torch.full((L,), i) for i, L in enumerate(lens + [n - sum(lens)])]).int().cuda()
-    outs = {}
-    for backend in ("flex", "dense"):
-        torch.manual_seed(0)
-        qs = [torch.randn(1, 8, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
-        ks = [torch.randn(1, 2, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
-        vs = [torch.randn(1, 2, n, 64, device="cuda", requires_grad=True) for _ in range(3)]
-        att = TTTAttend(doc, backend, steps=3)
-        o = torch.cat([att(q, k, v) for q, k, v in zip(qs, ks, vs)])
-        o.square().sum().backward()
-        outs[backend] = (o.detach(), [t.grad for t in qs + ks + vs])
-    torch.testing.assert_close(outs["flex"][0], outs["dense"][0], rtol=2e-3, atol=2e-3)
-    for a, b in zip(outs["flex"][1], outs["dense"][1]):
-        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+    args = ([300, 17, 129, 5, 400], 1024, 8, 64, torch.float32, "cuda")
+    _assert_same(_attend_outputs("flex", *args), _attend_outputs("dense", *args), 2e-3)
 
 
 def test_per_document_equals_dense_mask():
     """The CPU backend (attention inside each packed sequence + diagonal scores) computes the same
     outputs and gradients as SDPA with the dense TTT mask."""
-    lens = [30, 1, 17, 5, 40]
-    n = 96
-    doc = torch.cat([torch.full((L,), i) for i, L in enumerate(lens + [n - sum(lens)])]).int()
-    outs = {}
-    for backend in ("docs", "dense"):
-        g = torch.Generator().manual_seed(0)
-        qs = [torch.randn(1, 6, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-        ks = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-        vs = [torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-        att = TTTAttend(doc, backend, steps=3)
-        o = torch.cat([att(q, k, v) for q, k, v in zip(qs, ks, vs)])
-        o.square().sum().backward()
-        outs[backend] = (o.detach(), [t.grad for t in qs + ks + vs])
-    torch.testing.assert_close(outs["docs"][0], outs["dense"][0], rtol=1e-10, atol=1e-10)
-    for a, b in zip(outs["docs"][1], outs["dense"][1]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    args = ([30, 1, 17, 5, 40], 96, 6, 16, torch.float64)
+    _assert_same(_attend_outputs("docs", *args), _attend_outputs("dense", *args), 1e-10)
