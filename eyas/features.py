@@ -363,8 +363,10 @@ def extract_split(cfg: Config, target, split: str) -> dict:
         prog = read_json(prog_path)
         if prog.get("plan") == plan_key:
             done = {e["file"]: e for e in prog.get("shards", [])}
-    for stale in d.glob(f".shard-{rank:03d}-*.tmp"):
-        stale.unlink(missing_ok=True)
+    # temporaries a killed run of this rank left behind (shards and its progress file)
+    for pat in (f".shard-{rank:03d}-*.tmp", f".rank-{rank:03d}.json.*.tmp"):
+        for stale in d.glob(pat):
+            stale.unlink(missing_ok=True)
     my = plans[rank]
     todo = []
     for k, seqs in enumerate(my):
