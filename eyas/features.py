@@ -3,7 +3,9 @@
 A feature sample for one tokenized sequence holds
     input_ids [T] (long), loss_mask [T] (bool),
     aux [T, 3·H_t]  the residual streams entering the aux layers, concatenated,
-    final [T, H_t]  the target's last normed hidden state (lm_head(final) = target logits).
+    final [T, H_t]  the target's last normed hidden state (lm_head(final) = target logits),
+    top [T] (int32) the target's own next-token choice, argmax over its full vocabulary; computed
+                    once here so training need not multiply by the full lm_head every epoch.
 `OnlineFeatures` computes them from a target held in the process; offline shards (written by
 `eyas extract`) yield the same tensors for the same sequences.
 """
@@ -34,10 +36,23 @@ class Sample:
     loss_mask: torch.Tensor
     aux: torch.Tensor
     final: torch.Tensor
+    top: torch.Tensor | None = None  # [T] int32; None for shards written before eyas stored it
 
 
 @torch.no_grad()
-def compute_features(target, seqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def target_top(final: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 4096) -> torch.Tensor:
+    """The target's argmax token over its full vocabulary for final states [n, H] -> [n] int32, in
+    row chunks so the full logits never exist all at once."""
+    W = lm_head.weight
+    b = getattr(lm_head, "bias", None)
+    x = final.reshape(-1, final.shape[-1])
+    out = [torch.nn.functional.linear(x[i:i + chunk].to(W.dtype), W, b).argmax(-1).to(torch.int32)
+           for i in range(0, x.shape[0], chunk)]
+    return (torch.cat(out) if out else torch.zeros(0, dtype=torch.int32, device=W.device)).view(final.shape[:-1])
+
+
+@torch.no_grad()
+def compute_features(target, seqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One right-padded batch forward over `seqs` (1-D token tensors). With causal attention,
     padding on the right never changes the states of the real tokens, so no mask is needed."""
     if not seqs:
@@ -48,7 +63,8 @@ def compute_features(target, seqs: list[torch.Tensor]) -> list[tuple[torch.Tenso
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = s.to(dev)
     aux, final = target.capture(batch)
-    return [(aux[i, : len(s)], final[i, : len(s)]) for i, s in enumerate(seqs)]
+    top = target_top(final, target.model.get_output_embeddings())
+    return [(aux[i, : len(s)], final[i, : len(s)], top[i, : len(s)]) for i, s in enumerate(seqs)]
 
 
 class OnlineFeatures:
@@ -74,9 +90,9 @@ class OnlineFeatures:
                     group.append(j)
                     continue
             feats = compute_features(self.target, [pairs[k][0] for k in group])
-            for k, (aux, final) in zip(group, feats):
+            for k, (aux, final, top) in zip(group, feats):
                 ids, mask = pairs[k]
-                out.append(Sample(ids.to(aux.device), mask.to(aux.device), aux, final))
+                out.append(Sample(ids.to(aux.device), mask.to(aux.device), aux, final, top))
             group = [j] if j < len(pairs) else []
         return out
 
@@ -122,10 +138,11 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Stored bytes per token: 3 aux + 1 final state, fp8 scales, plus the token id and mask."""
+    """Stored bytes per token: 3 aux + 1 final state, fp8 scales, plus the token id, the target's
+    top id and the loss mask."""
     elems = 4 * hidden_size
     per = {"bf16": 2 * elems, "fp32": 4 * elems, "fp8": elems + 4 * 4}[dtype]
-    return per + 4 + 1
+    return per + 4 + 4 + 1
 
 
 def features_dir(run_dir: str | Path, split: str = "train") -> Path:
@@ -191,7 +208,8 @@ class _ShardBuffers:
         sd = STORE_DTYPES[dtype]
         for _ in range(count):
             b = {"aux": torch.empty(n_tokens, 3 * hidden, dtype=sd, pin_memory=pin),
-                 "final": torch.empty(n_tokens, hidden, dtype=sd, pin_memory=pin)}
+                 "final": torch.empty(n_tokens, hidden, dtype=sd, pin_memory=pin),
+                 "top": torch.empty(n_tokens, dtype=torch.int32, pin_memory=pin)}
             if dtype == "fp8":
                 b["aux_scale"] = torch.empty(n_tokens, 3, dtype=torch.float32, pin_memory=pin)
                 b["final_scale"] = torch.empty(n_tokens, 1, dtype=torch.float32, pin_memory=pin)
@@ -284,6 +302,7 @@ def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int,
     rows; returns the number of tokens."""
     dev = target.device
     pin = dev.type == "cuda"
+    lm_head = target.model.get_output_embeddings()
     lens_all = [int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in seqs]
     pos = 0
     for a, b in plan_batches(lens_all, batch_tokens):
@@ -295,6 +314,7 @@ def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int,
         aux = aux.reshape(-1, aux.shape[-1]).index_select(0, rows)
         final = final.reshape(-1, final.shape[-1]).index_select(0, rows)
         n = aux.shape[0]
+        buf["top"][pos:pos + n].copy_(target_top(final, lm_head), non_blocking=True)
         if dtype == "fp8":
             aux, aux_s = quantize_fp8(aux, 3)
             final, final_s = quantize_fp8(final, 1)
@@ -578,7 +598,7 @@ class OfflineFeatures:
         self.out_dtype = dtype or (torch.bfloat16 if self.dtype == "fp8" else STORE_DTYPES[self.dtype])
         index = read_json(d / "index.json")
         n = self.manifest["sequences"]
-        self._files, self._offsets = [], []
+        self._files, self._offsets, self._keys = [], [], []
         self._loc = torch.full((n, 2), -1, dtype=torch.long)
         for s, e in enumerate(index["shards"]):
             f = d / e["file"]
@@ -598,6 +618,7 @@ class OfflineFeatures:
             except (SafetensorError, OSError) as err:
                 raise EyasError(f"{f}: shard is corrupt ({err}); delete it and run `eyas extract` again") from None
             self._files.append(h)
+            self._keys.append(set(h.keys()))
             self._offsets.append(offsets)
             self._loc[seq_index, 0] = s
             self._loc[seq_index, 1] = torch.arange(seq_index.numel())
@@ -630,5 +651,6 @@ class OfflineFeatures:
                 aux, final = aux.to(self.out_dtype), final.to(self.out_dtype)
             ids = f.get_slice("input_ids")[a:b].long()
             mask = f.get_slice("loss_mask")[a:b].bool()
-            out.append(Sample(ids, mask, aux, final))
+            top = f.get_slice("top")[a:b] if "top" in self._keys[s] else None
+            out.append(Sample(ids, mask, aux, final, top))
         return out

@@ -432,7 +432,7 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
     for b in bins:
         batch = data.batch(b, d.device, multiple)
         with autocast(d.device):
-            labels = target_labels(batch.final, lm_head, drafter.draft_ids)
+            labels = target_labels(batch.final, lm_head, drafter.draft_ids, top=batch.top)
             st = ttt_unroll(drafter, batch, labels, steps)
         loss += torch.stack(st.loss_sum).double()
         cnt += torch.stack(st.count).double()
@@ -576,7 +576,7 @@ def run_train(cfg: Config, target=None) -> dict:
             sync = contextlib.nullcontext() if (d.world == 1 or a == len(mine) - 1) else model.no_sync()
             with sync:
                 with autocast(d.device):
-                    labels = target_labels(batch.final, lm_head, draft_ids)
+                    labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top)
                     st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen)
                 loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
                 (loss * d.world).backward()

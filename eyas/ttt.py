@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .features import Sample
+from .features import Sample, target_top
 
 
 @dataclass
@@ -42,6 +42,7 @@ class PackedBatch:
     pos: torch.Tensor        # [n] long: position inside the sequence
     doc_len: torch.Tensor    # [n] long: length of the token's sequence
     n_real: int              # tokens that are not padding
+    top: torch.Tensor | None = None  # [n] int32: the target's full-vocabulary argmax (None: compute it)
 
     def to(self, device) -> "PackedBatch":
         f = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
@@ -55,7 +56,7 @@ def pack_samples(samples: list[Sample], max_len: int = 0, pad_to: int = 0, multi
     parts = []
     for s in samples:
         L = len(s.input_ids) if max_len <= 0 else min(max_len, len(s.input_ids))
-        parts.append((s.input_ids[:L], s.loss_mask[:L], s.aux[:L], s.final[:L]))
+        parts.append((s.input_ids[:L], s.loss_mask[:L], s.aux[:L], s.final[:L], None if s.top is None else s.top[:L]))
     n_real = sum(len(p[0]) for p in parts)
     n = max(n_real, pad_to)
     n = -(-n // multiple) * multiple
@@ -66,11 +67,14 @@ def pack_samples(samples: list[Sample], max_len: int = 0, pad_to: int = 0, multi
     mask = torch.cat([p[1].to(dev) for p in parts] + [torch.zeros(pad, dtype=torch.bool, device=dev)])
     aux = torch.cat([p[2] for p in parts] + [ref.aux.new_zeros(pad, ref.aux.shape[-1])])
     final = torch.cat([p[3] for p in parts] + [ref.final.new_zeros(pad, ref.final.shape[-1])])
+    top = None
+    if all(p[4] is not None for p in parts):
+        top = torch.cat([p[4].to(dev, torch.int32) for p in parts] + [torch.zeros(pad, dtype=torch.int32, device=dev)])
     lens = [len(p[0]) for p in parts] + ([pad] if pad else [])
     doc = torch.cat([torch.full((L,), i, dtype=torch.int32) for i, L in enumerate(lens)])
     pos = torch.cat([torch.arange(L) for L in lens])
     doc_len = torch.cat([torch.full((L,), L, dtype=torch.long) for L in lens])
-    return PackedBatch(ids, mask, aux, final, doc.to(dev), pos.to(dev), doc_len.to(dev), n_real)
+    return PackedBatch(ids, mask, aux, final, doc.to(dev), pos.to(dev), doc_len.to(dev), n_real, top)
 
 
 # ----------------------------------------------------------------------------------- attention
@@ -196,17 +200,19 @@ class Labels:
 
 
 @torch.no_grad()
-def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torch.Tensor, chunk: int = 4096) -> Labels:
+def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torch.Tensor, chunk: int = 4096,
+                  top: torch.Tensor | None = None) -> Labels:
     """Target logits restricted to the draft vocabulary, and whether the full-vocabulary argmax
-    is in it (computed in row chunks so the full logits never exist all at once)."""
+    is in it: `top` when the features carry it, else computed here in row chunks."""
     W = lm_head.weight
     b = getattr(lm_head, "bias", None)
     Wd = W[draft_ids]
     logits = F.linear(final.to(W.dtype), Wd, None if b is None else b[draft_ids])
     to_draft = torch.full((W.shape[0],), -1, dtype=torch.long, device=W.device)
     to_draft[draft_ids] = torch.arange(draft_ids.numel(), device=W.device)
-    top = torch.cat([F.linear(final[i:i + chunk].to(W.dtype), W, b).argmax(-1) for i in range(0, final.shape[0], chunk)])
-    return Labels(logits, to_draft[top])
+    if top is None:
+        top = target_top(final, lm_head, chunk)
+    return Labels(logits, to_draft[top.long()])
 
 
 # ---------------------------------------------------------------------------------- the unroll

@@ -125,6 +125,11 @@ def test_offline_equals_online_smol(smol, tmp_path):
             assert torch.equal(o.input_ids, n.input_ids) and torch.equal(o.loss_mask, n.loss_mask)
             assert o.aux.dtype == torch.float32
             assert torch.equal(o.aux, n.aux) and torch.equal(o.final, n.final)
+            # the stored top ids are the target's own argmax, from an independent plain forward
+            assert o.top.dtype == torch.int32 and torch.equal(o.top, n.top)
+            with torch.no_grad():
+                ref = smol.model(input_ids=o.input_ids[None]).logits[0].argmax(-1)
+            assert torch.equal(o.top.long(), ref)
     on.max_batch_tokens = 1000
     for o, n in zip(off.get([3, 0, 1]), on.get([3, 0, 1])):
         torch.testing.assert_close(o.aux, n.aux, rtol=1e-5, atol=1e-5)

@@ -134,6 +134,10 @@ def test_unroll_equals_slow_reference(tiny, setup):
     lm_head = tiny.model.get_output_embeddings()
     batch = pack_samples(samples, pad_to=48)
     labels = target_labels(batch.final, lm_head, draft_ids, chunk=7)
+    # the top ids the features carry give the same labels as recomputing them from the final states
+    stored = target_labels(batch.final, lm_head, draft_ids, top=batch.top)
+    n = batch.n_real
+    assert torch.equal(stored.draft_idx[:n], labels.draft_idx[:n]) and torch.equal(stored.logits, labels.logits)
     drafter.zero_grad()
     st = ttt_unroll(drafter, batch, labels, steps)
     sum(st.loss_sum).backward()
