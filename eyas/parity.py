@@ -167,14 +167,11 @@ def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dic
 # ----------------------------------------------------------------------------- prompts and report
 
 def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
-    """The evaluation prompts as chat messages (system/user turns before the first answer):
-    named data sets use their held-out test split, files are used whole; cfg.eval.limit applies."""
-    from .data.readers import read_dataset, select_split
+    """The evaluation prompts as chat messages (system/user turns before the first answer), from the
+    same prompt set `eyas eval` uses (cfg.eval.prompts and cfg.eval.limit)."""
+    from .evaluate import load_prompt_set
 
-    source = cfg.eval.prompts
-    convs, _ = read_dataset(source)
-    if source == "sharegpt":
-        convs = select_split(convs, "test", cfg.data.val_ratio, cfg.data.test_ratio)
+    name, convs = load_prompt_set(cfg)
     prompts = []
     for c in convs:
         msgs = []
@@ -184,11 +181,9 @@ def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
             msgs.append({"role": t.role, "content": t.content})
         if any(m["role"] == "user" for m in msgs):
             prompts.append(msgs)
-        if cfg.eval.limit and len(prompts) >= cfg.eval.limit:
-            break
     if not prompts:
-        raise EyasError(f"eval.prompts {source!r} gave no prompts")
-    return prompts, source
+        raise EyasError(f"eval.prompts {cfg.eval.prompts!r} gave no prompts")
+    return prompts, name
 
 
 def _load_tokenizer(cfg):
