@@ -18,7 +18,7 @@ timeout $((budget - 45)) python3 -m eyas run --out $run --set regen.limit=$promp
   --set eval.limit=${EVAL_LIMIT:-5} --set eval.max_new_tokens=128 --set eval.k=3 --set eval.compile=false ${EYAS_EXTRA:-} 2>&1 \
   | tr '\r' '\n' | grep -v '^\s*$' > "$OUT/run.log"
 echo "pipeline exit ${PIPESTATUS[0]} after $(( $(date +%s) - start ))s" >> "$OUT/run.log"
-cp $run/manifest.json $run/eval/report.json $run/eval/report.md "$OUT/" 2>/dev/null
+cp $run/manifest.json $run/eval/report.json $run/report.md "$OUT/" 2>/dev/null
 cp $run/train/summary.json "$OUT/train_summary.json" 2>/dev/null
 left=$(( budget - ($(date +%s) - start) - 5 ))
 if [ -d $run/draft ] && [ $left -gt 30 ]; then

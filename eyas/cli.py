@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "eval": ("speculative decoding with the drafter: acceptance length, speedup, lossless check",
              ["eval", "target", "data"], "eyas.evaluate:run_eval"),
     "export": ("export the drafter for SGLang and vLLM", ["export", "target"], "eyas.export:run_export"),
-    "report": ("rebuild eval/report.md and its plots from a run directory", [], "eyas.pipeline:run_report"),
+    "report": ("rebuild the run report (DIR/report.md) from a run directory", [], "eyas.pipeline:run_report"),
 }
 
 

@@ -178,7 +178,7 @@ def run_pipeline(cfg: C.Config) -> dict:
     if missing:
         raise NotBuiltError(f"eyas run stopped before: {', '.join(missing)} (not built yet); "
                             f"finished stages are kept in {run}")
-    return {"run": str(run), "stages": summary, "report": str(run / "eval" / "report.md")}
+    return {"run": str(run), "stages": summary, "report": str(run / "report.md")}
 
 
 def _jsonable(obj):

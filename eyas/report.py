@@ -1,5 +1,5 @@
-"""The run report: one markdown page (`<run>/eval/report.md`) with the numbers of every stage and
-links to the plots the stages drew. Built from the files in the run directory alone, so
+"""The run report: one markdown page (`<run>/report.md`) with the numbers of every stage and
+links to the plots the stages drew (`eval/report.md` stays the evaluation's own page). Built from the files in the run directory alone, so
 `eyas report DIR` can rebuild it at any time."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _fmt(v) -> str:
 
 def _img(lines: list[str], run: Path, rel: str, alt: str) -> None:
     if (run / rel).exists():
-        lines.append(f"![{alt}](../{rel})")
+        lines.append(f"![{alt}]({rel})")
 
 
 def write_report(run: Path) -> dict:
@@ -49,7 +49,7 @@ def write_report(run: Path) -> dict:
         if ppa:
             lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]
         for png in sorted((run / "eval").glob("*.png")):
-            lines.append(f"![{png.stem}]({png.name})")
+            lines.append(f"![{png.stem}](eval/{png.name})")
         lines.append("")
     stages = man.get("stages", {})
     if stages:
@@ -102,6 +102,6 @@ def write_report(run: Path) -> dict:
                                                                       if k not in ("samples", "outputs")}, indent=1)[:6000],
                   "```", ""]
     text = "\n".join(lines) + "\n"
-    out = run / "eval" / "report.md"
+    out = run / "report.md"
     atomic_write_text(out, text)
     return {"report": str(out)}

@@ -42,7 +42,7 @@ def test_report_tau_and_lossless(full_run):
     rep = json.loads((out / "eval" / "report.json").read_text())
     assert rep["lossless"] is True
     assert rep["acceptance_length"] > 1.0, rep["per_position_acceptance"]
-    md = (out / "eval" / "report.md").read_text()
+    md = (out / "report.md").read_text()
     for section in ("## Result", "## Stages", "## Data", "## Vocabulary", "## Training"):
         assert section in md
     man = json.loads((out / "manifest.json").read_text())
