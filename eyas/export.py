@@ -29,6 +29,7 @@ VLLM_MODEL_TYPE = "eagle3"
 # hub ids of the presets, written as the verifier a served drafter belongs to
 PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
                   "qwen-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
+PRESET_ARCHS = {"smollm2": "LlamaForCausalLM", "qwen-coder-0.5b": "Qwen2ForCausalLM", "tiny": "LlamaForCausalLM"}
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -224,6 +225,19 @@ def verifier_name(target_cfg) -> str:
     return PRESET_HUB_IDS.get(target_cfg.name, target_cfg.name)
 
 
+def verifier_architectures(target_cfg) -> list[str] | None:
+    """The target's transformers architecture for the export's verifier metadata: known for the
+    presets, read from config.json for an HF folder, else unknown (None)."""
+    if target_cfg.name in PRESET_ARCHS:
+        return [PRESET_ARCHS[target_cfg.name]]
+    cfg_file = Path(target_cfg.name).expanduser() / "config.json"
+    if cfg_file.is_file():
+        archs = _read_json(cfg_file).get("architectures")
+        if isinstance(archs, list) and archs:
+            return [str(a) for a in archs]
+    return None
+
+
 def run_export(cfg) -> dict:
     """`eyas export`: <run>/draft -> <run>/export/{sglang,vllm}/."""
     run = Path(cfg.out)
@@ -243,7 +257,8 @@ def run_export(cfg) -> dict:
     out = {}
     for f in formats:
         p = export_drafter(drafter, run / "export" / f, f, verifier_name(cfg.target),
-                           include_embeddings=cfg.export.include_embeddings, num_speculative_tokens=cfg.eval.k)
+                           include_embeddings=cfg.export.include_embeddings, num_speculative_tokens=cfg.eval.k,
+                           verifier_architectures=verifier_architectures(cfg.target))
         log(f"exported the drafter for {f}: {p}")
         out[f] = str(p)
     return {"export": out, "aux_layers": list(drafter.config.aux_layers),

@@ -21,10 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas import config as C
 from eyas.config import Config
 from eyas.draft import build_drafter, save_drafter
 from eyas.export import (check_checkpoint, engine_aux_ids, export_drafter, eyas_aux_ids, import_drafter,
-                         run_export)
+                         run_export, verifier_architectures)
 from eyas.util import EyasError
 
 DRAFT_VOCAB = 2048
@@ -274,6 +275,14 @@ def test_run_export_writes_both_formats(tiny, drafter, tmp_path):
     raw = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
     assert raw["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.eval.k
+    assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    # the verifier's architecture follows the target: the Qwen preset and an HF folder's config.json
+    assert verifier_architectures(C.TargetConfig(name="qwen-coder-0.5b")) == ["Qwen2ForCausalLM"]
+    folder = tmp_path / "hf-target"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    assert verifier_architectures(C.TargetConfig(name=str(folder))) == ["MistralForCausalLM"]
+    assert verifier_architectures(C.TargetConfig(name=str(tmp_path / "model.gguf"))) is None
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "vllm"])
