@@ -1,12 +1,13 @@
-"""Benchmark `eyas regen` (embedded backend) against plain transformers `generate`, same batch size,
-same prompts, same machine, same run.
+"""Benchmark `eyas regen` (embedded backend, each engine in --engine) against plain transformers
+`generate`, same batch size, same prompts, same machine, same run.
 
     EYAS_STAGE_DIR=/path/with/smollm2-135m-instruct.gguf+sharegpt.json.gz \
-        PYTHONPATH=. python3 bench/bench_regen.py --prompts 1000 --out results.json
+        PYTHONPATH=. python3 bench/bench_regen.py --prompts 1000 --engine static,generate --out results.json
 
 Prompts are the first user turns of ShareGPT conversations (at most --max-prompt-tokens tokens),
 answered greedily with up to --max-new-tokens tokens each. eyas regen runs the whole stage (prompt
-rendering, generation, shard writing) over all prompts; the baseline runs `model.generate` on
+rendering, generation, shard writing) over all prompts, once per engine, with data.max_seq_len set just
+above --max-prompt-tokens (the static engine sizes its KV cache from it); the baseline runs `model.generate` on
 batches of the same prompts in their given order, left-padded, for --baseline-batches batches (it is
 slow: time-boxed). Both count generated tokens up to and including the end-of-turn token.
 --random-init uses SmolLM2's architecture with random weights (no GGUF needed; answers never end
@@ -68,7 +69,7 @@ def prompts(target, n: int, max_tokens: int) -> list[str]:
     return out
 
 
-def bench_eyas(target, users: list[str], args) -> dict:
+def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     from eyas.config import Config
     from eyas.data.regen import run_regen
 
@@ -78,10 +79,10 @@ def bench_eyas(target, users: list[str], args) -> dict:
                            for i, u in enumerate(users)))
     cfg = Config(out=str(tmp / "run"))
     cfg.data.source = str(src)
-    cfg.data.max_seq_len = 0
+    cfg.data.max_seq_len = args.max_prompt_tokens + 64  # room for rendering differences; none is refused
     r = cfg.regen
     r.split, r.turns, r.max_new_tokens, r.temperature = "all", 1, args.max_new_tokens, 0.0
-    r.batch_size, r.shard_size, r.engine = args.batch_size, 256, args.engine
+    r.batch_size, r.shard_size, r.engine = args.batch_size, 256, engine
     sync()
     t0 = time.perf_counter()
     rep = run_regen(cfg, target=target)
@@ -89,7 +90,7 @@ def bench_eyas(target, users: list[str], args) -> dict:
     dt = time.perf_counter() - t0
     gen = rep["completion_tokens"].get("total", 0) + (rep["assistant_turns"] - rep["truncated_turns"])  # + eot
     return {"prompts": len(users), "records": rep["records"], "errors": rep["errors"], "seconds": round(dt, 2),
-            "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1), "engine": args.engine,
+            "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1), "engine": engine,
             "truncated_turns": rep["truncated_turns"]}
 
 
@@ -142,11 +143,15 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-batches", type=int, default=2, help="timed generate batches (after one warm-up)")
     p.add_argument("--baseline-seconds", type=float, default=120, help="stop the baseline after this long")
     p.add_argument("--static-baseline", action="store_true", help="also time generate with a static cache")
-    p.add_argument("--engine", default="auto", choices=("auto", "continuous", "generate"))
+    p.add_argument("--engine", default="static,generate",
+                   help="eyas regen engines to time, comma-separated (auto, static, continuous, generate)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--random-init", action="store_true", help="random weights with --target's architecture")
     p.add_argument("--out", default="results.json")
     args = p.parse_args(argv)
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    if not engines or set(engines) - {"auto", "static", "continuous", "generate"}:
+        p.error(f"--engine: {args.engine!r} is not a comma-separated list of auto, static, continuous, generate")
 
     import torch
     import transformers
@@ -161,17 +166,19 @@ def main(argv=None) -> int:
            "target": target.name, "random_init": args.random_init, "dtype": str(target.dtype),
            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "temperature": 0.0,
            "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
-    res["eyas_regen"] = bench_eyas(target, users, args)
-    print(f"eyas regen: {res['eyas_regen']}", file=sys.stderr)
+    res["eyas_regen"] = {}
+    for e in engines:
+        res["eyas_regen"][e] = bench_eyas(target, users, args, e)
+        print(f"eyas regen ({e}): {res['eyas_regen'][e]}", file=sys.stderr)
     res["hf_generate"] = bench_generate(target, users, args)
     print(f"hf generate: {res['hf_generate']}", file=sys.stderr)
     base = res["hf_generate"]["tokens_per_s"]
     if args.static_baseline:
         res["hf_generate_static"] = bench_generate(target, users, args, static=True)
         base = max(base, res["hf_generate_static"]["tokens_per_s"])
-    res["speedup"] = round(res["eyas_regen"]["tokens_per_s"] / max(base, 1e-9), 2)
+    res["speedup"] = {e: round(r["tokens_per_s"] / max(base, 1e-9), 2) for e, r in res["eyas_regen"].items()}
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    rows = [("eyas regen (" + res["eyas_regen"]["engine"] + ")", res["eyas_regen"])]
+    rows = [(f"eyas regen ({e})", r) for e, r in res["eyas_regen"].items()]
     rows.append(("transformers generate", res["hf_generate"]))
     if args.static_baseline:
         rows.append(("transformers generate, static cache", res["hf_generate_static"]))
@@ -179,7 +186,8 @@ def main(argv=None) -> int:
     print(f"{'what':<40} {'tokens':>10} {'seconds':>9} {'tok/s':>10}")
     for name, r in rows:
         print(f"{name:<40} {r['generated_tokens']:>10} {r['seconds']:>9} {r['tokens_per_s']:>10}")
-    print(f"speedup over the strongest baseline: {res['speedup']}x  (written to {args.out})")
+    print("speedup over the strongest baseline: " + ", ".join(f"{e} {x}x" for e, x in res["speedup"].items())
+          + f"  (written to {args.out})")
     return 0
 
 

@@ -73,9 +73,11 @@ class RegenConfig:
     retries: int = opt(5, "server backend: retries per request on 429/5xx/connection errors")
     shard_size: int = opt(256, "records per output JSONL shard")
     backoff: float = opt(1.0, "server backend: seconds before the first retry, doubled on each further retry (max 60)")
-    engine: str = opt("auto", "embedded backend: continuous (transformers continuous batching, paged KV cache), "
-                      "generate (padded batches grouped by length), auto (= generate, the faster one measured)",
-                      choices=("auto", "continuous", "generate"))
+    engine: str = opt("auto", "embedded backend: static (eyas' own decode loop on a static KV cache, CUDA graphs on "
+                      "GPU; Llama, Mistral and Qwen2 targets), continuous (transformers continuous batching, paged KV "
+                      "cache), generate (padded batches grouped by length through model.generate, any target), "
+                      "auto (= static on a GPU when it can run the target, else generate)",
+                      choices=("auto", "static", "continuous", "generate"))
 
 
 @dataclass
@@ -127,7 +129,8 @@ class EvalConfig:
     max_new_tokens: int = opt(256, "tokens generated per answer")
     limit: int = opt(20, "prompts evaluated (0 = all)")
     draft: str = opt("", "drafter to evaluate (default: the run's trained drafter)")
-    compile: bool = opt(True, "use torch.compile / CUDA graphs on GPU")
+    compile: bool = opt(True, "on GPU, run the fixed-shape decoding steps as CUDA graphs (checked against eager "
+                              "on first use; off for targets the fast engine does not run)")
 
 
 @dataclass

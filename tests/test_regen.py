@@ -280,11 +280,12 @@ def tiny_cfg(tmp_path, source, **regen) -> Config:
     return cfg
 
 
-def test_embedded_tiny_kill9_resume(tmp_path, tiny):
+@pytest.mark.parametrize("engine", ["continuous", "static"])
+def test_embedded_tiny_kill9_resume(tmp_path, tiny, engine):
     src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(24)], system="S")
-    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=16, engine="continuous"), target=tiny)
+    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=16, engine=engine), target=tiny)
     assert ref["records"] == 24 and ref["assistant_turns"] == 48 and ref["generator"]["backend"] == "embedded"
-    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split", "all", "--engine", "continuous",
+    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split", "all", "--engine", engine,
             "--max-new-tokens", "16", "--temperature", "0", "--batch-size", "4", "--shard-size", "3"]
     rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 8)
     assert rep["records"] == 24 and rep["duplicates"] == 0 and rep["complete"]
@@ -293,16 +294,16 @@ def test_embedded_tiny_kill9_resume(tmp_path, tiny):
     assert sorted(a) == sorted(b)
 
 
-def test_embedded_generate_engine_matches_continuous(tmp_path, tiny):
+def test_embedded_engines_agree(tmp_path, tiny):
     src = write_jsonl(tmp_path / "d.jsonl", [["hi"], ["a much longer question about many things"], ["x"]])
     runs = {}
-    for engine in ("continuous", "generate"):
+    for engine in ("continuous", "generate", "static"):
         cfg = tiny_cfg(tmp_path, src, engine=engine, max_new_tokens=8)
         cfg.out = str(tmp_path / engine)
         rep = run_regen(cfg, target=tiny)
         assert rep["records"] == 3 and rep["truncated_turns"] == 3  # random weights never stop early
         runs[engine] = {c.id: c.turns[-1].content for c in read_dataset(str(regen_dir(cfg.out)))[0]}
-    assert runs["continuous"] == runs["generate"]  # greedy: both engines give the target's own answer
+    assert runs["continuous"] == runs["generate"] == runs["static"]  # greedy: each gives the target's own answer
 
 
 def test_smollm2_regenerates_sharegpt(tmp_path, smol):
@@ -349,3 +350,81 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
                               pad_token_id=smol.eot_token_ids[0])[0, ids.shape[1]:]
     ref = [x for x in ref.tolist() if x not in smol.eot_token_ids]
     assert c.turns[-1].content == smol.tokenizer.decode(ref, skip_special_tokens=True).strip()
+
+
+# --------------------------------------------------------------------------- the static engine (eyas.fastlm)
+
+
+def drain(engine, prompts: list[str]) -> tuple[dict, dict]:
+    """Submit one user prompt per request, poll until all are answered: ({rid: TurnResult}, {rid: tokens})."""
+    tokens, result = {}, engine.result
+
+    def keep(rid, plen, toks):
+        tokens[rid] = list(toks)
+        return result(rid, plen, toks)
+
+    engine.result = keep
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", [{"role": "user", "content": p}], 0)
+    got = {}
+    while len(got) < len(prompts):
+        got.update({r.rid: r for r in engine.poll(0.1)})
+    engine.close()
+    return got, tokens
+
+
+def test_static_engine_equals_generate_alone(smol):
+    """Greedy, 2 rows for 5 prompts (rows are refilled): each answer is SmolLM2's own greedy answer to that
+    prompt alone, token for token; two stop at the end-of-turn token, three at the length limit."""
+    import torch
+
+    from eyas.config import RegenConfig
+    from eyas.data.regen import StaticEngine, _render_prompt
+
+    prompts = ["Hi!", "What is 2+2? Answer with one number.", "Write a long essay about the history of Rome.",
+               "Explain how a compiler works, step by step.", "Hello, who are you?"]
+    rc = RegenConfig(temperature=0.0, max_new_tokens=12, batch_size=2)
+    got, tokens = drain(StaticEngine(smol, rc, "keep", 2048), prompts)
+    assert [got[f"r{i}"].finish_reason for i in range(5)] == ["stop", "stop", "length", "length", "length"]
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([_render_prompt(smol.tokenizer, [{"role": "user", "content": p}], "keep")])
+        ref = smol.model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=smol.eot_token_ids,
+                                  pad_token_id=smol.eot_token_ids[0])[0, ids.shape[1]:].tolist()
+        assert tokens[f"r{i}"] == ref, p
+        assert got[f"r{i}"].prompt_tokens == ids.shape[1]
+
+
+def test_static_engine_limits_and_sampling(tiny, monkeypatch):
+    """Against the generate engine on the tiny target: a prompt at the context limit is refused, a prompt
+    near the model's maximum length gets fewer new tokens, the others max_new_tokens; sampling is
+    reproducible from the seed."""
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
+
+    prompts = ["hi", "a somewhat longer question about a few things", "x", "a question " * 30, "why?"]
+    lens = [len(_render_prompt(tiny.tokenizer, [{"role": "user", "content": p}], "keep")) for p in prompts]
+    monkeypatch.setattr(tiny.model.config, "max_position_embeddings", lens[1] + 5)  # r1 may add 5 tokens
+    rc = RegenConfig(temperature=0.0, max_new_tokens=9, batch_size=2)
+    ref, ref_tokens = drain(GenerateEngine(tiny, rc, "keep", 0), prompts)
+    got, tokens = drain(StaticEngine(tiny, rc, "keep", 0), prompts)
+    assert got == ref and tokens == ref_tokens
+    assert got["r3"].finish_reason == "context" and got["r1"].completion_tokens == 5
+    assert [len(tokens[f"r{i}"]) for i in (0, 2, 4)] == [9, 9, 9]  # random weights never stop early
+
+    rc.temperature = 1.0
+    runs = [drain(StaticEngine(tiny, rc, "keep", 0), prompts)[1] for _ in range(2)]
+    assert runs[0] == runs[1] and runs[0] != tokens
+    assert all(len(runs[0][r]) <= len(tokens[r]) for r in tokens)
+
+
+def test_engine_choice(tiny, monkeypatch):
+    import eyas.fastlm
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, StaticEngine, make_embedded
+
+    # auto: static on CUDA for the architectures it runs, generate on CPU (faster there) and elsewhere
+    assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), GenerateEngine)
+    assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2, engine="static"), "keep", 64), StaticEngine)
+    monkeypatch.setattr(eyas.fastlm, "supported", lambda model: (False, "NewArch: not implemented"))
+    with pytest.raises(EyasError, match="static regen engine cannot run this target: NewArch.*--engine generate"):
+        make_embedded(tiny, RegenConfig(batch_size=2, engine="static"), "keep", 64)

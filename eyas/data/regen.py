@@ -4,10 +4,12 @@ the target's own answers.
 For each conversation the system and user turns are kept, the original assistant turns dropped, and
 each assistant turn generated in order, conditioned on the regenerated history. Backends:
 
-* embedded (default): the target in-process. `continuous` uses transformers' continuous batching
-  (paged KV cache, no padding, finished sequences replaced at once: a conversation's next turn joins
-  the running batch as soon as its previous turn ends); `generate` is the fallback: padded batches of
-  prompts grouped by length through `model.generate`.
+* embedded (default): the target in-process. `static` is eyas' own decode loop (eyas.fastlm): a
+  static KV cache of `batch` rows, a finished row refilled with the next prompt within a few steps
+  (a conversation's next turn joins as soon as its previous turn ends), one CUDA graph per decode step
+  on GPU; it runs Llama, Mistral and Qwen2 targets. `continuous` uses transformers' continuous
+  batching (paged KV cache); `generate` is the fallback for any target: padded batches of prompts
+  grouped by length through `model.generate`. `auto` takes `static` where it can run, else `generate`.
 * server: any OpenAI-compatible endpoint (see server.py).
 
 Output: `<run>/data/regen/shard-NNNNN.jsonl`, one `Conversation.to_dict()` per line with `meta`
@@ -22,12 +24,13 @@ import json
 import math
 import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config, RegenConfig
-from ..util import EyasError, atomic_write_json, atomic_write_text, log, progress, read_json, stable_hash
+from ..util import (EyasError, atomic_write_json, atomic_write_text, human_bytes, log, progress, read_json,
+                    stable_hash)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
 from .readers import read_dataset, select_split
@@ -288,16 +291,194 @@ class GenerateEngine(_Embedded):
         pass
 
 
+class StaticEngine(_Embedded):
+    """eyas' own decode loop on FastLM. Each of the `batch` cache rows holds one sequence; every
+    `check_every` decode steps one host sync finds the finished rows, which are refilled at once with
+    waiting prompts (prefilled together, right-padded, in chunks of at most `prefill_tokens` tokens).
+    A decode step advances all rows at a fixed shape (one CUDA graph replay on GPU) and samples on the
+    device; a finished row keeps its position and writes its tokens to a spare column until refilled."""
+    name = "static"
+    check_every = 8
+
+    def __init__(self, target, rc, reasoning, ctx_limit):
+        super().__init__(target, rc, reasoning, ctx_limit)
+        import torch
+
+        from ..fastlm import DecodeGraph, FastLM, supported
+
+        ok, why = supported(target.model)
+        if not ok:
+            raise EyasError(f"the static regen engine cannot run this target: {why}; use --engine generate")
+        dev = target.device
+        # a prompt is shorter than ctx_limit, and prompt + answer fit the model's context (see prepare)
+        max_len = min(self.model_max, self.ctx_limit + rc.max_new_tokens)
+        self.batch = self._rows_that_fit(target, max_len)
+        self.prefill_tokens = 16384 if dev.type == "cuda" else 2048
+        torch.manual_seed(rc.seed)
+        self.lm = FastLM(target.model, self.batch, max_len)
+        self.stop = torch.tensor(sorted(self.eot), device=dev)
+        self.step = DecodeGraph(self.lm, self._pick)
+        B = self.batch
+        self.done = torch.ones(B, dtype=torch.bool, device=dev)  # idle rows count as done
+        self.nnew = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated so far
+        self.limit = torch.ones(B, dtype=torch.long, device=dev)  # max new tokens of the row
+        self.out = torch.zeros(B, rc.max_new_tokens + 1, dtype=torch.long, device=dev)  # last column: spare
+        self.pending: deque[tuple[str, list[int], int]] = deque()
+        self.slot: list[tuple[str, int] | None] = [None] * B  # (rid, prompt length) of each busy row
+        self.hpos = [0] * B  # host-side bound on each busy row's next position
+        self.cap = [0] * B  # ... and the last position it can reach
+
+    def _rows_that_fit(self, target, max_len: int) -> int:
+        """`self.batch`, or fewer rows when a cache of `max_len` slots per row would not fit in half of
+        the free memory."""
+        import torch
+
+        c = target.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_row = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * max_len * target.dtype.itemsize
+        if target.device.type == "cuda":
+            free = torch.cuda.mem_get_info(target.device)[0]
+        else:
+            import psutil  # installed with accelerate
+
+            free = psutil.virtual_memory().available
+        rows = min(self.batch, free // 2 // per_row)
+        if rows < 1:
+            raise EyasError(f"the static regen engine's KV cache needs {human_bytes(per_row)} for one sequence of "
+                            f"{max_len} tokens but only {human_bytes(free)} are free; lower data.max_seq_len or "
+                            f"regen.max_new_tokens, or use --engine generate")
+        if rows < self.batch:
+            log(f"regen: the static KV cache holds {rows} sequences, not {self.batch} ({human_bytes(per_row)} each "
+                f"for {max_len} tokens; {human_bytes(free)} free)")
+        return rows
+
+    def _pick(self, logits):
+        """Next token per row from logits [b, V], on the device without a host sync: argmax, or a draw
+        from the temperature/top-p distribution as argmax(p / Exp(1)) (the default RNG, graph-safe)."""
+        import torch
+
+        from ..decode import probs_from_logits
+
+        if self.rc.temperature == 0:
+            return logits.argmax(-1)
+        probs = probs_from_logits(logits, self.rc.temperature, self.rc.top_p)
+        return (probs / torch.empty_like(probs).exponential_().clamp_min_(1e-30)).argmax(-1)
+
+    def submit(self, rid: str, messages: list[dict], seed: int) -> None:
+        p = self.prepare(rid, messages)
+        if p is not None:
+            self.pending.append((rid, *p))
+
+    def _admit(self) -> None:
+        """Fill free rows with waiting prompts: shortest first, right-padded prefills of at most
+        `prefill_tokens` tokens, each row's first token sampled from its last prompt position."""
+        free = [r for r, s in enumerate(self.slot) if s is None]
+        take = [self.pending.popleft() for _ in range(min(len(free), len(self.pending)))]
+        take.sort(key=lambda x: len(x[1]))
+        i = 0
+        while i < len(take):
+            j = i + 1
+            while j < len(take) and (j + 1 - i) * len(take[j][1]) <= self.prefill_tokens:
+                j += 1
+            self._prefill(free[i:j], take[i:j])
+            i = j
+
+    def _prefill(self, rows: list[int], items: list[tuple[str, list[int], int]]) -> None:
+        import torch
+
+        def to_device(data):  # without waiting for the decode steps queued on a GPU (a pageable copy would)
+            t = torch.tensor(data)
+            return t.pin_memory().to(self.t.device, non_blocking=True) if self.t.device.type == "cuda" else t
+
+        width = max(len(p) for _, p, _ in items)
+        ids = to_device([p + [0] * (width - len(p)) for _, p, _ in items])
+        lens = to_device([len(p) for _, p, _ in items])
+        limit = to_device([m for _, _, m in items])
+        r = to_device(rows)
+        logits, _ = self.lm.forward(ids, torch.zeros_like(lens), rows=r, upto=width, last_idx=lens - 1)
+        tok = self._pick(logits[:, 0])
+        self.step.ids[r, 0] = tok
+        self.step.pos[r] = lens
+        self.out[r, 0] = tok
+        self.nnew[r] = 1
+        self.limit[r] = limit
+        self.done[r] = (tok[:, None] == self.stop).any(-1) | (limit <= 1)
+        for row, (rid, p, m) in zip(rows, items):
+            self.slot[row] = (rid, len(p))
+            self.hpos[row], self.cap[row] = len(p), len(p) + m - 1
+
+    def _decode(self, steps: int) -> None:
+        """`steps` decode steps over all rows; no host sync."""
+        import torch
+
+        busy = [r for r, s in enumerate(self.slot) if s is not None]
+        if not busy:
+            return
+        hi = max(self.hpos[r] for r in busy)
+        spare = self.out.shape[1] - 1
+        for s in range(steps):
+            tok = self.step(upto=hi + s + 1)
+            live = ~self.done
+            self.out.scatter_(1, torch.where(live, self.nnew, spare)[:, None], tok[:, None])
+            self.nnew += live
+            self.step.pos += live
+            self.step.ids[:, 0] = torch.where(live, tok, self.step.ids[:, 0])
+            self.done |= live & ((tok[:, None] == self.stop).any(-1) | (self.nnew >= self.limit))
+        for r in busy:
+            self.hpos[r] = min(self.hpos[r] + steps, self.cap[r])
+
+    def _collect(self) -> list[TurnResult]:
+        """The one host sync of a check: results of the rows that finished, whose rows become free."""
+        import torch
+
+        done = self.done.tolist()
+        rows = [r for r, s in enumerate(self.slot) if s is not None and done[r]]
+        if not rows:
+            return []
+        r = torch.tensor(rows, device=self.t.device)
+        packed = torch.cat([self.nnew[r, None], self.out[r]], 1).tolist()
+        res = []
+        for row, (n, *toks) in zip(rows, packed):
+            rid, plen = self.slot[row]
+            self.slot[row] = None
+            res.append(self.result(rid, plen, toks[:n]))
+        return res
+
+    def poll(self, timeout: float) -> list[TurnResult]:
+        out, self.ready = self.ready, []
+        while not out and (self.pending or any(s is not None for s in self.slot)):
+            out += self._collect()
+            if self.t.device.type == "cuda":
+                # queue the next steps first: the GPU runs them while the host launches the prefill and
+                # the caller renders the next prompts (a freed row waits one check longer)
+                self._decode(self.check_every)
+                self._admit()
+            else:
+                self._admit()
+                self._decode(self.check_every)
+        return out
+
+    def close(self) -> None:
+        self.lm = self.step = None
+
+
 def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
-    # auto = generate: on an H200 (SmolLM2, batch 256) transformers 5.17's continuous batching ran at
-    # 0.44x the speed of this padded, length-grouped generate (bench/bench_regen.py), and on CPU it is slower too
-    if rc.engine == "continuous" and hasattr(target.model, "init_continuous_batching"):
+    engine = rc.engine
+    # auto never picks continuous: on an H200 (SmolLM2, batch 256) transformers 5.17's continuous batching ran
+    # at 0.44x the speed of the padded, length-grouped generate engine (bench/bench_regen.py)
+    if engine == "auto":  # static where its CUDA graphs pay; on CPU both are matmul-bound and generate was faster
+        from ..fastlm import supported
+
+        engine = "static" if target.device.type == "cuda" and supported(target.model)[0] else "generate"
+    if engine == "static":
+        return StaticEngine(target, rc, reasoning, ctx_limit)
+    if engine == "continuous" and hasattr(target.model, "init_continuous_batching"):
         try:
             return ContinuousEngine(target, rc, reasoning, ctx_limit)
         except Exception as e:  # noqa: BLE001 - e.g. an architecture without paged attention
             raise EyasError(f"continuous batching could not start for this target ({type(e).__name__}: {e}); "
                             f"use --engine generate") from None
-    elif rc.engine == "continuous":
+    elif engine == "continuous":
         raise EyasError("this transformers version has no continuous batching; use --engine generate")
     return GenerateEngine(target, rc, reasoning, ctx_limit)
 

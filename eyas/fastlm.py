@@ -1,0 +1,200 @@
+"""A fast batched forward with a static KV cache for Llama-family targets (regeneration now,
+speculative decoding later).
+
+It reuses the loaded HF model's own modules and weights (embedding, norms, q/k/v/o projections with
+their biases, MLPs, rotary embedding, lm_head) and implements only rope application, the cache and
+attention, so a decode step is a handful of kernels per layer with no `repeat_kv` copy and no host
+synchronisation (it can be captured in a CUDA graph).
+
+Cache and positions: per layer, k and v are [B, Hkv, max_len, D]; slot s of row b holds the token at
+position s of that row. A forward over ids [b, T] with start positions pos [b] writes slots
+pos[b]..pos[b]+T-1 of its rows, and a query at position p attends to slots 0..p of its own row. There
+is no length pointer: rolling a row back is free (later slots are masked by position until they are
+overwritten), and the right padding of a batched prefill is harmless (its slots lie past the row's
+true length, where nothing looks before they are overwritten). Callers keep pos[b] + T <= max_len.
+
+Aux states follow eyas.target: aux id i < N is the residual stream entering decoder layer i, id N the
+stream after the last layer, before the final norm.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .util import EyasError, log
+
+# model types whose forward is exactly what FastLM computes: unscaled embeddings; per layer
+# x + o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))) with n = input_layernorm(x), then
+# x + mlp(post_attention_layernorm(x)); final norm; lm_head. Other families with the same module names
+# differ in ways the layout does not show (Gemma scales embeddings, Granite residuals, StableLM ropes
+# part of each head; Qwen3 adds q_norm/k_norm, Gemma2 soft-caps), so they are refused by type.
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+def supported(model) -> tuple[bool, str]:
+    """(True, "") when FastLM reproduces `model`'s forward exactly, else (False, why not)."""
+    c = model.config
+    arch = (getattr(c, "architectures", None) or [type(model).__name__])[0]
+    mt = getattr(c, "model_type", "?")
+    if mt not in SUPPORTED_TYPES:
+        return False, (f"{arch} (model_type '{mt}') is not an architecture FastLM implements "
+                       f"(it runs {', '.join(SUPPORTED_TYPES)})")
+    for i, layer in enumerate(model.model.layers):
+        if getattr(layer.self_attn, "sliding_window", getattr(c, "sliding_window", None)):
+            return False, f"{arch}: layer {i} uses a sliding attention window, which FastLM does not implement"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
+        return False, f"{arch}: rope type {rope!r} changes with the sequence length, which FastLM does not implement"
+    return True, ""
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope on x [b, h, T, D] with cos/sin [b, 1, T, D] (halves layout, as HF Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class FastLM:
+    """`model` (an HF Llama/Mistral/Qwen2 causal LM, already on its device) with a static KV cache of
+    `batch_size` rows x `max_len` slots in the model's dtype. aux_layers: ids whose states
+    `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
+
+    def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
+        ok, why = supported(model)
+        if not ok:
+            raise EyasError(f"FastLM cannot run this target: {why}")
+        if batch_size < 1 or max_len < 1:
+            raise EyasError(f"FastLM needs batch_size and max_len >= 1 (got {batch_size}, {max_len})")
+        self.model, self.base = model, model.model
+        self.layers = list(self.base.layers)
+        c = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
+        self.scaling = attn.scaling
+        self.batch_size, self.max_len = batch_size, max_len
+        n = len(self.layers)
+        self.aux_layers = list(aux_layers or [])
+        if any(not 0 <= a <= n for a in self.aux_layers):
+            raise EyasError(f"aux layers {self.aux_layers} out of range for a target with {n} layers (0..{n})")
+        shape = (batch_size, self.n_kv, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
+        self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
+        self.slots = torch.arange(max_len, device=self.device)
+
+    def _rows(self, rows, b: int) -> torch.Tensor:
+        """Row indices [b] (long, on the device) for rows=None (all), a contiguous slice or an index tensor."""
+        if rows is None or isinstance(rows, slice):
+            r = range(self.batch_size)[rows if rows is not None else slice(None)]
+            if r.step != 1:
+                raise EyasError("FastLM.forward: a slice of rows must be contiguous (step 1)")
+            idx = torch.arange(r.start, r.stop, device=self.device)
+        else:
+            idx = rows.to(self.device, torch.long)
+        if idx.shape[0] != b:
+            raise EyasError(f"FastLM.forward: {b} rows of ids but rows selects {idx.shape[0]}")
+        return idx
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows=None, last_only: bool = False,
+                want_aux: bool = False, upto: int | None = None, last_idx: torch.Tensor | None = None):
+        """ids [b, T] at positions pos[b]..pos[b]+T-1 of the cache rows `rows` (None: all B rows in order;
+        a slice; or a LongTensor [b] of row indices). Returns (logits, aux): logits [b, T, V], or [b, 1, V]
+        at the last token (last_only) or at per-row token index last_idx [b] (a right-padded prefill);
+        aux [b, T, len(aux_layers)*H] (want_aux) or None. upto: attend to the first `upto` slots only, a host-side bound
+        that must exceed every position in this call (default max_len, the one shape for CUDA graphs)."""
+        b, T = ids.shape
+        idx = self._rows(rows, b)
+        upto = self.max_len if upto is None else min(int(upto), self.max_len)
+        qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
+        # additive mask, shared by all layers: slot s is visible to the query at position p iff s <= p.
+        # Query heads of one KV head are folded into the query length (no repeated keys/values):
+        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D].
+        rep = self.n_heads // self.n_kv
+        vis = self.slots[None, None, :upto] <= qpos[:, :, None]  # [b, T, upto]
+        mask = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
+        mask = mask[:, None].expand(b, rep, T, upto).reshape(b, 1, rep * T, upto)
+        h = self.base.embed_tokens(ids)
+        cos, sin = self.base.rotary_emb(h, qpos)
+        cos, sin = cos[:, None], sin[:, None]
+        n = len(self.layers)
+        grab: dict[int, torch.Tensor] = {}
+        write_at = (idx[:, None], slice(None), qpos)  # cache[idx, :, qpos] is [b, T, Hkv, D]
+        for i, layer in enumerate(self.layers):
+            if want_aux and i in self.aux_layers:
+                grab[i] = h
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            kc, vc = self.k[i], self.v[i]
+            kc[write_at] = k.transpose(1, 2)
+            vc[write_at] = v.transpose(1, 2)
+            if rows is None or isinstance(rows, slice):  # a view, no copy
+                sel = slice(None) if rows is None else rows
+                ks, vs = kc[sel, :, :upto], vc[sel, :, :upto]
+            else:
+                ks, vs = kc[:, :, :upto].index_select(0, idx), vc[:, :, :upto].index_select(0, idx)
+            q = q.reshape(b, self.n_kv, rep * T, self.head_dim)
+            o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=self.scaling)
+            o = o.view(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if want_aux and n in self.aux_layers:
+            grab[n] = h
+        final = self.base.norm(h)
+        if last_idx is not None:
+            final = final.gather(1, last_idx.to(self.device, torch.long).view(b, 1, 1).expand(b, 1, final.shape[-1]))
+        elif last_only:
+            final = final[:, -1:]
+        logits = self.model.lm_head(final)
+        aux = torch.cat([grab[a] for a in self.aux_layers], dim=-1) if want_aux else None
+        return logits, aux
+
+
+class DecodeGraph:
+    """One decode step for all B rows of `lm`: tok = pick(logits of ids [B, 1] at positions pos [B]).
+    `ids`, `pos` and `tok` are static buffers owned here: write ids/pos in place, call, read tok [B].
+
+    On CUDA the step is captured once as a CUDA graph (after a warm-up on a side stream, which runs
+    the step on the current buffers: it writes cache slots at `pos`) and each call is one replay
+    attending to all max_len slots; `pick` must then be sync-free and use the default RNG. Elsewhere,
+    or when capture fails (logged), each call runs the same step eagerly, attending to `upto` slots."""
+
+    def __init__(self, lm: FastLM, pick, warmup: int = 2):
+        self.lm, self.pick = lm, pick
+        B = lm.batch_size
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=lm.device)
+        self.pos = torch.zeros(B, dtype=torch.long, device=lm.device)
+        self.tok = torch.zeros(B, dtype=torch.long, device=lm.device)
+        self.graph = None
+        if lm.device.type == "cuda":
+            try:
+                with torch.cuda.device(lm.device):
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(warmup):
+                            self._step(None)
+                    torch.cuda.current_stream().wait_stream(side)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        self._step(None)
+                self.graph = g
+            except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
+                log(f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); decoding eagerly")
+
+    def _step(self, upto: int | None) -> None:
+        logits, _ = self.lm.forward(self.ids, self.pos, last_only=True, upto=upto)
+        self.tok.copy_(self.pick(logits[:, -1]))
+
+    def __call__(self, upto: int | None = None) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step(upto)
+        return self.tok

@@ -1,0 +1,163 @@
+"""FastLM against the HF forward it replaces: a right-padded batched prefill, decode steps at
+different positions per row, and rollbacks, on the real SmolLM2 and a random Qwen2 (q/k/v biases);
+architectures it does not implement are refused; on a GPU, the CUDA-graph decode step replays the
+eager one."""
+import pytest
+import torch
+
+from eyas.fastlm import DecodeGraph, FastLM, supported
+from eyas.target import capture_hidden
+from eyas.util import EyasError
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within 1e-4 of the reference's scale (SmolLM2's residual stream reaches ~3e4, where fp32 itself
+    resolves only ~2e-3)."""
+    err = (got - want).abs().max().item()
+    assert err <= 1e-4 * max(1.0, want.abs().max().item()), f"max error {err} at scale {want.abs().max().item()}"
+
+
+class Rows:
+    """The token sequences held by the cache rows. Each check compares FastLM's outputs with an HF
+    forward over the row's whole sequence; they are compared at the end, one HF forward per longest
+    sequence (a causal model gives a prefix the same outputs)."""
+
+    def __init__(self, model, aux, seqs):
+        self.model, self.aux, self.seqs = model, aux, [list(s) for s in seqs]
+        self.checks = []
+
+    def check(self, lm_out, rows, starts, T=None):
+        """lm_out = FastLM's (logits, aux) for ids at rows[i] from position starts[i] (T tokens, or the
+        rest of each row's sequence when right-padded)."""
+        logits, aux = lm_out
+        for i, (r, p) in enumerate(zip(rows, starts)):
+            n = T or len(self.seqs[r]) - p
+            self.checks.append((tuple(self.seqs[r][:p + n]), p, logits[i, :n], aux[i, :n]))
+
+    def verify(self):
+        seqs = {c[0] for c in self.checks}
+        longest = [s for s in seqs if not any(len(o) > len(s) and o[:len(s)] == s for o in seqs)]
+        ref = {}
+        with torch.no_grad():
+            for s in longest:
+                a, final = capture_hidden(self.model, self.aux, torch.tensor([s]))
+                ref[s] = self.model.lm_head(final)[0], a[0]
+        for s, p, logits, aux in self.checks:
+            want_logits, want_aux = next(ref[o] for o in longest if o[:len(s)] == s)
+            close(logits, want_logits[p:len(s)])
+            close(aux, want_aux[p:len(s)])
+
+
+def run_checks(model, aux, vocab: int):
+    n_layers = model.config.num_hidden_layers
+    aux = aux + [n_layers]  # the pre-norm final state too
+    g = torch.Generator().manual_seed(0)
+    lens = [7, 12, 3]
+    rows = Rows(model, aux, [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens])
+    lm = FastLM(model, batch_size=3, max_len=32, aux_layers=aux)
+
+    # right-padded prefill of three rows of different lengths (padding garbage lands past each row's end)
+    W = max(lens)
+    ids = torch.tensor([s + [0] * (W - len(s)) for s in rows.seqs])
+    out = lm.forward(ids, torch.zeros(3, dtype=torch.long), want_aux=True, upto=W)
+    rows.check(out, [0, 1, 2], [0, 0, 0])
+    last, _ = lm.forward(ids, torch.zeros(3, dtype=torch.long), upto=W, last_idx=torch.tensor(lens) - 1)
+    close(last[:, 0], out[0][torch.arange(3), torch.tensor(lens) - 1])
+
+    # decode steps: one token per row, each at its own position (the first overwrites rows 0 and 2's padding)
+    for _ in range(3):
+        nxt = torch.randint(0, vocab, (3, 1), generator=g)
+        pos = torch.tensor([len(s) for s in rows.seqs])
+        for r in range(3):
+            rows.seqs[r].append(int(nxt[r, 0]))
+        out = lm.forward(nxt, pos, want_aux=True)
+        rows.check(out, [0, 1, 2], pos.tolist(), T=1)
+
+    # rollbacks: row 1 re-runs from position 5 with other tokens (a slice of rows), row 0 from position 2
+    # (an index tensor); their later slots are stale and must stay invisible
+    new1 = torch.randint(0, vocab, (1, 3), generator=g)
+    rows.seqs[1] = rows.seqs[1][:5] + new1[0].tolist()
+    rows.check(lm.forward(new1, torch.tensor([5]), rows=slice(1, 2), want_aux=True, upto=8), [1], [5], T=3)
+    new0 = torch.randint(0, vocab, (1, 2), generator=g)
+    rows.seqs[0] = rows.seqs[0][:2] + new0[0].tolist()
+    rows.check(lm.forward(new0, torch.tensor([2]), rows=torch.tensor([0]), want_aux=True), [0], [2], T=2)
+
+    # and all rows go on decoding from their new lengths
+    nxt = torch.randint(0, vocab, (3, 1), generator=g)
+    pos = torch.tensor([len(s) for s in rows.seqs])
+    for r in range(3):
+        rows.seqs[r].append(int(nxt[r, 0]))
+    rows.check(lm.forward(nxt, pos, want_aux=True, upto=int(pos.max()) + 1), [0, 1, 2], pos.tolist(), T=1)
+    rows.verify()
+
+
+def test_matches_hf_smollm2(smol):
+    assert supported(smol.model) == (True, "")
+    run_checks(smol.model, smol.aux_layers, smol.vocab_size)
+
+
+def test_matches_hf_qwen2_with_biases():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    conf = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(conf).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    with torch.no_grad():  # random init leaves the biases at zero: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    run_checks(model, [2, 3, 4], 256)
+
+
+def test_refuses_what_it_does_not_implement():
+    from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
+                              Qwen3Config)
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    cases = [
+        (Qwen3Config(**small), "Qwen3ForCausalLM.*not an architecture FastLM implements"),  # q_norm/k_norm
+        (Gemma2Config(**small, head_dim=8), "Gemma2ForCausalLM.*not an architecture"),  # soft-capping
+        (GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4), "GPT2LMHeadModel.*model_type 'gpt2'"),
+        (MistralConfig(**small, sliding_window=16), "MistralForCausalLM: layer 0 uses a sliding attention window"),
+        (LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+         "LlamaForCausalLM: rope type 'dynamic'"),
+    ]
+    for conf, msg in cases:
+        model = AutoModelForCausalLM.from_config(conf)
+        ok, why = supported(model)
+        assert not ok
+        with pytest.raises(EyasError, match="FastLM cannot run this target: " + msg):
+            FastLM(model, 1, 8)
+    assert supported(AutoModelForCausalLM.from_config(MistralConfig(**small, sliding_window=None))) == (True, "")
+
+
+def test_bad_rows_are_refused(tiny):
+    lm = FastLM(tiny.model, 4, 8)
+    with pytest.raises(EyasError, match="2 rows of ids but rows selects 3"):
+        lm.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long), rows=slice(0, 3))
+    with pytest.raises(EyasError, match="contiguous"):
+        lm.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long), rows=slice(0, 4, 2))
+
+
+@pytest.mark.gpu
+def test_decode_graph_replays_the_eager_step():
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    graphed, eager = FastLM(t.model, 4, 64), FastLM(t.model, 4, 64)
+    step = DecodeGraph(graphed, lambda logits: logits.argmax(-1))
+    assert step.graph is not None
+    ids = torch.randint(0, t.vocab_size, (4, 5), device="cuda")
+    for lm in (graphed, eager):
+        lm.forward(ids, torch.zeros(4, dtype=torch.long, device="cuda"))
+    tok, pos = ids[:, -1:], torch.tensor([5, 5, 5, 5], device="cuda")
+    for _ in range(6):
+        step.ids.copy_(tok)
+        step.pos.copy_(pos)
+        want = eager.forward(tok, pos, last_only=True)[0][:, -1].argmax(-1)
+        assert torch.equal(step(), want)
+        tok, pos = want[:, None], pos + 1
