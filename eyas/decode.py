@@ -17,6 +17,12 @@ at position L-2, predicts token L):
 Greedy verification is exactly lossless (the output equals plain greedy decoding); rejection
 sampling is lossless in distribution. `Decoder.generate(..., speculative=False)` is plain decoding
 on the same caches and code path, the baseline for speedups. Batch size 1.
+
+The target runs on eyas' own static-cache forward (`eyas.fastlm`) where it supports the
+architecture (Llama, Mistral, Qwen2), else on transformers with its StaticCache. On CUDA, the
+fixed-shape steps (verify, drafter step, plain decode step) are captured as CUDA graphs on first
+use; the first replays of each are checked against an eager run and any difference or failure
+turns graphs off for the rest of the run (logged), so a graph can cost speed, never correctness.
 """
 from __future__ import annotations
 
@@ -85,9 +91,30 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 # caches
 
+class FastTargetRunner:
+    """The target on eyas' static-cache forward (one row): no cache pointer to move, a query at
+    position p sees slots 0..p, so rollback is free."""
+
+    def __init__(self, target, max_len: int):
+        from .fastlm import FastLM
+
+        self.target = target
+        self.max_len = max_len
+        self.lm = FastLM(target.model, 1, max_len, target.aux_layers)
+
+    def close(self) -> None:
+        pass
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None):
+        """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H]);
+        attends to the first `upto` cache slots (None: all)."""
+        return self.lm.forward(ids, pos[:1], last_only=last_only, want_aux=True, upto=upto)
+
+
 class TargetRunner:
     """The target with a preallocated transformers StaticCache and pre-hooks that grab the aux
-    states (the residual streams entering the aux layers) of every forward pass."""
+    states (the residual streams entering the aux layers) of every forward pass (for
+    architectures eyas.fastlm does not run)."""
 
     def __init__(self, target, max_len: int):
         from transformers import StaticCache
@@ -126,8 +153,9 @@ class TargetRunner:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(n)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False):
-        """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H])."""
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None):
+        """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H]).
+        (`upto` is ignored: transformers' cache attends to all of its slots.)"""
         self.set_length(pos[0])
         out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1 if last_only else 0)
@@ -216,6 +244,70 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Graphs:
+    """CUDA graphs of fixed-shape steps, one per (step name, input shapes), captured on first use.
+    A replay copies the inputs into the graph's static tensors and returns clones of its outputs.
+    The first `check` replays of each graph are compared with an eager run of the same step (which
+    writes the same cache entries again, so it changes nothing); a mismatch or any error turns
+    graphs off for good and the step runs eagerly."""
+
+    def __init__(self, device: torch.device, check: int = 3):
+        self.enabled = device.type == "cuda"
+        self.device = device
+        self.check = check
+        self.graphs: dict[tuple, list] = {}
+        self.pool = None
+        self.replays = 0
+
+    def _capture(self, fn, args):
+        static = [a.clone() for a in args]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up (cuBLAS handles, allocator) outside the capture
+            fn(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = fn(*static)
+        return [g, static, out, 0]
+
+    def off(self, why: str) -> None:
+        if self.enabled:
+            log(f"decode: CUDA graphs off ({why}); running eagerly")
+        self.enabled = False
+        self.graphs.clear()
+
+    def run(self, name: str, fn, *args):
+        if not self.enabled:
+            return fn(*args)
+        key = (name,) + tuple(tuple(a.shape) for a in args)
+        try:
+            entry = self.graphs.get(key)
+            if entry is None:
+                entry = self.graphs[key] = self._capture(fn, args)
+            g, static, out, checked = entry
+            for dst, src in zip(static, args):
+                dst.copy_(src)
+            g.replay()
+            self.replays += 1
+            res = tuple(o.clone() for o in out)
+        except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
+            self.off(f"{name}: {type(e).__name__}: {e}")
+            return fn(*args)
+        if checked < self.check:
+            entry[3] += 1
+            ref = fn(*args)
+            same = all(a.shape == b.shape and (torch.equal(a, b) if not a.is_floating_point()
+                                               else torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2))
+                       for a, b in zip(res, ref))
+            if not same:
+                self.off(f"the graph of {name} {list(key[1:])} differs from the eager step")
+                return ref
+        return res
+
+
 class Decoder:
     """Speculative (and plain) decoding of one sequence at a time with a target and an EAGLE-3 drafter.
 
@@ -224,7 +316,7 @@ class Decoder:
     max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
-                 max_len: int = 2048, compile: bool = False, seed: int = 0):
+                 max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto"):
         if k < 1:
             raise EyasError(f"eval.k must be at least 1, got {k}")
         if temperature < 0:
@@ -238,7 +330,15 @@ class Decoder:
         self.temperature = temperature
         self.top_p = top_p
         self.max_len = max_len
-        self.runner = TargetRunner(target, max_len)
+        if engine not in ("auto", "fast", "hf"):
+            raise EyasError(f"decoder engine must be auto, fast or hf, got {engine!r}")
+        from .fastlm import supported
+
+        ok, why = supported(target.model)
+        if engine == "fast" and not ok:
+            raise EyasError(f"the fast decoder cannot run this target: {why}")
+        self.engine = "fast" if ok and engine != "hf" else "hf"
+        self.runner = FastTargetRunner(target, max_len) if self.engine == "fast" else TargetRunner(target, max_len)
         self.drafter = None
         if drafter is not None:
             from .draft import check_fits
@@ -248,37 +348,22 @@ class Decoder:
             self.dcache = DraftCache(self.drafter, max_len, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self._draft_step = self._draft_step_eager
-        self._verify_fwd = self._verify_fwd_eager
-        self._compiled = False
-        if compile and self.device.type == "cuda":
-            self._try_compile()
+        # CUDA graphs need a capture-safe target forward: eyas' own, not transformers' StaticCache
+        self.graphs = _Graphs(self.device)
+        self.graphs.enabled = bool(compile) and self.device.type == "cuda" and self.engine == "fast"
 
-    # -- GPU speed-ups (guarded: any failure falls back to eager) ------------------------------
-    def _try_compile(self) -> None:
-        try:
-            opts = dict(mode="reduce-overhead", fullgraph=False, dynamic=False)
-            self._draft_step = torch.compile(self._draft_step_eager, **opts)
-            self._verify_fwd = torch.compile(self._verify_fwd_eager, **opts)
-            self._compiled = True
-        except Exception as e:  # pragma: no cover - depends on the GPU stack
-            log(f"torch.compile unavailable ({e}); decoding eagerly")
-            self._draft_step, self._verify_fwd = self._draft_step_eager, self._verify_fwd_eager
-            self._compiled = False
+    @property
+    def _compiled(self) -> bool:
+        """Whether fixed-shape steps run as CUDA graphs (they then attend to all cache slots)."""
+        return self.graphs.enabled
 
-    def _call(self, name: str, *args):
-        fn = getattr(self, name)
-        if not self._compiled:
-            return fn(*args)
-        try:
-            if self.device.type == "cuda" and hasattr(torch.compiler, "cudagraph_mark_step_begin"):
-                torch.compiler.cudagraph_mark_step_begin()
-            return tuple(t.clone() for t in fn(*args))
-        except Exception as e:  # pragma: no cover - depends on the GPU stack
-            log(f"compiled step failed ({type(e).__name__}: {e}); decoding eagerly from now on")
-            self._draft_step, self._verify_fwd = self._draft_step_eager, self._verify_fwd_eager
-            self._compiled = False
-            return getattr(self, name)(*args)
+    def _call(self, name: str, *args, upto: int):
+        """Run a fixed-shape step: "draft" (drafter over ids, hidden, pos) or "verify" (target over
+        ids, pos). Eagerly it attends to `upto` cache slots; as a CUDA graph to all of them."""
+        fn = self._drafter_fwd if name == "draft" else self._target_fwd
+        if self.graphs.enabled:
+            return self.graphs.run(name, lambda *a: fn(*a, upto=self.max_len), *args)
+        return fn(*args, upto=upto)
 
     # -- pieces ----------------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
@@ -297,15 +382,12 @@ class Decoder:
         return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend)
 
     def _upto(self, end: int) -> int:
-        """Slots a drafter call ending before `end` attends to: all of them when compiled (one
-        shape), else `end` rounded up to 256 (less work, few distinct shapes)."""
+        """Cache slots a call whose positions end before `end` attends to: all of them under CUDA
+        graphs (one shape), else `end` rounded up to 256 (less work, few distinct shapes)."""
         return self.max_len if self._compiled else min(self.max_len, ((end + 255) // 256) * 256)
 
-    def _draft_step_eager(self, ids, hidden, pos, upto: int):
-        return self._drafter_fwd(ids, hidden, pos, upto)
-
-    def _verify_fwd_eager(self, ids, pos):
-        return self.runner.forward(ids, pos)
+    def _target_fwd(self, ids, pos, upto: int):
+        return self.runner.forward(ids, pos, upto=upto)
 
     def _propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocab logits [1, Vd] -> (target token id [1], q over the target vocab [1, V] or None)."""
@@ -327,7 +409,7 @@ class Decoder:
         qs.append(q)
         h = h_last
         for j in range(1, self.k):
-            h, lg = self._call("_draft_step", t[:, None], h, self._pos(L - 2 + j, 1), self._upto(L - 1 + j))
+            h, lg = self._call("draft", t[:, None], h, self._pos(L - 2 + j, 1), upto=self._upto(L - 1 + j))
             h, lg = h[:, -1:], lg[:, -1]
             t, q = self._propose(lg)
             toks.append(t)
@@ -338,7 +420,7 @@ class Decoder:
     def verify(self, last_tok: torch.Tensor, drafts: torch.Tensor, q, L: int):
         """-> (accepted [1], next [1], aux [1, K+1, 3H])."""
         ids = torch.cat([last_tok.view(1, 1), drafts], dim=1)
-        logits, aux = self._call("_verify_fwd", ids, self._pos(L - 1, ids.shape[1]))
+        logits, aux = self._call("verify", ids, self._pos(L - 1, ids.shape[1]), upto=self._upto(L + ids.shape[1]))
         if self.temperature == 0:
             a, nxt = verify_greedy(logits, drafts)
         else:
@@ -368,7 +450,7 @@ class Decoder:
         t_start = time.perf_counter()
         gen = Generation(tokens=[], prompt_tokens=n)
 
-        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True)
+        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n))
         first = self._pick(logits[:, -1])  # [1]
         if speculative:
             h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
@@ -380,7 +462,7 @@ class Decoder:
             last = torch.tensor([out[-1]], device=self.device)
             if not speculative:
                 t0 = clock.start()
-                logits, _ = self._call("_verify_fwd", last.view(1, 1), self._pos(L - 1, 1))
+                logits, _ = self._call("verify", last.view(1, 1), self._pos(L - 1, 1), upto=self._upto(L))
                 nxt = self._pick(logits[:, -1])
                 clock.stop("verify", t0)
                 new = [int(nxt.item())]
@@ -402,8 +484,7 @@ class Decoder:
                 t0 = clock.start()
                 feed = torch.cat([drafts, nxt.view(1, 1)], 1)
                 feed[0, na] = nxt[0]
-                h, dl = self._call("_draft_step", feed, aux, self._pos(L - 1, self.k + 1),
-                                    self._upto(L + self.k))
+                h, dl = self._call("draft", feed, aux, self._pos(L - 1, self.k + 1), upto=self._upto(L + self.k))
                 h_last, logits_last = h[:, na:na + 1], dl[:, na]
                 clock.stop("draft", t0)
             for t in new:

@@ -244,7 +244,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "time_split": {"draft_s": t.draft_s, "verify_s": t.verify_s, "speculative_total_s": t.spec_s,
                        "other_s": max(0.0, t.spec_s - t.draft_s - t.verify_s), "plain_total_s": t.plain_s},
         "peak_memory_bytes": _peak_memory(target.device), "device": _device_name(target.device),
-        "compile": bool(compile_ and target.device.type == "cuda"),
+        "engine": dec.engine,  # fast: eyas' own static-cache forward; hf: transformers' StaticCache
+        "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),  # off also when a check failed
     }
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from eyas.decode import Decoder, probs_from_logits, verify_greedy, verify_sample
 from eyas.draft import build_drafter, causal_attend
 from eyas.evaluate import prompt_ids
+from eyas.fastlm import FastLM
 
 PROMPTS = [
     "What is the capital of France?",
@@ -145,10 +146,12 @@ def prompt_set(smol):
 
 @pytest.fixture(scope="module")
 def plain_outputs(smol, prompt_set):
-    """Plain greedy decoding on the engine (checked against transformers' generate on one prompt)."""
+    """Plain greedy decoding on the engine (eyas' own forward for SmolLM2), checked against
+    transformers' generate, an independent implementation, on three prompts."""
     dec = Decoder(smol, None, k=1, max_len=256)
+    assert dec.engine == "fast"
     outs = [dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens for ids in prompt_set]
-    for ids, out in list(zip(prompt_set, outs))[:1]:
+    for ids, out in list(zip(prompt_set, outs))[:3]:
         x = torch.tensor([ids])
         ref = smol.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(out),
                                   do_sample=False)[0, len(ids):].tolist()
@@ -212,6 +215,15 @@ def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which,
         assert taus[1] < 1.5, taus
 
 
+def test_transformers_engine_gives_the_same_tokens(smol, prompt_set, plain_outputs, trained):
+    """The fallback for architectures eyas' forward does not run: transformers with its StaticCache."""
+    dec = Decoder(smol, trained, k=3, max_len=256, engine="hf")
+    assert dec.engine == "hf"
+    for ids, ref in list(zip(prompt_set, plain_outputs))[:3]:
+        assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=True).tokens == ref[:NEW]
+        assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens == ref[:NEW]
+
+
 # ---------------------------------------------------------------------------------------------
 # rollback: rejections forced at every draft position
 
@@ -259,6 +271,12 @@ def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained,
     m = seq.shape[1] - 1
     assert torch.allclose(dec.dcache.k[:, :, :m], keys[0], atol=1e-4), \
         (dec.dcache.k[:, :, :m] - keys[0]).abs().max()
+    # and so does the target's: after all the rollbacks, its cache holds the final sequence
+    fresh = FastLM(smol.model, 1, 256)
+    fresh.forward(seq, torch.tensor([0]))
+    for i in range(smol.num_layers):
+        for have, want in ((dec.runner.lm.k[i], fresh.k[i]), (dec.runner.lm.v[i], fresh.v[i])):
+            torch.testing.assert_close(have[:, :, :m], want[:, :, :m], atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_decoding_runs_and_is_seeded(tiny):
