@@ -562,6 +562,13 @@ def run_extract(cfg: Config, target=None) -> dict:
             dist.destroy_process_group()
 
 
+def _is_feature_manifest(path: Path) -> bool:
+    try:
+        return read_json(path).get("format") == FORMAT
+    except (OSError, EyasError):
+        return False
+
+
 class OfflineFeatures:
     """Features read from the shards `eyas extract` wrote. `path` is a run directory, its
     `features/` folder or one split's folder. With `target` (a Target or its identity dict) the
@@ -575,7 +582,9 @@ class OfflineFeatures:
 
         p = Path(path)
         for cand in (p / "features" / split, p / split, p):
-            if (cand / "manifest.json").exists():
+            # the run's own manifest.json is not a feature manifest: only the canonical folder is taken on its name
+            if (cand / "manifest.json").exists() and (cand == p / "features" / split
+                                                      or _is_feature_manifest(cand / "manifest.json")):
                 d = cand
                 break
         else:

@@ -19,14 +19,15 @@ from . import __version__
 from . import config as C
 from .util import EyasError, NotBuiltError, atomic_write_json, log, read_json, sha256_json
 
-# name, "module:function", config keys it reads, output paths under the run dir
+# name, "module:function", config keys it reads, output paths under the run dir (the first one is
+# what later stages read: a finished stage whose first output is gone runs again)
 STAGES = [
     ("regen", "eyas.data.regen:run_regen", ["target", "data.source", "data.limit", "data.val_ratio", "data.test_ratio",
                                             "data.max_seq_len", "data.reasoning", "data.strict", "regen"], ["data/regen"]),
     ("tokenize", "eyas.data.prepare:run_tokenize", ["target", "data", "train.val_ratio"], ["data/tokens"]),
     ("vocab", "eyas.vocab:run_vocab", ["vocab"], ["vocab"]),
     ("extract", "eyas.features:run_extract", ["features", "train.online"], ["features"]),
-    ("train", "eyas.train:run_train", ["train", "features", "vocab"], ["ckpt", "draft", "train"]),
+    ("train", "eyas.train:run_train", ["train", "features", "vocab"], ["draft", "ckpt", "train"]),
     ("eval", "eyas.evaluate:run_eval", ["eval"], ["eval"]),
     ("export", "eyas.export:run_export", ["export"], ["export"]),
 ]
@@ -141,9 +142,11 @@ def run_pipeline(cfg: C.Config) -> dict:
                                         "regen disabled" if name == "regen" else "features computed online"}
             continue
         if rec.get("key") == keys[name] and rec.get("status") == "done":
-            log(f"[{name}] unchanged, skipped ({rec.get('summary', '')})")
-            summary[name] = "skipped"
-            continue
+            if (run / outputs[0]).exists():
+                log(f"[{name}] unchanged, skipped ({rec.get('summary', '')})")
+                summary[name] = "skipped"
+                continue
+            log(f"[{name}] finished before, but {run / outputs[0]} is gone: running it again")
         fn = _stage_fn(spec)
         if fn is None:
             missing.append(name)

@@ -72,6 +72,22 @@ def test_changed_stage_reruns_it_and_what_follows(full_run, tmp_path):
     assert "[train] unchanged, skipped" in r.stderr and "[eval] done" in r.stderr and "[export] done" in r.stderr
 
 
+def test_deleted_output_reruns_its_stage(full_run, tmp_path):
+    """A finished stage whose output folder was removed (e.g. to free disk) runs again, with the
+    same result; the stages after it, whose inputs are unchanged, stay skipped."""
+    out, _ = full_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    idx = json.loads((copy / "features" / "train" / "index.json").read_text())
+    shutil.rmtree(copy / "features")
+    r = eyas(copy, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[extract] finished before, but" in r.stderr and "[extract] done" in r.stderr
+    assert "[train] unchanged, skipped" in r.stderr
+    again = json.loads((copy / "features" / "train" / "index.json").read_text())
+    assert [e["sha256"] for e in again["shards"]] == [e["sha256"] for e in idx["shards"]]
+
+
 def test_kill_during_training_then_rerun_gives_the_same_result(full_run, tmp_path):
     out, _ = full_run
     copy = tmp_path / "run"
