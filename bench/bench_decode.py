@@ -100,7 +100,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", default="3", help="draft length, or a comma list (3,7)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per method (time box)")
-    ap.add_argument("--no-compile", action="store_true", help="eager engine on GPU")
+    ap.add_argument("--no-compile", action="store_true", help="no CUDA graphs (eager steps) on GPU")
+    ap.add_argument("--engine", default="auto", choices=("auto", "fast", "hf"),
+                    help="target forward: eyas' static-cache forward (fast), transformers' StaticCache (hf)")
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
@@ -137,14 +139,18 @@ def main(argv=None) -> int:
               + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "") + ")", flush=True)
         atomic_write_json(a.out, results)
 
-    plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_)
+    def engine_facts(dec) -> dict:
+        return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays)}
+
+    plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
     run_engine(plain, warm, 32, stop, False, 1e9)
-    record("eyas_plain", run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget))
+    record("eyas_plain", {**run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget), **engine_facts(plain)})
     plain.close()
     for k in ks:
-        dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_)
+        dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(dec, warm, 32, stop, True, 1e9)
-        record(f"eyas_spec_k{k}", run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget))
+        record(f"eyas_spec_k{k}", {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget),
+                                   **engine_facts(dec)})
         dec.close()
     if not a.skip_hf:
         m = target.model
