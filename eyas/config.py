@@ -76,7 +76,7 @@ class RegenConfig:
     engine: str = opt("auto", "embedded backend: static (eyas' own decode loop on a static KV cache, CUDA graphs on "
                       "GPU; Llama, Mistral and Qwen2 targets), continuous (transformers continuous batching, paged KV "
                       "cache), generate (padded batches grouped by length through model.generate, any target), "
-                      "auto (= static on a GPU when it can run the target, else generate)",
+                      "auto (= static where it can run the target, else generate)",
                       choices=("auto", "static", "continuous", "generate"))
 
 
