@@ -98,8 +98,6 @@ class FastTargetRunner:
     def __init__(self, target, max_len: int):
         from .fastlm import FastLM
 
-        self.target = target
-        self.max_len = max_len
         self.lm = FastLM(target.model, 1, max_len, target.aux_layers)
 
     def close(self) -> None:
@@ -251,8 +249,8 @@ class _Graphs:
     writes the same cache entries again, so it changes nothing); a mismatch or any error turns
     graphs off for good and the step runs eagerly."""
 
-    def __init__(self, device: torch.device, check: int = 3):
-        self.enabled = device.type == "cuda"
+    def __init__(self, device: torch.device, enabled: bool, check: int = 3):
+        self.enabled = enabled and device.type == "cuda"
         self.device = device
         self.check = check
         self.graphs: dict[tuple, list] = {}
@@ -260,17 +258,12 @@ class _Graphs:
         self.replays = 0
 
     def _capture(self, fn, args):
+        from .fastlm import capture_cuda_graph
+
         static = [a.clone() for a in args]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up (cuBLAS handles, allocator) outside the capture
-            fn(*static)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = fn(*static)
+        g, out = capture_cuda_graph(lambda: fn(*static), self.device, pool=self.pool)
         return [g, static, out, 0]
 
     def off(self, why: str) -> None:
@@ -349,8 +342,7 @@ class Decoder:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # CUDA graphs need a capture-safe target forward: eyas' own, not transformers' StaticCache
-        self.graphs = _Graphs(self.device)
-        self.graphs.enabled = bool(compile) and self.device.type == "cuda" and self.engine == "fast"
+        self.graphs = _Graphs(self.device, enabled=bool(compile) and self.engine == "fast")
 
     @property
     def _compiled(self) -> bool:

@@ -156,6 +156,22 @@ class FastLM:
         return logits, aux
 
 
+def capture_cuda_graph(fn, device: torch.device, warmup: int = 1, pool=None):
+    """Run `fn()` `warmup` times on a side stream (cuBLAS handles, allocator), then capture one call
+    as a CUDA graph. Returns (graph, what the captured call returned: tensors a replay rewrites)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = fn()
+    return g, out
+
+
 class DecodeGraph:
     """One decode step for all B rows of `lm`: tok = pick(logits of ids [B, 1] at positions pos [B]).
     `ids`, `pos` and `tok` are static buffers owned here: write ids/pos in place, call, read tok [B].
@@ -174,17 +190,7 @@ class DecodeGraph:
         self.graph = None
         if lm.device.type == "cuda":
             try:
-                with torch.cuda.device(lm.device):
-                    side = torch.cuda.Stream()
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        for _ in range(warmup):
-                            self._step(None)
-                    torch.cuda.current_stream().wait_stream(side)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        self._step(None)
-                self.graph = g
+                self.graph, _ = capture_cuda_graph(lambda: self._step(None), lm.device, warmup)
             except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
                 log(f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); decoding eagerly")
 
