@@ -141,7 +141,7 @@ class FastLM:
                 ks, vs = kc[:, :, :upto].index_select(0, idx), vc[:, :, :upto].index_select(0, idx)
             q = q.reshape(b, self.n_kv, rep * T, self.head_dim)
             o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=self.scaling)
-            o = o.view(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
+            o = o.reshape(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if want_aux and n in self.aux_layers:
