@@ -112,6 +112,18 @@ def test_split_is_deterministic_and_keeps_chat_parts_together():
     assert sorted(c.id for p in parts for c in p) == sorted(c.id for c in convs)
 
 
+def test_training_validation_cut_of_the_train_split_has_its_share():
+    """The run's validation set is cut from the data set's train split: it must hold about
+    train.val_ratio of it (an unsalted cut at 0.02 selected none of a split that starts at 0.04)."""
+    from eyas.data.prepare import TRAIN_VAL_SALT
+
+    ids = [f"conv{i}" for i in range(20000)]
+    train = [i for i in ids if split_of(i, 0.02, 0.02) == "train"]
+    val = [i for i in train if split_of(i, 0.02, 0.0, salt=TRAIN_VAL_SALT) == "val"]
+    assert 0.015 < len(val) / len(train) < 0.025
+    assert [i for i in train if split_of(i, 0.02, 0.0) == "val"] == []  # the bug this salt fixes
+
+
 def test_fragment_opening_with_an_answer_starts_at_the_first_user_turn(tmp_path):
     (tmp_path / "f.json").write_text('[{"id": "frag_3", "conversations": [{"from": "gpt", "value": "...continued"}, '
                                      '{"from": "human", "value": "thanks, and?"}, {"from": "gpt", "value": "More."}]}]')

@@ -117,6 +117,9 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
     return out, stats
 
 
+TRAIN_VAL_SALT = "train.val:"
+
+
 def run_tokenize(cfg: Config, target=None) -> dict:
     """Tokenize the training conversations and split off a validation set (train.val_ratio)."""
     from ..target import load_target
@@ -128,8 +131,10 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     items, stats = tokenize_all(convs, target.tokenizer, cfg, target.eot_token_ids)
     if not items:
         raise EyasError("every conversation lost its assistant tokens (check data.max_seq_len)")
-    val = [t for t in items if split_of(t.id, cfg.train.val_ratio, 0.0) == "val"]
-    train = [t for t in items if split_of(t.id, cfg.train.val_ratio, 0.0) != "val"]
+    # the training records are the data set's 'train' split already: the validation cut is salted
+    is_val = [split_of(t.id, cfg.train.val_ratio, 0.0, salt=TRAIN_VAL_SALT) == "val" for t in items]
+    val = [t for t, v in zip(items, is_val) if v]
+    train = [t for t, v in zip(items, is_val) if not v]
     if not val and len(train) > 1:
         val = [train.pop()]
     d = tokens_dir(Path(cfg.out))

@@ -297,11 +297,13 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
     raise EyasError(f"{path}: unknown data format (expected .json/.json.gz ShareGPT, .jsonl messages or .txt prompts)")
 
 
-def split_of(record_id: str, val_ratio: float, test_ratio: float) -> str:
+def split_of(record_id: str, val_ratio: float, test_ratio: float, salt: str = "") -> str:
     """Deterministic split by a hash of the record id: 'train', 'val' or 'test'. ShareGPT splits long
-    chats into records `<id>_0`, `<id>_1`, ...; those share a split, so no chat leaks across splits."""
+    chats into records `<id>_0`, `<id>_1`, ...; those share a split, so no chat leaks across splits.
+    A split of a split needs its own `salt`: with the same hash, the records left in 'train' all have
+    u >= val_ratio + test_ratio and a second cut at a smaller ratio would select none of them."""
     base = re.sub(r"_\d+$", "", record_id)
-    u = (stable_hash(base) % 1_000_000) / 1_000_000
+    u = (stable_hash(salt + base) % 1_000_000) / 1_000_000
     if u < test_ratio:
         return "test"
     if u < test_ratio + val_ratio:
