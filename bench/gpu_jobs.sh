@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The jobs of one GPU session, in order (started by bench/gpu_queue.sh). Every job writes its log and
+# results into the state folder $1; `queue.log` says when each started and how it ended.
+S=$1
+export EYAS_STAGE_DIR=~/eyas-stage EYAS_PROGRESS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+run=/tmp/gpurun
+job() {  # job NAME COMMAND...: run it, log to $S/NAME.log
+  local name=$1; shift
+  local t=$(date +%s)
+  echo "$(date +%T) start $name: $*"
+  "$@" > "$S/$name.log" 2>&1
+  local rc=$?
+  echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t ))s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/gpu.txt 2>&1
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $S/gpu.txt
+job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py
+job pipeline python3 -m eyas run --out $run ${EYAS_EXTRA:-}
+cp $run/manifest.json $run/eval/report.json $run/report.md $S/ 2>/dev/null
+cp $run/train/summary.json $S/train_summary.json 2>/dev/null
+du -sb $run/* > $S/run_bytes.txt 2>/dev/null
+if [ -d $run/draft ]; then
+  job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 20 --k 3,7 \
+    --max-new-tokens 256 --budget 40 --out $S/decode_sharegpt.json
+fi
+job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 --max-new-tokens 256 \
+  --engine static,generate --baseline-batches 2 --out $S/regen_bench.json
+if [ -d $run/draft ]; then
+  job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 20 --k 3,7 \
+    --max-new-tokens 256 --budget 30 --out $S/decode_humaneval.json
+fi
+job extract_bench python3 bench/bench_extract.py --target smollm2 --sequences 2000 --out $S/extract_bench.json
+touch $S/finished
