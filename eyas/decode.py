@@ -344,17 +344,12 @@ class Decoder:
         # CUDA graphs need a capture-safe target forward: eyas' own, not transformers' StaticCache
         self.graphs = _Graphs(self.device, enabled=bool(compile) and self.engine == "fast")
 
-    @property
-    def _compiled(self) -> bool:
-        """Whether fixed-shape steps run as CUDA graphs (they then attend to all cache slots)."""
-        return self.graphs.enabled
-
     def _call(self, name: str, *args, upto: int):
         """Run a fixed-shape step: "draft" (drafter over ids, hidden, pos) or "verify" (target over
-        ids, pos). Eagerly it attends to `upto` cache slots; as a CUDA graph to all of them."""
+        ids, pos), attending to `upto` cache slots; under CUDA graphs, one graph per (step, shapes, upto)."""
         fn = self._drafter_fwd if name == "draft" else self._target_fwd
         if self.graphs.enabled:
-            return self.graphs.run(name, lambda *a: fn(*a, upto=self.max_len), *args)
+            return self.graphs.run(f"{name}@{upto}", lambda *a: fn(*a, upto=upto), *args)
         return fn(*args, upto=upto)
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -374,9 +369,9 @@ class Decoder:
         return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend)
 
     def _upto(self, end: int) -> int:
-        """Cache slots a call whose positions end before `end` attends to: all of them under CUDA
-        graphs (one shape), else `end` rounded up to 256 (less work, few distinct shapes)."""
-        return self.max_len if self._compiled else min(self.max_len, ((end + 255) // 256) * 256)
+        """Cache slots a call whose positions end before `end` attends to: `end` rounded up to 256
+        (less work than the whole cache, and few distinct shapes to capture as CUDA graphs)."""
+        return min(self.max_len, ((end + 255) // 256) * 256)
 
     def _target_fwd(self, ids, pos, upto: int):
         return self.runner.forward(ids, pos, upto=upto)

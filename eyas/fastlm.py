@@ -176,31 +176,59 @@ class DecodeGraph:
     """One decode step for all B rows of `lm`: tok = pick(logits of ids [B, 1] at positions pos [B]).
     `ids`, `pos` and `tok` are static buffers owned here: write ids/pos in place, call, read tok [B].
 
-    On CUDA the step is captured once as a CUDA graph (after a warm-up on a side stream, which runs
-    the step on the current buffers: it writes cache slots at `pos`) and each call is one replay
-    attending to all max_len slots; `pick` must then be sync-free and use the default RNG. Elsewhere,
-    or when capture fails (logged), each call runs the same step eagerly, attending to `upto` slots."""
+    A call names `upto`, a bound on the positions it covers; the step attends to that bound rounded up
+    to a multiple of `span` slots (all max_len slots when None), so a short context does not pay for
+    the whole cache. On CUDA each span is captured once as a CUDA graph on first use (after a warm-up on
+    a side stream, which runs the step on the current buffers: it rewrites the cache slots at `pos`
+    with what the replay writes again) and a call is one replay; `pick` must then be sync-free and use
+    the default RNG. Elsewhere, or when a capture fails (logged), each call runs the same step eagerly."""
 
-    def __init__(self, lm: FastLM, pick, warmup: int = 2):
-        self.lm, self.pick = lm, pick
+    def __init__(self, lm: FastLM, pick, warmup: int = 2, span: int = 256):
+        self.lm, self.pick, self.warmup, self.span = lm, pick, warmup, span
         B = lm.batch_size
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=lm.device)
         self.pos = torch.zeros(B, dtype=torch.long, device=lm.device)
         self.tok = torch.zeros(B, dtype=torch.long, device=lm.device)
-        self.graph = None
-        if lm.device.type == "cuda":
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.use_graphs = lm.device.type == "cuda"
+        self._graph(lm.max_len)  # the full-cache shape now, so a stack that cannot capture says so at once
+
+    @property
+    def graph(self):
+        """The graph of the full-cache step (None when steps run eagerly)."""
+        return self.graphs.get(self.lm.max_len)
+
+    def slots(self, upto: int | None) -> int:
+        """Cache slots a step bounded by `upto` attends to."""
+        if upto is None:
+            return self.lm.max_len
+        return min(self.lm.max_len, -(-int(upto) // self.span) * self.span)
+
+    def _graph(self, slots: int):
+        g = self.graphs.get(slots)
+        if g is None and self.use_graphs:
             try:
-                self.graph, _ = capture_cuda_graph(lambda: self._step(None), lm.device, warmup)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                g, _ = capture_cuda_graph(lambda: self._step(slots), self.lm.device, self.warmup, self.pool)
+                self.graphs[slots] = g
             except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
                 log(f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); decoding eagerly")
+                self.use_graphs = False
+                self.graphs.clear()
+                g = None
+        return g
 
     def _step(self, upto: int | None) -> None:
         logits, _ = self.lm.forward(self.ids, self.pos, last_only=True, upto=upto)
         self.tok.copy_(self.pick(logits[:, -1]))
 
     def __call__(self, upto: int | None = None) -> torch.Tensor:
-        if self.graph is not None:
-            self.graph.replay()
+        slots = self.slots(upto)
+        g = self._graph(slots)
+        if g is not None:
+            g.replay()
         else:
-            self._step(upto)
+            self._step(slots)
         return self.tok

@@ -149,7 +149,7 @@ def test_decode_graph_replays_the_eager_step():
 
     t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
     graphed, eager = FastLM(t.model, 4, 64), FastLM(t.model, 4, 64)
-    step = DecodeGraph(graphed, lambda logits: logits.argmax(-1))
+    step = DecodeGraph(graphed, lambda logits: logits.argmax(-1), span=8)
     assert step.graph is not None
     ids = torch.randint(0, t.vocab_size, (4, 5), device="cuda")
     for lm in (graphed, eager):
@@ -159,5 +159,6 @@ def test_decode_graph_replays_the_eager_step():
         step.ids.copy_(tok)
         step.pos.copy_(pos)
         want = eager.forward(tok, pos, last_only=True)[0][:, -1].argmax(-1)
-        assert torch.equal(step(), want)
+        assert torch.equal(step(upto=int(pos.max()) + 1), want)  # a graph per 8-slot span: 8 and 16
         tok, pos = want[:, None], pos + 1
+    assert sorted(step.graphs) == [8, 16, 64]
