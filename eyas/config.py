@@ -95,7 +95,7 @@ class FeaturesConfig:
 @dataclass
 class TrainConfig:
     epochs: int = opt(2, "passes over the training data")
-    lr: float = opt(3e-4, "peak learning rate (AdamW)")
+    lr: float = opt(1e-3, "peak learning rate (AdamW)")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_seq_len: int = opt(2048, "longest training sequence (longer ones are truncated)")
     ttt_steps: int = opt(3, "training-time-test unroll steps")
@@ -117,6 +117,9 @@ class TrainConfig:
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
     init_head: bool = opt(False, "start the drafter's lm_head and final norm from the target's (draft-vocabulary rows); "
                           "off by default: it trained slower in our runs (README)")
+    fc_init: str = opt("scaled", "fresh drafter's fc: scaled (each aux layer's block of columns divided by that layer's "
+                       "RMS over the first training batches, so every layer enters at the same scale; README) or "
+                       "default (PyTorch's Linear init)", choices=("scaled", "default"))
     draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
 
 

@@ -35,7 +35,7 @@ STAGES = [
 # settings left at their defaults are sized to the machine for the embedded default run
 AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "data.max_seq_len": 384,
             "data.extra_original": 120, "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 5,
-            "train.batch_tokens": 1024, "train.lr": 1e-3, "train.val_ratio": 0.05, "eval.limit": 3,
+            "train.batch_tokens": 1024, "train.val_ratio": 0.05, "eval.limit": 3,
             "eval.max_new_tokens": 64}
 AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1}
 

@@ -37,7 +37,7 @@ from .util import EyasError, atomic_path, atomic_write_json, human_bytes, log, p
 # settings whose change makes a checkpoint belong to a different run
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
                    "warmup_ratio", "finetune_from", "batch_tokens", "grad_accum", "grad_clip", "seed",
-                   "max_steps", "draft_intermediate_size", "init_head"]
+                   "max_steps", "draft_intermediate_size", "init_head", "fc_init"]
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -213,6 +213,29 @@ def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
     norm = getattr(target.model.get_decoder(), "norm", None)
     if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == drafter.norm.weight.shape:
         drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight))
+
+
+@torch.no_grad()
+def scale_fc_init(drafter: Eagle3Drafter, batches) -> list[float]:
+    """Divide each aux layer's block of fc columns by the RMS of that layer's states over `batches`
+    (PackedBatch; the first token of each sequence, an attention sink whose states are ~100x larger,
+    left out). The target's aux layers differ in scale (SmolLM2: RMS 2.8, 6.5, 21.7 at layers 2, 15,
+    27), so with PyTorch's init the deepest layer dominates fc's output. Returns the RMS per layer."""
+    c = drafter.config
+    n, H = len(c.aux_layers), c.target_hidden_size
+    sq = torch.zeros(n, dtype=torch.float64)
+    count = 0
+    for b in batches:
+        keep = b.pos[: b.n_real] > 0
+        a = b.aux[: b.n_real][keep].float().view(-1, n, H)
+        sq += a.pow(2).sum((0, 2)).double().cpu()
+        count += a.shape[0] * H
+    if count == 0:
+        return [1.0] * n
+    rms = (sq / count).sqrt().clamp_min(1e-6)
+    w = drafter.fc.weight
+    w.copy_((w.view(w.shape[0], n, H) / rms.to(w)[None, :, None]).view_as(w))
+    return [round(float(r), 4) for r in rms]
 
 
 def _drafter_from_checkpoint(p: Path, target) -> Eagle3Drafter:
@@ -488,6 +511,9 @@ def run_train(cfg: Config, target=None) -> dict:
     torch.manual_seed(tc.seed)
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
     drafter.float()
+    if not tc.finetune_from and tc.fc_init == "scaled":  # same batches on every rank (DDP also broadcasts)
+        rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in train.bins(tc.seed)[:2]])
+        log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")
     drafter.embed_tokens.weight.requires_grad_(False)
     draft_ids = drafter.draft_ids
     lm_head = target.model.get_output_embeddings()

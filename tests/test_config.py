@@ -77,9 +77,9 @@ def test_resolved_config_round_trips(tmp_path):
 def test_machine_sizing_leaves_given_settings_alone():
     from eyas.pipeline import autosize
 
-    cfg = C.resolve(None, "smollm2", {"data.extra_original": "0", "train.lr": "3e-4"})  # both equal the defaults
+    cfg = C.resolve(None, "smollm2", {"data.extra_original": "0", "train.batch_tokens": "8192"})  # both the defaults
     changed = autosize(cfg, "cpu")
-    assert "data.extra_original" not in changed and "train.lr" not in changed
-    assert cfg.data.extra_original == 0 and cfg.train.lr == 3e-4
+    assert "data.extra_original" not in changed and "train.batch_tokens" not in changed
+    assert cfg.data.extra_original == 0 and cfg.train.batch_tokens == 8192
     assert changed["regen.limit"] == 32  # settings left alone are sized
     assert autosize(C.resolve(None, "tiny", {}), "cpu") == {}  # only the embedded default is sized

@@ -89,6 +89,34 @@ def test_overfits_real_smollm2_features(smol):
         assert acc1 > acc0 + 0.2, (j, acc0, acc1, hist)
 
 
+def test_scaled_fc_init_puts_every_aux_layer_at_one_scale(smol):
+    """SmolLM2's aux layers differ several-fold in scale: with PyTorch's init the deepest dominates
+    fc's output. scale_fc_init divides each layer's block of columns by that layer's RMS (first
+    token of each sequence, an attention sink, left out), so each block contributes alike."""
+    from eyas.train import scale_fc_init
+
+    toks = [tokenize_conversation(smol.tokenizer, Conversation(f"qa{i}", [Turn("user", q), Turn("assistant", a)]),
+                                  512, "keep", smol.eot_token_ids) for i, (q, a) in enumerate(QA)]
+    feats = OnlineFeatures(smol, TokenSet.from_tokenized(toks)).get(list(range(len(toks))))
+    batch = pack_samples(feats)
+    H, n = smol.hidden_size, len(smol.aux_layers)
+    aux = batch.aux[batch.pos > 0].view(-1, n, H)
+    want = aux.pow(2).mean((0, 2)).sqrt()
+    drafter = build_drafter(smol, 1024)
+    W0 = drafter.fc.weight.detach().clone().view(H, n, H)
+
+    def block_rms(W):  # RMS over tokens of each layer's contribution to fc's output
+        return torch.stack([(aux[:, i] @ W[:, i].T).pow(2).mean().sqrt() for i in range(n)])
+
+    before = block_rms(W0)
+    got = scale_fc_init(drafter, [batch])
+    assert torch.allclose(torch.tensor(got, dtype=torch.float64), want.double(), rtol=1e-3)
+    assert torch.allclose(drafter.fc.weight.view(H, n, H), W0 / want[None, :, None])
+    after = block_rms(drafter.fc.weight.detach().view(H, n, H))
+    assert before.max() / before.min() > 3  # the problem is real for this target
+    assert after.max() / after.min() < 1.5
+
+
 # ------------------------------------------------------------------ run-directory tests (CLI)
 
 @pytest.fixture(scope="module")
