@@ -15,6 +15,17 @@ job() {  # job NAME COMMAND...: run it, log to $S/NAME.log
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/gpu.txt 2>&1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $S/gpu.txt
 job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py
+# drafter ablations at GPU scale, at most 4 at a time (about 17 GB of GPU memory each)
+ablate() {
+  for v in "$@"; do
+    python3 bench/ablate_drafter.py --variant $v --out $S/ablate.jsonl > $S/ablate_$v.log 2>&1 &
+  done
+  wait
+}
+if [ -n "${ABLATE:-1}" ]; then
+  job ablate_a ablate base fcscale lr1e-3 fcscale_lr1e-3
+  job ablate_b ablate auxnorm_lr1e-3 fcscale_dim long_lr1e-3 zero_aux
+fi
 job pipeline python3 -m eyas run --out $run ${EYAS_EXTRA:-}
 cp $run/manifest.json $run/eval/report.json $run/report.md $S/ 2>/dev/null
 cp $run/train/summary.json $S/train_summary.json 2>/dev/null

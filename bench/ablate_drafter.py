@@ -1,0 +1,228 @@
+"""Drafter ablations: held-out per-step accuracy and simulated tau after the same training budget, one
+variant per process (several can share a GPU).
+
+    PYTHONPATH=. python3 bench/ablate_drafter.py --variant base --out results.jsonl
+    for v in base lr1e-3 zero_aux ...; do PYTHONPATH=. python3 bench/ablate_drafter.py --variant $v & done
+
+Data: the first --convs ShareGPT conversations with their original answers (labels are the target's
+own distribution, as in training), tokenized with the target's template and cut to --max-len tokens;
+a tenth held out. Training is eyas' TTT unroll (eyas.ttt) with AdamW and a cosine schedule, in a loop
+small enough to change one thing at a time. `--list` prints the variants.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eyas.config import TargetConfig  # noqa: E402
+from eyas.data.readers import read_dataset  # noqa: E402
+from eyas.data.tokenize import tokenize_conversation  # noqa: E402
+from eyas.draft import build_drafter  # noqa: E402
+from eyas.features import Sample, compute_features  # noqa: E402
+from eyas.target import load_target  # noqa: E402
+from eyas.train import autocast  # noqa: E402
+from eyas.ttt import acceptance_length, pack_samples, target_labels, ttt_unroll  # noqa: E402
+
+
+def aux_scales(samples, H: int, per_dim: bool = False) -> torch.Tensor:
+    """RMS of each aux layer (or each aux dimension) over the data, the first token of each sequence
+    (an attention sink with states ~100x larger) left out."""
+    aux = torch.cat([s.aux[1:].float() for s in samples[:200]])
+    if per_dim:
+        return aux.pow(2).mean(0).sqrt().clamp_min(1e-3)
+    rms = [aux[:, i * H:(i + 1) * H].pow(2).mean().sqrt() for i in range(aux.shape[-1] // H)]
+    return torch.cat([r.expand(H) for r in rms])
+
+
+VARIANTS = {
+    # name: keyword arguments of train_variant
+    "base": {},
+    "lr1e-3": {"lr": 1e-3},
+    "lr3e-3": {"lr": 3e-3},
+    "lr1e-4": {"lr": 1e-4},
+    "noclip": {"clip": 0.0},
+    "clip5": {"clip": 5.0},
+    "fcscale": {"fcscale": True},
+    "fcscale_lr1e-3": {"fcscale": True, "lr": 1e-3},
+    "zero_aux": {"zero_aux": True},
+    "init_head": {"init_head": True},
+    "long": {"steps_mult": 3},
+    "long_lr1e-3": {"steps_mult": 3, "lr": 1e-3},
+    "ttt1": {"ttt": 1},
+    "auxnorm": {"auxnorm": "layer"},
+    "auxnorm_lr1e-3": {"auxnorm": "layer", "lr": 1e-3},
+    "auxnorm_dim": {"auxnorm": "dim"},
+    "fcscale_dim": {"fcscale": "dim"},
+    "last3": {"aux_layers": "last3"},
+    "noise": {"noise": 0.05},
+}
+
+
+def load_samples(t, convs: int, max_len: int) -> list[Sample]:
+    recs, _ = read_dataset("sharegpt", limit=convs)
+    seqs = []
+    for c in recs:
+        try:
+            tk = tokenize_conversation(t.tokenizer, c, max_seq_len=max_len)
+        except Exception:  # noqa: BLE001 - a record the template cannot render is skipped
+            continue
+        if sum(tk.loss_mask) > 8:
+            seqs.append((torch.tensor(tk.input_ids), torch.tensor(tk.loss_mask, dtype=torch.bool)))
+    seqs.sort(key=lambda s: len(s[0]))
+    out = []
+    for i in range(0, len(seqs), 16):
+        chunk = seqs[i:i + 16]
+        for (ids, m), (a, f, top) in zip(chunk, compute_features(t, [s[0] for s in chunk])):
+            out.append(Sample(ids.to(a.device), m.to(a.device), a, f, top))
+    random.Random(0).shuffle(out)
+    return out
+
+
+def batches(data, budget: int, seed: int):
+    r = random.Random(seed)
+    idx = list(range(len(data)))
+    r.shuffle(idx)
+    out, cur, n = [], [], 0
+    for i in idx:
+        L = len(data[i].input_ids)
+        if n + L > budget and cur:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(data[i])
+        n += L
+    if cur:
+        out.append(cur)
+    return out
+
+
+def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
+                  fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm=""):
+    from eyas.train import init_head_from_target
+
+    dev = t.device
+    torch.manual_seed(0)
+    d = build_drafter(t, dv, draft_ids.cpu()).to(dev)
+    H = d.config.target_hidden_size
+    if fcscale:
+        with torch.no_grad():
+            d.fc.weight /= aux_scales(tr, H, per_dim=fcscale == "dim").to(d.fc.weight)
+    # auxnorm: the aux states divided by a fixed per-layer (or per-dimension) scale before fc, a
+    # reparametrisation (fc sees unit-scale inputs; exported, the scale would fold into fc's columns)
+    inv = (1.0 / aux_scales(tr, H, per_dim=auxnorm == "dim")).to(dev) if auxnorm else None
+    if init_head:
+        init_head_from_target(d, t)
+    params = [p for p in d.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
+    lm_head = t.model.get_output_embeddings()
+    steps *= steps_mult
+    ep = 0
+    tb = []
+    s = 0
+    t0 = time.time()
+    tokens = 0
+    while s < steps:
+        if not tb:
+            tb = batches(tr, budget, ep)
+            ep += 1
+        b = pack_samples(tb.pop())
+        if zero_aux:
+            b.aux = torch.zeros_like(b.aux)
+        if inv is not None:
+            b.aux = b.aux * inv.to(b.aux.dtype)
+        f = min(1.0, (s + 1) / max(1, steps // 50)) * 0.5 * (1 + math.cos(math.pi * s / steps))
+        for g in opt.param_groups:
+            g["lr"] = lr * f
+        with autocast(dev):
+            lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top)
+            st = ttt_unroll(d, b, lab, ttt, noise_std=noise)
+            loss = sum(ls / c.clamp(min=1) for ls, c in zip(st.loss_sum, st.count))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        tokens += b.n_real
+        s += 1
+    train_s = time.time() - t0
+    d.eval()
+    cor, cnt = [0.0] * 3, [0.0] * 3
+    with torch.no_grad():
+        for vb in batches(val, budget, 0):
+            b = pack_samples(vb)
+            if zero_aux:
+                b.aux = torch.zeros_like(b.aux)
+            if inv is not None:
+                b.aux = b.aux * inv.to(b.aux.dtype)
+            with autocast(dev):
+                lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top)
+                st = ttt_unroll(d, b, lab, 3)
+            for j in range(3):
+                cor[j] += float(st.correct[j])
+                cnt[j] += float(st.count[j])
+    acc = [c / max(n, 1) for c, n in zip(cor, cnt)]
+    return {"acc": [round(a, 4) for a in acc], "sim_tau": round(1 + acceptance_length(acc), 3), "steps": steps,
+            "epochs": round(ep - len(tb) / max(1, len(batches(tr, budget, 0))), 2), "train_tokens": tokens,
+            "train_s": round(train_s, 1), "final_loss": round(loss.item(), 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", default="base", help="one of --list")
+    ap.add_argument("--list", action="store_true", help="print the variants and exit")
+    ap.add_argument("--convs", type=int, default=2000, help="ShareGPT conversations read")
+    ap.add_argument("--max-len", type=int, default=1024, help="tokens per conversation")
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps (variants may multiply)")
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--draft-vocab-size", type=int, default=32000)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="TTT steps trained (validation always reports 3)")
+    ap.add_argument("--cache", default="", help="keep the tokenized features in this .pt file and reuse them")
+    ap.add_argument("--out", default="ablate.jsonl", help="results appended as JSON lines")
+    a = ap.parse_args()
+    if a.list:
+        print("\n".join(f"{k}: {v}" for k, v in VARIANTS.items()))
+        return 0
+    kw = {"ttt": a.ttt_steps, **VARIANTS[a.variant]}
+    aux = None
+    if kw.pop("aux_layers", None) == "last3":
+        aux = [27, 28, 29]
+    t = load_target(TargetConfig(name="smollm2", device=a.device, **({"aux_layers": aux} if aux else {})))
+    t0 = time.time()
+    if a.cache and Path(a.cache).exists():
+        samples = [Sample(*(x.to(t.device) if x is not None else None for x in s))
+                   for s in torch.load(a.cache, weights_only=True)]
+    else:
+        samples = load_samples(t, a.convs, a.max_len)
+        if a.cache:
+            # clone: the samples are views into their batch's tensors, which torch.save would store whole
+            torch.save([tuple(x.cpu().clone() for x in (s.input_ids, s.loss_mask, s.aux, s.final, s.top))
+                        for s in samples], a.cache)
+    nval = max(1, len(samples) // 10)
+    val, tr = samples[:nval], samples[nval:]
+    cnt = torch.zeros(t.vocab_size, device=t.device)
+    for s in tr:
+        cnt += torch.bincount(s.input_ids[s.loss_mask], minlength=t.vocab_size).float()
+    dv = min(a.draft_vocab_size, t.vocab_size)
+    draft_ids = cnt.topk(dv).indices.sort().values
+    prep = time.time() - t0
+    res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, **kw)
+    res = {"variant": a.variant, **res, "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
+           "device": torch.cuda.get_device_name() if t.device.type == "cuda" else "cpu",
+           "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)}
+    print(json.dumps(res), flush=True)
+    with open(a.out, "a") as fh:
+        fh.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
