@@ -29,18 +29,20 @@ from eyas.data.tokenize import tokenize_conversation  # noqa: E402
 from eyas.draft import build_drafter  # noqa: E402
 from eyas.features import Sample, compute_features  # noqa: E402
 from eyas.target import load_target  # noqa: E402
-from eyas.train import autocast  # noqa: E402
+from eyas.train import autocast, aux_layer_rms  # noqa: E402
 from eyas.ttt import acceptance_length, pack_samples, target_labels, ttt_unroll  # noqa: E402
 
 
 def aux_scales(samples, H: int, per_dim: bool = False) -> torch.Tensor:
-    """RMS of each aux layer (or each aux dimension) over the data, the first token of each sequence
-    (an attention sink with states ~100x larger) left out."""
-    aux = torch.cat([s.aux[1:].float() for s in samples[:200]])
+    """RMS of each aux layer, repeated over its H dimensions (eyas.train.aux_layer_rms, the scale
+    train.fc_init=scaled uses), or of each aux dimension; over the first 200 samples, the first token
+    of each sequence (an attention sink with states ~100x larger) left out."""
+    n = samples[0].aux.shape[-1] // H
     if per_dim:
+        aux = torch.cat([s.aux[1:].float() for s in samples[:200]])
         return aux.pow(2).mean(0).sqrt().clamp_min(1e-3)
-    rms = [aux[:, i * H:(i + 1) * H].pow(2).mean().sqrt() for i in range(aux.shape[-1] // H)]
-    return torch.cat([r.expand(H) for r in rms])
+    rms = aux_layer_rms([pack_samples(samples[:200])], n, H).float()
+    return rms.repeat_interleave(H)
 
 
 VARIANTS = {

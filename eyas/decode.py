@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .fastlm import attended_slots
 from .target import decoder_layers
 from .util import EyasError, log
 
@@ -369,9 +370,8 @@ class Decoder:
         return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend)
 
     def _upto(self, end: int) -> int:
-        """Cache slots a call whose positions end before `end` attends to: `end` rounded up to 256
-        (less work than the whole cache, and few distinct shapes to capture as CUDA graphs)."""
-        return min(self.max_len, ((end + 255) // 256) * 256)
+        """Cache slots a call whose positions end before `end` attends to (fastlm.attended_slots)."""
+        return attended_slots(end, self.max_len)
 
     def _target_fwd(self, ids, pos, upto: int):
         return self.runner.forward(ids, pos, upto=upto)

@@ -48,6 +48,15 @@ def supported(model) -> tuple[bool, str]:
     return True, ""
 
 
+SPAN = 256  # cache slots are attended in multiples of this (few distinct shapes to capture as graphs)
+
+
+def attended_slots(end: int, max_len: int, span: int = SPAN) -> int:
+    """Cache slots a step whose positions lie below `end` attends to: `end` rounded up to a multiple
+    of `span`, at most max_len (less work than the whole cache, few distinct shapes)."""
+    return min(max_len, -(-int(end) // span) * span)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rope on x [b, h, T, D] with cos/sin [b, 1, T, D] (halves layout, as HF Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -183,7 +192,7 @@ class DecodeGraph:
     with what the replay writes again) and a call is one replay; `pick` must then be sync-free and use
     the default RNG. Elsewhere, or when a capture fails (logged), each call runs the same step eagerly."""
 
-    def __init__(self, lm: FastLM, pick, warmup: int = 2, span: int = 256):
+    def __init__(self, lm: FastLM, pick, warmup: int = 2, span: int = SPAN):
         self.lm, self.pick, self.warmup, self.span = lm, pick, warmup, span
         B = lm.batch_size
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=lm.device)
@@ -201,9 +210,7 @@ class DecodeGraph:
 
     def slots(self, upto: int | None) -> int:
         """Cache slots a step bounded by `upto` attends to."""
-        if upto is None:
-            return self.lm.max_len
-        return min(self.lm.max_len, -(-int(upto) // self.span) * self.span)
+        return self.lm.max_len if upto is None else attended_slots(upto, self.lm.max_len, self.span)
 
     def _graph(self, slots: int):
         g = self.graphs.get(slots)

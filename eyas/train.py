@@ -216,13 +216,10 @@ def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
 
 
 @torch.no_grad()
-def scale_fc_init(drafter: Eagle3Drafter, batches) -> list[float]:
-    """Divide each aux layer's block of fc columns by the RMS of that layer's states over `batches`
-    (PackedBatch; the first token of each sequence, an attention sink whose states are ~100x larger,
-    left out). The target's aux layers differ in scale (SmolLM2: RMS 2.8, 6.5, 21.7 at layers 2, 15,
-    27), so with PyTorch's init the deepest layer dominates fc's output. Returns the RMS per layer."""
-    c = drafter.config
-    n, H = len(c.aux_layers), c.target_hidden_size
+def aux_layer_rms(batches, n: int, H: int) -> torch.Tensor:
+    """RMS of each of the n aux layers' states [float64, n] over `batches` (PackedBatch), the first
+    token of each sequence (an attention sink whose states are ~100x larger) left out; ones when the
+    batches hold no such token."""
     sq = torch.zeros(n, dtype=torch.float64)
     count = 0
     for b in batches:
@@ -231,8 +228,18 @@ def scale_fc_init(drafter: Eagle3Drafter, batches) -> list[float]:
         sq += a.pow(2).sum((0, 2)).double().cpu()
         count += a.shape[0] * H
     if count == 0:
-        return [1.0] * n
-    rms = (sq / count).sqrt().clamp_min(1e-6)
+        return torch.ones(n, dtype=torch.float64)
+    return (sq / count).sqrt().clamp_min(1e-6)
+
+
+@torch.no_grad()
+def scale_fc_init(drafter: Eagle3Drafter, batches) -> list[float]:
+    """Divide each aux layer's block of fc columns by that layer's RMS over `batches` (aux_layer_rms).
+    The target's aux layers differ in scale (SmolLM2: RMS 2.8, 6.5, 21.7 at layers 2, 15, 27), so
+    with PyTorch's init the deepest layer dominates fc's output. Returns the RMS per layer."""
+    c = drafter.config
+    n, H = len(c.aux_layers), c.target_hidden_size
+    rms = aux_layer_rms(batches, n, H)
     w = drafter.fc.weight
     w.copy_((w.view(w.shape[0], n, H) / rms.to(w)[None, :, None]).view_as(w))
     return [round(float(r), 4) for r in rms]
