@@ -36,7 +36,7 @@ from eyas.ttt import acceptance_length, pack_samples, target_labels, ttt_unroll 
 def aux_scales(samples, H: int, per_dim: bool = False) -> torch.Tensor:
     """RMS of each aux layer, repeated over its H dimensions (eyas.train.aux_layer_rms, the scale
     train.fc_init=scaled uses), or of each aux dimension; over the first 200 samples, the first token
-    of each sequence (an attention sink with states ~100x larger) left out."""
+    of each sequence (an attention sink, bench/aux_stats.py) left out."""
     n = samples[0].aux.shape[-1] // H
     if per_dim:
         aux = torch.cat([s.aux[1:].float() for s in samples[:200]])
