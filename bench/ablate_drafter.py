@@ -66,6 +66,7 @@ VARIANTS = {
     "fcscale_dim": {"fcscale": "dim"},
     "last3": {"aux_layers": "last3"},
     "noise": {"noise": 0.05},
+    "wide_fcscale_lr1e-3": {"fcscale": True, "lr": 1e-3, "mlp_mult": 4},
 }
 
 
@@ -107,12 +108,13 @@ def batches(data, budget: int, seed: int):
 
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
-                  fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm=""):
+                  fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1):
     from eyas.train import init_head_from_target
 
     dev = t.device
     torch.manual_seed(0)
-    d = build_drafter(t, dv, draft_ids.cpu()).to(dev)
+    inter = t.model.config.intermediate_size * mlp_mult if mlp_mult != 1 else 0
+    d = build_drafter(t, dv, draft_ids.cpu(), intermediate_size=inter).to(dev)
     H = d.config.target_hidden_size
     if fcscale:
         with torch.no_grad():

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The jobs of one GPU session, in order (started by bench/gpu_queue.sh). Every job writes its log and
 # results into the state folder $1; `queue.log` says when each started and how it ended.
+# ABLATE=1 adds the drafter ablations (4 at a time, about 17 GB of GPU memory each) before the pipeline;
+# BENCH=1 adds the regeneration and extraction benchmarks after the decoding ones.
 S=$1
 export EYAS_STAGE_DIR=~/eyas-stage EYAS_PROGRESS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 run=/tmp/gpurun
@@ -14,31 +16,32 @@ job() {  # job NAME COMMAND...: run it, log to $S/NAME.log
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/gpu.txt 2>&1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $S/gpu.txt
+git log -1 --format=%h >> $S/gpu.txt 2>/dev/null
 job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py
-# drafter ablations at GPU scale, at most 4 at a time (about 17 GB of GPU memory each)
 ablate() {
   for v in "$@"; do
     python3 bench/ablate_drafter.py --variant $v --out $S/ablate.jsonl > $S/ablate_$v.log 2>&1 &
   done
   wait
 }
-if [ -n "${ABLATE:-1}" ]; then
+if [ -n "${ABLATE:-}" ]; then
   job ablate_a ablate base fcscale lr1e-3 fcscale_lr1e-3
   job ablate_b ablate auxnorm_lr1e-3 fcscale_dim long_lr1e-3 zero_aux
 fi
 job pipeline python3 -m eyas run --out $run ${EYAS_EXTRA:-}
 cp $run/manifest.json $run/eval/report.json $run/report.md $S/ 2>/dev/null
 cp $run/train/summary.json $S/train_summary.json 2>/dev/null
+grep -v '"step": [0-9]*[1-9], "epoch"' $run/train/metrics.jsonl > $S/train_metrics_sparse.jsonl 2>/dev/null
 du -sb $run/* > $S/run_bytes.txt 2>/dev/null
 if [ -d $run/draft ]; then
-  job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 20 --k 3,7 \
-    --max-new-tokens 256 --budget 40 --out $S/decode_sharegpt.json
+  job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 --k 3,7 \
+    --max-new-tokens 256 --budget 100 --hf-budget 20 --out $S/decode_sharegpt.json
+  job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 40 --k 3,7 \
+    --max-new-tokens 256 --budget 60 --hf-budget 20 --out $S/decode_humaneval.json
 fi
-job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 --max-new-tokens 256 \
-  --engine static,generate --baseline-batches 2 --out $S/regen_bench.json
-if [ -d $run/draft ]; then
-  job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 20 --k 3,7 \
-    --max-new-tokens 256 --budget 30 --out $S/decode_humaneval.json
+if [ -n "${BENCH:-}" ]; then
+  job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 --max-new-tokens 256 \
+    --engine static,generate --baseline-batches 2 --out $S/regen_bench.json
+  job extract_bench python3 bench/bench_extract.py --target smollm2 --sequences 2000 --out $S/extract_bench.json
 fi
-job extract_bench python3 bench/bench_extract.py --target smollm2 --sequences 2000 --out $S/extract_bench.json
 touch $S/finished

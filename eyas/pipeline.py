@@ -37,7 +37,7 @@ AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "d
             "data.extra_original": 120, "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 5,
             "train.batch_tokens": 1024, "train.val_ratio": 0.05, "eval.limit": 3,
             "eval.max_new_tokens": 64}
-AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1}
+AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1, "train.epochs": 8}
 
 
 def _get(cfg, key):

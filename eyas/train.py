@@ -451,6 +451,40 @@ def step_generator(seed: int, step: int, micro: int, device) -> torch.Generator:
     return g
 
 
+class SectionTimer:
+    """Where a training step's time goes: `mark(name)` ends the section `name` (it began at the
+    previous mark). On CUDA the marks are events (no host sync); `collect()` reads them after the
+    step's own sync and adds them up. Off the GPU, wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+        self.total: dict[str, float] = {}
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def collect(self, keep: bool = True) -> None:
+        """Add the sections since the last collect (call after a sync); `keep=False` drops them."""
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            if keep and name != "start":
+                ms = a.elapsed_time(b) if self.cuda else (b - a) * 1000
+                self.total[name] = self.total.get(name, 0.0) + ms
+        self.marks = []
+
+    def shares(self) -> dict:
+        """Seconds per section and its share of their sum."""
+        s = sum(self.total.values()) or 1.0
+        return {k: {"s": round(v / 1000, 2), "share": round(v / s, 3)} for k, v in self.total.items()}
+
+
 @torch.no_grad()
 def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int) -> dict:
     """Per-position accuracy, simulated acceptance length and loss on a split, all ranks together."""
@@ -591,6 +625,7 @@ def run_train(cfg: Config, target=None) -> dict:
     t0, tok_done, tok_window, t_window = time.perf_counter(), 0, 0, time.perf_counter()
     warm_steps = min(5, max(0, (total - step) // 4))  # steady-state rate leaves out compilation and warm-up
     steady = [0.0, 0]
+    timer = SectionTimer(d.device)
     module.train()
     while step < total:
         t_step = time.perf_counter()
@@ -604,7 +639,9 @@ def run_train(cfg: Config, target=None) -> dict:
             g["lr"] = lr
         acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
         for a, m in enumerate(mine):
+            timer.mark("start")
             batch = train.batch(bins[m], d.device, multiple)
+            timer.mark("features")
             gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
             sync = contextlib.nullcontext() if (d.world == 1 or a == len(mine) - 1) else model.no_sync()
             with sync:
@@ -612,16 +649,20 @@ def run_train(cfg: Config, target=None) -> dict:
                     labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top)
                     st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen)
                 loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
+                timer.mark("forward")
                 (loss * d.world).backward()
+                timer.mark("backward")
             acc_t[0] += loss.detach().double()
             acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
             acc_t[-1] += batch.n_real
         gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        timer.mark("optimizer")
         step += 1
         acc_t = d.all_sum(acc_t)
         acc = [float(c) / dn for c, dn in zip(acc_t[1:1 + tc.ttt_steps].tolist(), denom)]
+        timer.collect(keep=warm_steps == 0)
         ntok = int(acc_t[-1])
         tok_done += ntok
         if warm_steps > 0:
@@ -654,6 +695,7 @@ def run_train(cfg: Config, target=None) -> dict:
                "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,
                "tok_s_steady": steady[1] / steady[0] if steady[1] else None,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
+               "step_time_split": timer.shares(),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
     if d.main:
         atomic_write_json(run / "train" / "summary.json", summary)
