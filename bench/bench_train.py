@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
         "draft_vocab_size": a.draft_vocab_size, "tokens_trained": res["tokens_trained"],
         "tok_s_steady": res["tok_s_steady"], "tok_s_overall": res["tok_s"],
-        "peak_memory": res["peak_memory"], "val": res["best"], "prep_s": round(prep, 1),
+        "peak_memory": res["peak_memory"], "val": res["best"], "step_time_split": res.get("step_time_split"),
+        "prep_s": round(prep, 1),
         "train_s": round(train_s, 1), "run": run, "random_target": bool(a.random_target),
         "command": " ".join([sys.executable, *sys.argv]),
     }

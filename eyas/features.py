@@ -79,21 +79,17 @@ class OnlineFeatures:
         return len(self.tokens)
 
     def get(self, indices: list[int]) -> list[Sample]:
+        """Samples in the order of `indices`. The forwards take the sequences longest first, cut
+        like an extraction plan (`plan_batches`), so a batch pads little whatever order the
+        training bins list their sequences in (a bin drawn at random padded to 2-3x its tokens)."""
         pairs = [self.tokens[i] for i in indices]
-        out: list[Sample] = []
-        # group into forward passes of at most max_batch_tokens (padded) tokens, in order
-        group: list[int] = []
-        for j in range(len(pairs) + 1):
-            if j < len(pairs):
-                longest = max([len(pairs[k][0]) for k in group] + [len(pairs[j][0])])
-                if not group or longest * (len(group) + 1) <= self.max_batch_tokens:
-                    group.append(j)
-                    continue
-            feats = compute_features(self.target, [pairs[k][0] for k in group])
-            for k, (aux, final, top) in zip(group, feats):
+        order = sorted(range(len(pairs)), key=lambda k: -len(pairs[k][0]))  # stable: ties keep their order
+        out: list[Sample | None] = [None] * len(pairs)
+        for a, b in plan_batches([len(pairs[k][0]) for k in order], self.max_batch_tokens):
+            group = order[a:b]
+            for k, (aux, final, top) in zip(group, compute_features(self.target, [pairs[k][0] for k in group])):
                 ids, mask = pairs[k]
-                out.append(Sample(ids.to(aux.device), mask.to(aux.device), aux, final, top))
-            group = [j] if j < len(pairs) else []
+                out[k] = Sample(ids.to(aux.device), mask.to(aux.device), aux, final, top)
         return out
 
 
