@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .fastlm import attended_slots
 from .target import decoder_layers
-from .util import EyasError, log
+from .util import EyasError, PhaseClock, log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,34 +208,6 @@ class Generation:
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
 
 
-class _Clock:
-    """Phase timer that never syncs the device mid-generation: CUDA events on GPU (read at the
-    end), perf_counter on CPU (where work is synchronous anyway)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, object, object]] = []
-        self._t: dict[str, float] = {}
-
-    def _now(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def start(self):
-        return self._now()
-
-    def stop(self, name: str, t0) -> None:
-        self.marks.append((name, t0, self._now()))
-
-    def totals(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, a, b in self.marks:
-            dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
-            out[name] = out.get(name, 0.0) + dt
-        return out
 
 
 def _sync(device: torch.device) -> None:
@@ -432,7 +404,7 @@ class Decoder:
             raise EyasError(f"prompt of {n} tokens + {max_new_tokens} new tokens does not fit the decoder's "
                             f"cache of {self.max_len} tokens")
         stop = set(int(s) for s in stop_ids)
-        clock = _Clock(self.device)
+        clock = PhaseClock(self.device)
         _sync(self.device)
         t_start = time.perf_counter()
         gen = Generation(tokens=[], prompt_tokens=n)

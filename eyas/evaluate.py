@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import resource
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -332,14 +333,15 @@ def run_eval(cfg) -> dict:
     if e.max_new_tokens < 1:
         raise EyasError(f"eval.max_new_tokens must be at least 1, got {e.max_new_tokens}")
     draft_path = Path(e.draft or os.path.join(cfg.out, "draft")).expanduser()
-    target = load_target(cfg.target)
+    tcfg = replace(cfg.target, dtype=e.dtype) if e.dtype else cfg.target
+    target = load_target(tcfg)
     drafter = load_eval_drafter(draft_path, target)
     set_name, convs = load_prompt_set(cfg)
     log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
     res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
                    max_new_tokens=e.max_new_tokens, compile_=e.compile)
-    report = {"target": target.name, "target_identity": target.identity(), "draft": str(draft_path),
-              "k": e.k, "temperature": e.temperature,
+    report = {"target": target.name, "target_identity": target.identity(), "dtype": str(target.dtype).replace("torch.", ""),
+              "draft": str(draft_path), "k": e.k, "temperature": e.temperature,
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},
               **{k: v for k, v in res.items() if k not in ("k", "temperature")}}
     path = write_report(report, Path(cfg.out) / "eval")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from . import config as C
-from .util import EyasError, NotBuiltError, atomic_write_json, log, read_json, sha256_json
+from .util import EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, log, read_json, sha256_json
 
 # name, "module:function", config keys it reads, output paths under the run dir (the first one is
 # what later stages read: a finished stage whose first output is gone runs again)
@@ -37,6 +37,9 @@ AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "d
             "data.extra_original": 120, "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 5,
             "train.batch_tokens": 1024, "train.val_ratio": 0.05, "eval.limit": 3,
             "eval.max_new_tokens": 64}
+# on a CPU that multiplies bf16 natively: the target in bf16 for regen and extraction (2x faster) and
+# the drafter under bf16 autocast (1.6x), so more data fits; evaluation stays fp32 (lossless check)
+AUTO_CPU_BF16 = {"target.dtype": "bfloat16", "eval.dtype": "float32", "train.precision": "bf16"}
 AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1, "train.epochs": 8}
 
 
@@ -51,11 +54,14 @@ def _default(key):
     return _get(C.Config(), key)
 
 
-def autosize(cfg: C.Config, device_type: str) -> dict:
+def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> dict:
     """Apply the machine-sized defaults to the settings the user left at their defaults."""
     if cfg.preset != "smollm2" or cfg.target.name != "smollm2" or cfg.data.source != "sharegpt":
         return {}
-    table = AUTO_GPU if device_type == "cuda" else AUTO_CPU
+    if device_type == "cuda":
+        table = AUTO_GPU
+    else:
+        table = {**AUTO_CPU, **(AUTO_CPU_BF16 if (cpu_has_bf16() if cpu_bf16 is None else cpu_bf16) else {})}
     changed = {}
     explicit = getattr(cfg, "explicit", set())
     for key, value in table.items():

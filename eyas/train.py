@@ -32,12 +32,12 @@ import torch.distributed as dist
 from .config import Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
 from .ttt import PackedBatch, StepStats, acceptance_length, count_positions, pack_samples, target_labels, ttt_unroll
-from .util import EyasError, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, stable_hash
+from .util import EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, stable_hash
 
 # settings whose change makes a checkpoint belong to a different run
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
                    "warmup_ratio", "finetune_from", "batch_tokens", "grad_accum", "grad_clip", "seed",
-                   "max_steps", "draft_intermediate_size", "init_head", "fc_init"]
+                   "max_steps", "draft_intermediate_size", "init_head", "fc_init", "precision"]
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -115,6 +115,7 @@ class Data:
         self.budget = budget
         self.lengths = [min(int(x), max_len) for x in tokens.lengths()]
         self._epoch: tuple[int, list] | None = None
+        self.fp32 = False  # train.precision=fp32 on a GPU: features cast up like on the CPU
 
     def bins(self, seed: int) -> list[list[int]]:
         if self._epoch is None or self._epoch[0] != seed:
@@ -136,7 +137,7 @@ class Data:
         # on the GPU every batch has the budget's shape (compiled kernels are built once); elsewhere no padding
         pad_to = self.budget if torch.device(device).type == "cuda" else 0
         batch = pack_samples(samples, self.max_len, pad_to, multiple).to(device)
-        if batch.aux.device.type != "cuda":  # no bf16 autocast off the GPU: stored bf16/fp8 features train in fp32
+        if batch.aux.device.type != "cuda" or self.fp32:  # fp32 drafter math: stored bf16/fp8 features cast up
             batch.aux, batch.final = batch.aux.float(), batch.final.float()
         return batch
 
@@ -439,9 +440,10 @@ def plot_curves(rows: list[dict], png: Path) -> None:
 
 # ------------------------------------------------------------------------------------ steps
 
-def autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast(device: torch.device, precision: str = "auto"):
+    """bf16 autocast for precision bf16, or auto on CUDA; none otherwise (fp32)."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -451,42 +453,14 @@ def step_generator(seed: int, step: int, micro: int, device) -> torch.Generator:
     return g
 
 
-class SectionTimer:
-    """Where a training step's time goes: `mark(name)` ends the section `name` (it began at the
-    previous mark). On CUDA the marks are events (no host sync); `collect()` reads them after the
-    step's own sync and adds them up. Off the GPU, wall clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, object]] = []
-        self.total: dict[str, float] = {}
-
-    def _now(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        self.marks.append((name, self._now()))
-
-    def collect(self, keep: bool = True) -> None:
-        """Add the sections since the last collect (call after a sync); `keep=False` drops them."""
-        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
-            if keep and name != "start":
-                ms = a.elapsed_time(b) if self.cuda else (b - a) * 1000
-                self.total[name] = self.total.get(name, 0.0) + ms
-        self.marks = []
-
-    def shares(self) -> dict:
-        """Seconds per section and its share of their sum."""
-        s = sum(self.total.values()) or 1.0
-        return {k: {"s": round(v / 1000, 2), "share": round(v / s, 3)} for k, v in self.total.items()}
+def time_shares(totals: dict[str, float]) -> dict:
+    """Seconds per phase of the training step and each one's share of their sum."""
+    s = sum(totals.values()) or 1.0
+    return {k: {"s": round(v, 2), "share": round(v / s, 3)} for k, v in totals.items()}
 
 
 @torch.no_grad()
-def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int) -> dict:
+def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int, precision: str = "auto") -> dict:
     """Per-position accuracy, simulated acceptance length and loss on a split, all ranks together."""
     module.eval()
     bins = data.bins(0)[d.rank::d.world]
@@ -495,7 +469,7 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
     cor = torch.zeros_like(loss)
     for b in bins:
         batch = data.batch(b, d.device, multiple)
-        with autocast(d.device):
+        with autocast(d.device, precision):
             labels = target_labels(batch.final, lm_head, drafter.draft_ids, top=batch.top)
             st = ttt_unroll(drafter, batch, labels, steps)
         loss += torch.stack(st.loss_sum).double()
@@ -548,6 +522,9 @@ def run_train(cfg: Config, target=None) -> dict:
     val = Data(val_tokens, make_features(cfg, target, val_tokens, "val"), max_len, tc.batch_tokens) if len(val_tokens) else None
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
+    for part in (train, val):
+        if part is not None:
+            part.fp32 = tc.precision == "fp32"
 
     torch.manual_seed(tc.seed)
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
@@ -604,7 +581,7 @@ def run_train(cfg: Config, target=None) -> dict:
         nonlocal best
         if val is None:
             return
-        r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple)
+        r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision)
         metrics.add({"step": s, **r})
         log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}")
         if r["val_al"] > best["val_al"]:
@@ -625,7 +602,7 @@ def run_train(cfg: Config, target=None) -> dict:
     t0, tok_done, tok_window, t_window = time.perf_counter(), 0, 0, time.perf_counter()
     warm_steps = min(5, max(0, (total - step) // 4))  # steady-state rate leaves out compilation and warm-up
     steady = [0.0, 0]
-    timer = SectionTimer(d.device)
+    clock = PhaseClock(d.device)  # where each steady step's time goes
     module.train()
     while step < total:
         t_step = time.perf_counter()
@@ -639,34 +616,37 @@ def run_train(cfg: Config, target=None) -> dict:
             g["lr"] = lr
         acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
         for a, m in enumerate(mine):
-            timer.mark("start")
+            t_ph = clock.start()
             batch = train.batch(bins[m], d.device, multiple)
-            timer.mark("features")
+            clock.stop("features", t_ph)
+            t_ph = clock.start()
             gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
             sync = contextlib.nullcontext() if (d.world == 1 or a == len(mine) - 1) else model.no_sync()
             with sync:
-                with autocast(d.device):
+                with autocast(d.device, tc.precision):
                     labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top)
                     st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen)
                 loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
-                timer.mark("forward")
+                clock.stop("forward", t_ph)
+                t_ph = clock.start()
                 (loss * d.world).backward()
-                timer.mark("backward")
+                clock.stop("backward", t_ph)
             acc_t[0] += loss.detach().double()
             acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
             acc_t[-1] += batch.n_real
+        t_ph = clock.start()
         gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        timer.mark("optimizer")
+        clock.stop("optimizer", t_ph)
         step += 1
         acc_t = d.all_sum(acc_t)
         acc = [float(c) / dn for c, dn in zip(acc_t[1:1 + tc.ttt_steps].tolist(), denom)]
-        timer.collect(keep=warm_steps == 0)
         ntok = int(acc_t[-1])
         tok_done += ntok
         if warm_steps > 0:
             warm_steps -= 1
+            clock.drop()  # compilation and warm-up are not a step's usual time
         else:  # time spent training (not validating or saving) after warm-up
             steady[0] += time.perf_counter() - t_step
             steady[1] += ntok
@@ -695,7 +675,7 @@ def run_train(cfg: Config, target=None) -> dict:
                "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,
                "tok_s_steady": steady[1] / steady[0] if steady[1] else None,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
-               "step_time_split": timer.shares(),
+               "step_time_split": time_shares(clock.totals()),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
     if d.main:
         atomic_write_json(run / "train" / "summary.json", summary)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -121,3 +122,49 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated
+    and slower than fp32. Reads the Linux flags; False where they cannot be read."""
+    try:
+        flags = Path(cpuinfo).read_text(errors="replace").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class PhaseClock:
+    """Phase timer that never syncs the device while it runs: CUDA events on GPU (read at the
+    end, by `totals`), perf_counter on CPU (where work is synchronous anyway). Used by the decoder
+    (draft/verify time) and by training (where each step's time goes)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object, object]] = []
+
+    def _now(self):
+        if self.cuda:
+            import torch
+
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def start(self):
+        return self._now()
+
+    def stop(self, name: str, t0) -> None:
+        self.marks.append((name, t0, self._now()))
+
+    def drop(self) -> None:
+        """Forget the phases timed so far (warm-up)."""
+        self.marks.clear()
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, a, b in self.marks:
+            dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+            out[name] = out.get(name, 0.0) + dt
+        return out

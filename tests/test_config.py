@@ -83,3 +83,21 @@ def test_machine_sizing_leaves_given_settings_alone():
     assert cfg.data.extra_original == 0 and cfg.train.batch_tokens == 8192
     assert changed["regen.limit"] == 32  # settings left alone are sized
     assert autosize(C.resolve(None, "tiny", {}), "cpu") == {}  # only the embedded default is sized
+
+
+def test_cpu_sizing_uses_bf16_only_where_the_cpu_has_it(tmp_path):
+    from eyas.pipeline import autosize
+    from eyas.util import cpu_has_bf16
+
+    with_bf16 = autosize(C.resolve(None, "smollm2", {}), "cpu", cpu_bf16=True)
+    assert with_bf16["target.dtype"] == "bfloat16" and with_bf16["train.precision"] == "bf16"
+    assert with_bf16["eval.dtype"] == "float32"  # the lossless check runs in fp32
+    without = autosize(C.resolve(None, "smollm2", {}), "cpu", cpu_bf16=False)
+    assert not {"target.dtype", "eval.dtype", "train.precision"} & set(without)
+    given = autosize(C.resolve(None, "smollm2", {"target.dtype": "float32"}), "cpu", cpu_bf16=True)
+    assert "target.dtype" not in given  # a setting the user gave is kept
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_has_bf16(str(info))
+    info.write_text("processor : 0\nflags : fpu avx2 avx512f\n")
+    assert not cpu_has_bf16(str(info)) and not cpu_has_bf16(str(tmp_path / "missing"))

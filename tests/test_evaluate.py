@@ -29,13 +29,15 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
                                      {"role": "user", "content": "Name a fruit."}]}]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 2,
-                                 "eval.max_new_tokens": 6, "eval.draft": str(tiny_drafter), "target.device": "cpu"})
+                                 "eval.max_new_tokens": 6, "eval.draft": str(tiny_drafter), "target.device": "cpu",
+                                 "target.dtype": "bfloat16", "eval.dtype": "float32"})
     res = run_eval(cfg)
     rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert res["report"].endswith("report.json")
     for k in DESIGN_KEYS:
         assert k in rep, k
     assert rep["prompts"] == {"set": "p.jsonl", "count": 3, "conversations": 2}  # each user turn answered
+    assert rep["dtype"] == "float32"  # eval.dtype overrides target.dtype while evaluating
     assert rep["k"] == 2 and len(rep["per_position_acceptance"]) == 2
     assert len(rep["accepted_length_histogram"]) == 3 and sum(rep["accepted_length_histogram"]) == rep["verify_rounds"]
     assert 1.0 <= rep["acceptance_length"] <= 3.0
