@@ -456,7 +456,7 @@ def step_generator(seed: int, step: int, micro: int, device) -> torch.Generator:
 def time_shares(totals: dict[str, float]) -> dict:
     """Seconds per phase of the training step and each one's share of their sum."""
     s = sum(totals.values()) or 1.0
-    return {k: {"s": round(v, 2), "share": round(v / s, 3)} for k, v in totals.items()}
+    return {k: {"s": round(v, 4), "share": round(v / s, 3)} for k, v in totals.items()}
 
 
 @torch.no_grad()
