@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="no CUDA graphs (eager steps) on GPU")
     ap.add_argument("--engine", default="auto", choices=("auto", "fast", "hf"),
                     help="target forward: eyas' static-cache forward (fast), transformers' StaticCache (hf)")
+    ap.add_argument("--fused", action="store_true",
+                    help="also run each K with the fused round (eval.fused_round: one CUDA graph per round)")
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
@@ -150,11 +152,12 @@ def main(argv=None) -> int:
     record("eyas_plain", {**run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget), **engine_facts(plain)})
     plain.close()
     for k in ks:
-        dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine)
-        run_engine(dec, warm, 32, stop, True, 1e9)
-        record(f"eyas_spec_k{k}", {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget),
-                                   **engine_facts(dec)})
-        dec.close()
+        for fused in ((False, True) if a.fused else (False,)):
+            dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
+            run_engine(dec, warm, 32, stop, True, 1e9)
+            record(f"eyas_spec_k{k}" + ("_fused" if fused else ""),
+                   {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
+            dec.close()
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),
@@ -167,8 +170,8 @@ def main(argv=None) -> int:
                 print(f"{name}: failed ({e})", flush=True)
     base = results["methods"]["eyas_plain"]["tokens_per_s"]
     hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
-    for k in ks:
-        r = results["methods"][f"eyas_spec_k{k}"]
+    for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
+        r = results["methods"][name]
         r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
         r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None
     atomic_write_json(a.out, results)

@@ -134,6 +134,9 @@ class EvalConfig:
     max_new_tokens: int = opt(256, "tokens generated per answer")
     limit: int = opt(20, "prompts evaluated (0 = all)")
     draft: str = opt("", "drafter to evaluate (default: the run's trained drafter)")
+    fused_round: bool = opt(False, "greedy only: run each speculative round (drafts, verify, acceptance, drafter "
+                            "rerun) as one step, one CUDA graph on GPU, with no host work between its parts; its "
+                            "draft time is then counted as verify time. Off until measured on a GPU")
     dtype: str = opt("", "the target's weights dtype while evaluating (empty = target.dtype). Greedy "
                             "speculative decoding reproduces plain decoding exactly only where the verify pass and "
                             "the plain step round alike: float32 on CPU (README)",

@@ -282,7 +282,8 @@ class Decoder:
     max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
-                 max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto"):
+                 max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
+                 fused: bool = False):
         if k < 1:
             raise EyasError(f"eval.k must be at least 1, got {k}")
         if temperature < 0:
@@ -294,6 +295,9 @@ class Decoder:
         self.dtype = target.dtype
         self.k = k
         self.temperature = temperature
+        # greedy rounds as one step (drafts, verify, acceptance, drafter rebuild): one CUDA graph and no
+        # host work between its parts; its time is reported as verify time
+        self.fused = fused and temperature == 0
         self.top_p = top_p
         self.max_len = max_len
         if engine not in ("auto", "fast", "hf"):
@@ -320,7 +324,7 @@ class Decoder:
     def _call(self, name: str, *args, upto: int):
         """Run a fixed-shape step: "draft" (drafter over ids, hidden, pos) or "verify" (target over
         ids, pos), attending to `upto` cache slots; under CUDA graphs, one graph per (step, shapes, upto)."""
-        fn = self._drafter_fwd if name == "draft" else self._target_fwd
+        fn = {"draft": self._drafter_fwd, "verify": self._target_fwd, "round": self._round_fwd}[name]
         if self.graphs.enabled:
             return self.graphs.run(f"{name}@{upto}", lambda *a: fn(*a, upto=upto), *args)
         return fn(*args, upto=upto)
@@ -387,6 +391,36 @@ class Decoder:
             a, nxt = verify_sample(p, q, drafts, self.generator)
         return a, nxt, aux
 
+    def _draft_chain(self, h_last, logits_last, pos0, upto: int):
+        """The fused round's K greedy drafts [1, K], with every drafter step attending to `upto` slots
+        (a superset of what each needs: the cache masks by position)."""
+        d2t = self.drafter.d2t
+        i = logits_last.argmax(-1)
+        toks = [i + d2t[i]]
+        h = h_last
+        for j in range(1, self.k):
+            h, lg = self._drafter_fwd(toks[-1][:, None], h, pos0 + (j - 1), upto)
+            h, lg = h[:, -1:], lg[:, -1]
+            i = lg.argmax(-1)
+            toks.append(i + d2t[i])
+        return torch.stack(toks, 1)
+
+    def _round_fwd(self, last, h_last, logits_last, pos0, upto: int):
+        """One greedy round with no host sync, from the last emitted token [1] at position pos0 [1]
+        (= L-1): K drafts, the target's verify pass over K+1 tokens, acceptance, and the drafter rerun
+        on the target's aux states. -> (packed [K+2] = accepted count, the K drafts, the next token;
+        the drafter's hidden state [1, 1, H] and logits [1, Vd] at the last accepted position)."""
+        drafts = self._draft_chain(h_last, logits_last, pos0, upto)
+        ar = torch.arange(self.k + 1, device=drafts.device)
+        logits, aux = self._target_fwd(torch.cat([last.view(1, 1), drafts], 1), pos0 + ar, upto)
+        a, nxt = verify_greedy(logits, drafts)
+        feed = torch.cat([drafts, nxt.view(1, 1)], 1)
+        feed = torch.where(ar[None] == a.view(1, 1), nxt.view(1, 1), feed)
+        h, dl = self._drafter_fwd(feed, aux, pos0 + ar, upto)
+        h_last = h.gather(1, a.view(1, 1, 1).expand(1, 1, h.shape[-1]))
+        logits_last = dl.gather(1, a.view(1, 1, 1).expand(1, 1, dl.shape[-1]))[:, 0]
+        return torch.cat([a, drafts[0], nxt]), h_last, logits_last
+
     # -- generation ------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
@@ -417,9 +451,21 @@ class Decoder:
             h_last, logits_last = h[:, -1:], dl[:, -1]
         out = [int(first.item())]
         L = n + 1
+        last_dev = first.view(1)
         while len(out) < max_new_tokens and out[-1] not in stop:
-            last = torch.tensor([out[-1]], device=self.device)
-            if not speculative:
+            if speculative and self.fused:
+                t0 = clock.start()
+                packed_dev, h_last, logits_last = self._call("round", last_dev, h_last, logits_last,
+                                                             self._pos(L - 1, 1), upto=self._upto(L + self.k + 1))
+                clock.stop("verify", t0)
+                packed = packed_dev.tolist()  # the one host sync of the round
+                na = packed[0]
+                new = packed[1:1 + na] + [packed[-1]]
+                last_dev = packed_dev[-1:]
+                gen.accepted.append(na)
+                gen.target_forwards += 1
+            elif not speculative:
+                last = torch.tensor([out[-1]], device=self.device)
                 t0 = clock.start()
                 logits, _ = self._call("verify", last.view(1, 1), self._pos(L - 1, 1), upto=self._upto(L))
                 nxt = self._pick(logits[:, -1])
@@ -427,6 +473,7 @@ class Decoder:
                 new = [int(nxt.item())]
                 gen.target_forwards += 1
             else:
+                last = torch.tensor([out[-1]], device=self.device)
                 t0 = clock.start()
                 drafts, q = self.draft(h_last, logits_last, L)
                 clock.stop("draft", t0)

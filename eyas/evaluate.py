@@ -118,11 +118,11 @@ class Tally:
         return out
 
 
-def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0):
+def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=False):
     from .decode import Decoder
 
     return Decoder(target, drafter, k=k, temperature=temperature, top_p=top_p, max_len=max_len,
-                   compile=compile_, seed=seed)
+                   compile=compile_, seed=seed, fused=fused)
 
 
 def measure_acceptance(target, drafter, prompts: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
@@ -173,14 +173,15 @@ def _peak_memory(device: torch.device) -> int:
 
 
 def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
-             max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True) -> dict:
+             max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True,
+             fused: bool = False) -> dict:
     """Answer every user turn of every conversation in sequence (the history holds eyas' own
     answers), with speculative decoding and, when `baseline`, plain decoding on the same engine."""
     from .data.tokenize import to_messages
 
     tok = target.tokenizer
     max_len = min(MAX_CONTEXT, getattr(target.config, "max_position_embeddings", MAX_CONTEXT) or MAX_CONTEXT)
-    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed)
+    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused)
     stop = target.eot_token_ids
     t = Tally(k)
     n_prompts = skipped = 0
@@ -247,6 +248,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "peak_memory_bytes": _peak_memory(target.device), "device": _device_name(target.device),
         "engine": dec.engine,  # fast: eyas' own static-cache forward; hf: transformers' StaticCache
         "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),  # off also when a check failed
+        "fused_round": dec.fused,  # drafts + verify + rebuild as one step; draft time counted in verify_s
     }
 
 
@@ -339,7 +341,7 @@ def run_eval(cfg) -> dict:
     set_name, convs = load_prompt_set(cfg)
     log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
     res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
-                   max_new_tokens=e.max_new_tokens, compile_=e.compile)
+                   max_new_tokens=e.max_new_tokens, compile_=e.compile, fused=e.fused_round)
     report = {"target": target.name, "target_identity": target.identity(), "dtype": str(target.dtype).replace("torch.", ""),
               "draft": str(draft_path), "k": e.k, "temperature": e.temperature,
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},

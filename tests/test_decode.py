@@ -196,13 +196,15 @@ def trained(smol, prompt_set, plain_outputs):
     return d.eval()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
 @pytest.mark.parametrize("which", ["untrained", "trained"])
-def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which, request):
+def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which, fused, request):
     drafter = request.getfixturevalue(which)
     new = NEW if which == "trained" else NEW_UNTRAINED
     taus = {}
     for k in (1, 3, 7):
-        dec = Decoder(smol, drafter, k=k, max_len=256)
+        dec = Decoder(smol, drafter, k=k, max_len=256, fused=fused)
+        assert dec.fused == fused
         acc = []
         for ids, ref in zip(prompt_set, plain_outputs):
             g = dec.generate(ids, new, smol.eot_token_ids, speculative=True)
@@ -230,14 +232,14 @@ def test_transformers_engine_gives_the_same_tokens(smol, prompt_set, plain_outpu
 class ScriptedDecoder(Decoder):
     """Runs the real drafter (so its cache is written and rolled back) but proposes the target's own
     greedy tokens, wrong at a scripted position each round: round r rejects at position r % (K+1)
-    (K+1 meaning all accepted)."""
+    (K+1 meaning all accepted). Works in both round modes: step by step (`draft`, position L as an
+    int) and fused (`_draft_chain`, position L-1 as a tensor)."""
 
     def __init__(self, *a, reference, prompt_len, **kw):
         super().__init__(*a, **kw)
         self.reference, self.n, self.round = reference, prompt_len, 0
 
-    def draft(self, h_last, logits_last, L):
-        drafts, q = super().draft(h_last, logits_last, L)
+    def _script(self, L: int, device) -> torch.Tensor:
         start = L - self.n  # index into reference of the first draft's token
         oracle = list(self.reference[start:start + self.k])
         oracle += [0] * (self.k - len(oracle))
@@ -245,14 +247,23 @@ class ScriptedDecoder(Decoder):
         if err < self.k:
             oracle[err] = (oracle[err] + 1) % self.target.vocab_size
         self.round += 1
-        return torch.tensor([oracle], device=drafts.device), q
+        return torch.tensor([oracle], device=device)
+
+    def draft(self, h_last, logits_last, L):
+        drafts, q = super().draft(h_last, logits_last, L)
+        return self._script(L, drafts.device), q
+
+    def _draft_chain(self, h_last, logits_last, pos0, upto):
+        drafts = super()._draft_chain(h_last, logits_last, pos0, upto)
+        return self._script(int(pos0[0]) + 1, drafts.device)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
 @pytest.mark.parametrize("k", [3, 7])
-def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k):
+def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k, fused):
     ids = prompt_set[1]
     ref = Decoder(smol, None, max_len=256).generate(ids, 48, (), speculative=False).tokens
-    dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids))
+    dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=fused)
     g = dec.generate(ids, 40, (), speculative=True)
     assert g.tokens == ref[:40]
     expected = [r % (k + 1) for r in range(len(g.accepted))]
