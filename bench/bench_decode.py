@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
+    hf_budget = a.hf_budget or a.budget
 
     import torch
 
@@ -131,7 +132,8 @@ def main(argv=None) -> int:
     warm = prompts[:2]
     results = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(dev), "target": target.name,
                "dtype": str(target.dtype), "prompts": {"set": a.prompts, "count": len(prompts)},
-               "max_new_tokens": a.max_new_tokens, "budget_s": a.budget, "hf_budget_s": a.hf_budget or a.budget, "command": " ".join(sys.argv),
+               "max_new_tokens": a.max_new_tokens, "budget_s": a.budget, "hf_budget_s": hf_budget,
+               "command": " ".join(sys.argv),
                "torch": torch.__version__, "methods": {}}
     import transformers
 
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
                          ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})]:
             try:
                 run_hf(m, warm, 16, stop, 1e9, dev, **kw)
-                record(name, run_hf(m, prompts, a.max_new_tokens, stop, a.hf_budget or a.budget, dev, **kw))
+                record(name, run_hf(m, prompts, a.max_new_tokens, stop, hf_budget, dev, **kw))
             except Exception as e:  # a baseline that does not run here is reported, not fatal
                 results["methods"][name] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{name}: failed ({e})", flush=True)

@@ -208,6 +208,10 @@ class Generation:
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
 
 
+def _emitted(packed: list[int]) -> tuple[int, list[int]]:
+    """A round's [accepted count, K drafts..., next token] -> (accepted count, the tokens it emits)."""
+    na = packed[0]
+    return na, packed[1:1 + na] + [packed[-1]]
 
 
 def _sync(device: torch.device) -> None:
@@ -364,21 +368,28 @@ class Decoder:
         q.index_copy_(1, self.drafter.draft_ids, qd)
         return i + d2t[i], q
 
-    def draft(self, h_last: torch.Tensor, logits_last: torch.Tensor, L: int):
-        """K drafts from the drafter's last output (at position L-2) -> (drafts [1, K], q [1, K, V] or None)."""
+    def _chain(self, h_last: torch.Tensor, logits_last: torch.Tensor, step):
+        """K drafts from the drafter's last output; `step(j, token [1], h)` runs drafter step j and
+        returns its (hidden, logits). -> (drafts [1, K], q [1, K, V] or None)."""
         toks, qs = [], []
         t, q = self._propose(logits_last)
         toks.append(t)
         qs.append(q)
         h = h_last
         for j in range(1, self.k):
-            h, lg = self._call("draft", t[:, None], h, self._pos(L - 2 + j, 1), upto=self._upto(L - 1 + j))
+            h, lg = step(j, t, h)
             h, lg = h[:, -1:], lg[:, -1]
             t, q = self._propose(lg)
             toks.append(t)
             qs.append(q)
         drafts = torch.stack(toks, 1)
         return drafts, (torch.stack(qs, 1) if qs[0] is not None else None)
+
+    def draft(self, h_last: torch.Tensor, logits_last: torch.Tensor, L: int):
+        """K drafts from the drafter's last output (at position L-2), each drafter step a fixed-shape
+        call attending to the slots it needs -> (drafts [1, K], q [1, K, V] or None)."""
+        return self._chain(h_last, logits_last, lambda j, t, h: self._call(
+            "draft", t[:, None], h, self._pos(L - 2 + j, 1), upto=self._upto(L - 1 + j)))
 
     def verify(self, last_tok: torch.Tensor, drafts: torch.Tensor, q, L: int):
         """-> (accepted [1], next [1], aux [1, K+1, 3H])."""
@@ -392,18 +403,10 @@ class Decoder:
         return a, nxt, aux
 
     def _draft_chain(self, h_last, logits_last, pos0, upto: int):
-        """The fused round's K greedy drafts [1, K], with every drafter step attending to `upto` slots
-        (a superset of what each needs: the cache masks by position)."""
-        d2t = self.drafter.d2t
-        i = logits_last.argmax(-1)
-        toks = [i + d2t[i]]
-        h = h_last
-        for j in range(1, self.k):
-            h, lg = self._drafter_fwd(toks[-1][:, None], h, pos0 + (j - 1), upto)
-            h, lg = h[:, -1:], lg[:, -1]
-            i = lg.argmax(-1)
-            toks.append(i + d2t[i])
-        return torch.stack(toks, 1)
+        """The fused round's K greedy drafts [1, K], from position pos0 [1] (= L-1) as a tensor, every
+        drafter step attending to `upto` slots (a superset of what each needs: the cache masks by position)."""
+        return self._chain(h_last, logits_last,
+                           lambda j, t, h: self._drafter_fwd(t[:, None], h, pos0 + (j - 1), upto))[0]
 
     def _round_fwd(self, last, h_last, logits_last, pos0, upto: int):
         """One greedy round with no host sync, from the last emitted token [1] at position pos0 [1]
@@ -458,9 +461,7 @@ class Decoder:
                 packed_dev, h_last, logits_last = self._call("round", last_dev, h_last, logits_last,
                                                              self._pos(L - 1, 1), upto=self._upto(L + self.k + 1))
                 clock.stop("verify", t0)
-                packed = packed_dev.tolist()  # the one host sync of the round
-                na = packed[0]
-                new = packed[1:1 + na] + [packed[-1]]
+                na, new = _emitted(packed_dev.tolist())  # the one host sync of the round
                 last_dev = packed_dev[-1:]
                 gen.accepted.append(na)
                 gen.target_forwards += 1
@@ -481,9 +482,7 @@ class Decoder:
                 a, nxt, aux = self.verify(last, drafts, q, L)
                 clock.stop("verify", t0)
                 # the one host sync of the round: accepted count and the emitted tokens
-                packed = torch.cat([a, drafts[0], nxt]).tolist()
-                na = packed[0]
-                new = packed[1:1 + na] + [packed[-1]]
+                na, new = _emitted(torch.cat([a, drafts[0], nxt]).tolist())
                 gen.accepted.append(na)
                 gen.target_forwards += 1
                 # rebuild the drafter's cache from the target's aux states at positions L-1..L-1+K

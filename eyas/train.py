@@ -108,14 +108,14 @@ def pack_indices(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
 class Data:
     """Token lengths, epoch packing and feature access for one split."""
 
-    def __init__(self, tokens, features, max_len: int, budget: int):
+    def __init__(self, tokens, features, max_len: int, budget: int, fp32: bool = False):
         self.tokens = tokens
         self.features = features
         self.max_len = max_len
         self.budget = budget
         self.lengths = [min(int(x), max_len) for x in tokens.lengths()]
         self._epoch: tuple[int, list] | None = None
-        self.fp32 = False  # train.precision=fp32 on a GPU: features cast up like on the CPU
+        self.fp32 = fp32  # train.precision=fp32 on a GPU: features cast up like on the CPU
 
     def bins(self, seed: int) -> list[list[int]]:
         if self._epoch is None or self._epoch[0] != seed:
@@ -516,15 +516,13 @@ def run_train(cfg: Config, target=None) -> dict:
     draft_ids = load_vocab(run, target)
     max_len = min(tc.max_seq_len, tc.batch_tokens)
     multiple = 128 if d.device.type == "cuda" else 1
-    train = Data(load_tokens(run, "train"), make_features(cfg, target, load_tokens(run, "train"), "train"),
-                 max_len, tc.batch_tokens)
-    val_tokens = load_tokens(run, "val")
-    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val"), max_len, tc.batch_tokens) if len(val_tokens) else None
+    fp32 = tc.precision == "fp32"
+    train_tokens, val_tokens = load_tokens(run, "train"), load_tokens(run, "val")
+    train = Data(train_tokens, make_features(cfg, target, train_tokens, "train"), max_len, tc.batch_tokens, fp32)
+    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val"), max_len, tc.batch_tokens, fp32) \
+        if len(val_tokens) else None
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
-    for part in (train, val):
-        if part is not None:
-            part.fp32 = tc.precision == "fp32"
 
     torch.manual_seed(tc.seed)
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
