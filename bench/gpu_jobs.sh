@@ -52,4 +52,4 @@ if [ -n "${BENCH:-}" ]; then
     --engine static,generate --baseline-batches 2 --out $S/regen_bench.json
   job extract_bench python3 bench/bench_extract.py --target smollm2 --sequences 2000 --out $S/extract_bench.json
 fi
-touch $S/finished
+touch $S/finished_$2

@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# A GPU session as a queue of jobs that outlives any one device call (the machine keeps a process started
+# A GPU session as queues of jobs that outlive any one device call (the machine keeps a process started
 # with setsid while calls follow each other). Stage first (see BENCHMARKS.md): the stage pieces unpacked into
-# ~/eyas-stage and .carry/sharegpt.json.gz carried. Then, in each device call, from the repo root:
-#   bash bench/gpu_queue.sh SECONDS
-# The first call starts bench/gpu_jobs.sh in the background; every call waits until the queue is finished
-# or SECONDS have passed, then packs everything the jobs wrote so far into $OUT/state.tgz.
+# ~/eyas-stage. Then, in each device call, from the repo root:
+#   [JOBS="bench/gpu_jobs.sh ARGS"] bash bench/gpu_queue.sh SECONDS
+# A call whose JOBS (default bench/gpu_jobs.sh) has not been started yet starts it in the background, so
+# several chains can run side by side (one per GPU); every call then waits until all started chains are
+# finished or SECONDS have passed, and packs everything the jobs wrote so far into $OUT/state.tgz.
+# A jobs script gets the state folder and its tag and touches $S/finished_<tag> at its end.
 set -uo pipefail
 S=/tmp/gq; mkdir -p $S
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 t0=$(date +%s)
-if [ ! -f $S/started ]; then
+JOBS=${JOBS:-bench/gpu_jobs.sh}
+tag=$(echo "$JOBS" | tr -c 'A-Za-z0-9_\n' '_' | sed 's/^bench_//')
+if [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site ~/eyas-stage/wheels/*.whl 2>&1 | tail -1
   cp .carry/sharegpt.json.gz ~/eyas-stage/ 2>/dev/null
-  touch $S/started
-  setsid nohup bash bench/gpu_jobs.sh "$S" > $S/queue.log 2>&1 < /dev/null &
 fi
-while [ ! -f $S/finished ] && [ $(( $(date +%s) - t0 )) -lt ${1:-540} ]; do sleep 3; done
+if [ ! -f $S/started_$tag ]; then
+  touch $S/started_$tag
+  setsid nohup bash $JOBS "$S" "$tag" > $S/queue_$tag.log 2>&1 < /dev/null &
+fi
+unfinished() { for f in $S/started_*; do [ -f $S/finished_${f#$S/started_} ] || return 0; done; return 1; }
+while unfinished && [ $(( $(date +%s) - t0 )) -lt ${1:-540} ]; do sleep 3; done
 tar czf "$OUT/state.tgz" -C $S --exclude='*.tgz' . 2>/dev/null
-echo "== queue"; cat $S/queue.log
-for f in $S/*.log; do case $f in */queue.log) ;; *) echo "== $f"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -6;; esac; done
+cp $S/*.tgz "$OUT"/ 2>/dev/null
+for f in $S/queue_*.log; do echo "== $f"; cat $f; done
+for f in $S/*.log; do case $f in */queue_*.log) ;; *) echo "== $f"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -4;; esac; done

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The jobs of a 2-GPU session, as two chains started by bench/gpu_queue.sh:
+#   JOBS="bench/gpu_jobs_x2.sh smol" bash bench/gpu_queue.sh S   (once SmolLM2 is staged)
+#   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
+# smol: the regen profile (GPU 0) next to 1-GPU training throughput (GPU 1), then the same training on both
+#   GPUs under torchrun (the scaling), then the default pipeline and the decoding benchmarks on GPU 1.
+# qwen: waits for the torchrun job, then on GPU 0 the Qwen pipeline (sized to the session: QWEN_LIMIT
+#   conversations, QWEN_EPOCHS epochs), the extraction benchmark and decoding on HumanEval and ShareGPT.
+# Each job logs to $S/NAME.log and writes its results into $S; the regenerated data of each pipeline comes
+# back as $S/<chain>_regen.tgz, so a later session can carry it instead of regenerating.
+mode=$1; S=$2; tag=$3
+export EYAS_STAGE_DIR=~/eyas-stage EYAS_PROGRESS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+job() {  # job NAME COMMAND...: run it, log to $S/NAME.log
+  local name=$1; shift
+  local t=$(date +%s)
+  echo "$(date +%T) start $name: $*"
+  "$@" > "$S/$name.log" 2>&1
+  local rc=$?
+  echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t ))s"
+}
+keep() {  # keep RUN PREFIX: the run's results into $S
+  cp $1/manifest.json $S/$2_manifest.json 2>/dev/null; cp $1/eval/report.json $S/$2_report.json 2>/dev/null
+  cp $1/report.md $S/$2_report.md 2>/dev/null; cp $1/train/summary.json $S/$2_train_summary.json 2>/dev/null
+  cp $1/vocab/coverage.json $S/$2_coverage.json 2>/dev/null
+  grep -v '"step": [0-9]*[1-9], "epoch"' $1/train/metrics.jsonl > $S/$2_train_metrics_sparse.jsonl 2>/dev/null
+  du -sb $1/* > $S/$2_run_bytes.txt 2>/dev/null
+  [ -d $1/data/regen ] && tar czf $S/$2_regen.tgz -C $1/data regen
+}
+if [ $mode = smol ]; then
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
+  } > $S/gpu.txt 2>&1
+  bt="--conversations 1500 --steps 60 --batch-tokens 8192"
+  CUDA_VISIBLE_DEVICES=0 job profile_regen python3 bench/profile_regen.py --prompts 1024 --out $S/profile_regen.json &
+  CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --run /tmp/bt1 --out $S/train_1gpu.json
+  wait
+  mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
+  job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --run /tmp/bt2 --out $S/train_2gpu.json
+  touch $S/gpus_free
+  run=/tmp/gpurun
+  CUDA_VISIBLE_DEVICES=1 job pipeline python3 -m eyas run --out $run
+  keep $run smol
+  if [ -d $run/draft ]; then
+    CUDA_VISIBLE_DEVICES=1 job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt \
+      --limit 80 --k 3,7 --fused --max-new-tokens 256 --budget 60 --hf-budget 15 --out $S/decode_sharegpt.json
+    CUDA_VISIBLE_DEVICES=1 job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval \
+      --limit 40 --k 3,7 --fused --max-new-tokens 256 --budget 40 --skip-hf --out $S/decode_humaneval.json
+  fi
+elif [ $mode = qwen ]; then
+  while [ ! -f $S/gpus_free ]; do sleep 5; done
+  q=/tmp/qrun
+  CUDA_VISIBLE_DEVICES=0 job qwen_pipeline python3 -m eyas run --preset qwen-coder-0.5b --out $q \
+    --set regen.limit=${QWEN_LIMIT:-3000} --set train.epochs=${QWEN_EPOCHS:-6}
+  keep $q qwen
+  CUDA_VISIBLE_DEVICES=0 job qwen_extract python3 bench/bench_extract.py --target qwen-coder-0.5b --sequences 2000 \
+    --out $S/qwen_extract.json
+  if [ -d $q/draft ]; then
+    CUDA_VISIBLE_DEVICES=0 job qwen_decode_humaneval python3 bench/bench_decode.py --target qwen-coder-0.5b \
+      --draft $q/draft --prompts humaneval --limit 40 --k 3,7 --fused --max-new-tokens 256 --budget 40 --hf-budget 15 \
+      --out $S/qwen_decode_humaneval.json
+    CUDA_VISIBLE_DEVICES=0 job qwen_decode_sharegpt python3 bench/bench_decode.py --target qwen-coder-0.5b \
+      --draft $q/draft --prompts sharegpt --limit 40 --k 3,7 --fused --max-new-tokens 256 --budget 40 --skip-hf \
+      --out $S/qwen_decode_sharegpt.json
+  fi
+fi
+touch $S/finished_$tag
