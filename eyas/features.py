@@ -51,18 +51,28 @@ def target_top(final: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 4096)
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.int32, device=W.device)).view(final.shape[:-1])
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device`. A CPU tensor bound for a GPU goes through pinned memory without blocking: a copy
+    from pageable memory would wait for all the work queued on the GPU, so the host could never run
+    ahead of it (the training step made one such copy per sequence)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @torch.no_grad()
 def compute_features(target, seqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One right-padded batch forward over `seqs` (1-D token tensors). With causal attention,
-    padding on the right never changes the states of the real tokens, so no mask is needed."""
+    padding on the right never changes the states of the real tokens, so no mask is needed.
+    The batch is assembled on the host and sent in one copy."""
     if not seqs:
         return []
-    dev = target.device
     T = max(len(s) for s in seqs)
-    batch = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
+    batch = torch.zeros(len(seqs), T, dtype=torch.long)
     for i, s in enumerate(seqs):
-        batch[i, : len(s)] = s.to(dev)
-    aux, final = target.capture(batch)
+        batch[i, : len(s)] = s.cpu()
+    aux, final = target.capture(to_device(batch, target.device))
     top = target_top(final, target.model.get_output_embeddings())
     return [(aux[i, : len(s)], final[i, : len(s)], top[i, : len(s)]) for i, s in enumerate(seqs)]
 
@@ -81,7 +91,9 @@ class OnlineFeatures:
     def get(self, indices: list[int]) -> list[Sample]:
         """Samples in the order of `indices`. The forwards take the sequences longest first, cut
         like an extraction plan (`plan_batches`), so a batch pads little whatever order the
-        training bins list their sequences in (a bin drawn at random padded to 2-3x its tokens)."""
+        training bins list their sequences in (a bin drawn at random padded to 2-3x its tokens).
+        input_ids and loss_mask stay where the token set keeps them (`pack_samples` moves them in one
+        copy); the features are on the target's device."""
         pairs = [self.tokens[i] for i in indices]
         order = sorted(range(len(pairs)), key=lambda k: -len(pairs[k][0]))  # stable: ties keep their order
         out: list[Sample | None] = [None] * len(pairs)
@@ -89,7 +101,7 @@ class OnlineFeatures:
             group = order[a:b]
             for k, (aux, final, top) in zip(group, compute_features(self.target, [pairs[k][0] for k in group])):
                 ids, mask = pairs[k]
-                out[k] = Sample(ids.to(aux.device), mask.to(aux.device), aux, final, top)
+                out[k] = Sample(ids, mask, aux, final, top)
         return out
 
 

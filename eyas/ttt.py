@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .features import Sample, target_top
+from .features import Sample, target_top, to_device
 
 
 @dataclass
@@ -63,18 +63,23 @@ def pack_samples(samples: list[Sample], max_len: int = 0, pad_to: int = 0, multi
     pad = n - n_real
     ref = samples[0]
     dev = ref.aux.device
-    ids = torch.cat([p[0].to(dev) for p in parts] + [torch.zeros(pad, dtype=torch.long, device=dev)])
-    mask = torch.cat([p[1].to(dev) for p in parts] + [torch.zeros(pad, dtype=torch.bool, device=dev)])
     aux = torch.cat([p[2] for p in parts] + [ref.aux.new_zeros(pad, ref.aux.shape[-1])])
     final = torch.cat([p[3] for p in parts] + [ref.final.new_zeros(pad, ref.final.shape[-1])])
     top = None
     if all(p[4] is not None for p in parts):
         top = torch.cat([p[4].to(dev, torch.int32) for p in parts] + [torch.zeros(pad, dtype=torch.int32, device=dev)])
     lens = [len(p[0]) for p in parts] + ([pad] if pad else [])
-    doc = torch.cat([torch.full((L,), i, dtype=torch.int32) for i, L in enumerate(lens)])
-    pos = torch.cat([torch.arange(L) for L in lens])
-    doc_len = torch.cat([torch.full((L,), L, dtype=torch.long) for L in lens])
-    return PackedBatch(ids, mask, aux, final, doc.to(dev), pos.to(dev), doc_len.to(dev), n_real, top)
+    # the integer columns (ids, loss mask, document, position, document length) are built on the host
+    # and sent to the features' device in one copy
+    cols = torch.stack([
+        torch.cat([p[0].cpu().long() for p in parts] + [torch.zeros(pad, dtype=torch.long)]),
+        torch.cat([p[1].cpu().long() for p in parts] + [torch.zeros(pad, dtype=torch.long)]),
+        torch.cat([torch.full((L,), i, dtype=torch.long) for i, L in enumerate(lens)]),
+        torch.cat([torch.arange(L) for L in lens]),
+        torch.cat([torch.full((L,), L, dtype=torch.long) for L in lens])])
+    cols = to_device(cols, dev)
+    ids, mask, doc, pos, doc_len = cols[0], cols[1].bool(), cols[2].int(), cols[3], cols[4]
+    return PackedBatch(ids, mask, aux, final, doc, pos, doc_len, n_real, top)
 
 
 # ----------------------------------------------------------------------------------- attention
