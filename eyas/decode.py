@@ -104,10 +104,11 @@ class FastTargetRunner:
     def close(self) -> None:
         pass
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None):
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None,
+                one_off: bool = False):
         """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H]);
-        attends to the first `upto` cache slots (None: all)."""
-        return self.lm.forward(ids, pos[:1], last_only=last_only, want_aux=True, upto=upto)
+        attends to the first `upto` cache slots (None: all); one_off: a prompt prefill (see FastLM)."""
+        return self.lm.forward(ids, pos[:1], last_only=last_only, want_aux=True, upto=upto, one_off=one_off)
 
 
 class TargetRunner:
@@ -152,9 +153,10 @@ class TargetRunner:
             if getattr(layer, "is_initialized", False):
                 layer.cumulative_length.fill_(n)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None):
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None,
+                one_off: bool = False):
         """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H]).
-        (`upto` is ignored: transformers' cache attends to all of its slots.)"""
+        (`upto` and `one_off` are ignored: transformers' cache attends to all of its slots.)"""
         self.set_length(pos[0])
         out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=self.cache, use_cache=True,
                          logits_to_keep=1 if last_only else 0)
@@ -446,7 +448,7 @@ class Decoder:
         t_start = time.perf_counter()
         gen = Generation(tokens=[], prompt_tokens=n)
 
-        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n))
+        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n), one_off=True)
         first = self._pick(logits[:, -1])  # [1]
         if speculative:
             h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),

@@ -18,6 +18,8 @@ stream after the last layer, before the final norm.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -46,6 +48,17 @@ def supported(model) -> tuple[bool, str]:
     if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
         return False, f"{arch}: rope type {rope!r} changes with the sequence length, which FastLM does not implement"
     return True, ""
+
+
+# attention kernels for a call whose shape is seen once (a batched prompt prefill): every kernel that takes
+# an additive mask except cuDNN's, which builds a plan per new shape. On an H200 (bench/attn_backends.py) a
+# SmolLM2 prefill of a new shape took 370 ms with cuDNN and 56 ms with the memory-efficient kernel, and a
+# repeated one 60 against 51 ms. Fixed-shape steps (decode, verify: CUDA graphs) keep the default choice,
+# where cuDNN was the fastest (0.12 ms against 0.19 for one regen decode step's attention over 1,280 slots).
+def _one_off_kernels():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 SPAN = 256  # cache slots are attended in multiples of this (few distinct shapes to capture as graphs)
@@ -108,12 +121,19 @@ class FastLM:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows=None, last_only: bool = False,
-                want_aux: bool = False, upto: int | None = None, last_idx: torch.Tensor | None = None):
+                want_aux: bool = False, upto: int | None = None, last_idx: torch.Tensor | None = None,
+                one_off: bool = False):
         """ids [b, T] at positions pos[b]..pos[b]+T-1 of the cache rows `rows` (None: all B rows in order;
         a slice; or a LongTensor [b] of row indices). Returns (logits, aux): logits [b, T, V], or [b, 1, V]
         at the last token (last_only) or at per-row token index last_idx [b] (a right-padded prefill);
         aux [b, T, len(aux_layers)*H] (want_aux) or None. upto: attend to the first `upto` slots only, a host-side bound
-        that must exceed every position in this call (default max_len, the one shape for CUDA graphs)."""
+        that must exceed every position in this call (default max_len, the one shape for CUDA graphs).
+        one_off: the shape of this call is unlikely to come again (a prompt prefill): on a GPU, attention
+        avoids kernels that build a plan per shape."""
+        with _one_off_kernels() if one_off and self.device.type == "cuda" else contextlib.nullcontext():
+            return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx)
+
+    def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx):
         b, T = ids.shape
         idx = self._rows(rows, b)
         upto = self.max_len if upto is None else min(int(upto), self.max_len)

@@ -162,3 +162,22 @@ def test_decode_graph_replays_the_eager_step():
         assert torch.equal(step(upto=int(pos.max()) + 1), want)  # a graph per 8-slot span: 8 and 16
         tok, pos = want[:, None], pos + 1
     assert sorted(step.graphs) == [8, 16, 64]
+
+
+@pytest.mark.gpu
+def test_one_off_prefill_matches_the_default_kernels():
+    """A prefill with `one_off` (no cuDNN attention) writes the same cache and logits as the default choice."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    a, b = FastLM(t.model, 3, 64), FastLM(t.model, 3, 64)
+    ids = torch.randint(0, t.vocab_size, (3, 37), device="cuda")
+    rows, zero = torch.tensor([2, 0, 1], device="cuda"), torch.zeros(3, dtype=torch.long, device="cuda")
+    last = torch.tensor([36, 20, 5], device="cuda")
+    la, _ = a.forward(ids, zero, rows=rows, upto=37, last_idx=last, one_off=True)
+    lb, _ = b.forward(ids, zero, rows=rows, upto=37, last_idx=last)
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+    for i in range(len(a.k)):
+        torch.testing.assert_close(a.k[i], b.k[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.v[i], b.v[i], atol=1e-5, rtol=1e-5)

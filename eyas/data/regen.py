@@ -395,7 +395,7 @@ class StaticEngine(_Embedded):
         lens = to_device([len(p) for _, p, _ in items])
         limit = to_device([m for _, _, m in items])
         r = to_device(rows)
-        logits, _ = self.lm.forward(ids, torch.zeros_like(lens), rows=r, upto=width, last_idx=lens - 1)
+        logits, _ = self.lm.forward(ids, torch.zeros_like(lens), rows=r, upto=width, last_idx=lens - 1, one_off=True)
         tok = self._pick(logits[:, 0])
         self.step.ids[r, 0] = tok
         self.step.pos[r] = lens
