@@ -106,8 +106,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="no CUDA graphs (eager steps) on GPU")
     ap.add_argument("--engine", default="auto", choices=("auto", "fast", "hf"),
                     help="target forward: eyas' static-cache forward (fast), transformers' StaticCache (hf)")
-    ap.add_argument("--fused", action="store_true",
-                    help="also run each K with the fused round (eval.fused_round: one CUDA graph per round)")
+    ap.add_argument("--round", default="fused", choices=("fused", "stepwise", "both"),
+                    help="speculative round: fused (the default, as eval.round=auto on a GPU: drafts, verify and rebuild as one "
+                         "step, one CUDA graph per round), stepwise (each part its own step; methods named "
+                         "eyas_spec_kK) or both")
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
@@ -154,7 +156,7 @@ def main(argv=None) -> int:
     record("eyas_plain", {**run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget), **engine_facts(plain)})
     plain.close()
     for k in ks:
-        for fused in ((False, True) if a.fused else (False,)):
+        for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
             dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
             run_engine(dec, warm, 32, stop, True, 1e9)
             record(f"eyas_spec_k{k}" + ("_fused" if fused else ""),

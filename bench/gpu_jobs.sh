@@ -36,7 +36,7 @@ cp $run/train/summary.json $S/train_summary.json 2>/dev/null
 grep -v '"step": [0-9]*[1-9], "epoch"' $run/train/metrics.jsonl > $S/train_metrics_sparse.jsonl 2>/dev/null
 du -sb $run/* > $S/run_bytes.txt 2>/dev/null
 if [ -d $run/draft ]; then
-  job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 --k 3,7 --fused \
+  job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 --k 3,7 --round both \
     --max-new-tokens 256 --budget 100 --hf-budget 20 --out $S/decode_sharegpt.json
   job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 40 --k 3,7 \
     --max-new-tokens 256 --budget 60 --hf-budget 20 --out $S/decode_humaneval.json

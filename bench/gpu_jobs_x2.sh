@@ -32,19 +32,19 @@ if [ $mode = smol ]; then
   } > $S/gpu.txt 2>&1
   bt="--conversations 1500 --steps 60 --batch-tokens 8192"
   CUDA_VISIBLE_DEVICES=0 job profile_regen python3 bench/profile_regen.py --prompts 1024 --out $S/profile_regen.json &
-  CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --run /tmp/bt1 --out $S/train_1gpu.json
+  CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
   wait
   mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
-  job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --run /tmp/bt2 --out $S/train_2gpu.json
+  job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 --out $S/train_2gpu.json
   touch $S/gpus_free
   run=/tmp/gpurun
   CUDA_VISIBLE_DEVICES=1 job pipeline python3 -m eyas run --out $run
   keep $run smol
   if [ -d $run/draft ]; then
     CUDA_VISIBLE_DEVICES=1 job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt \
-      --limit 80 --k 3,7 --fused --max-new-tokens 256 --budget 60 --hf-budget 15 --out $S/decode_sharegpt.json
+      --limit 80 --k 3,7 --round both --max-new-tokens 256 --budget 60 --hf-budget 15 --out $S/decode_sharegpt.json
     CUDA_VISIBLE_DEVICES=1 job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval \
-      --limit 40 --k 3,7 --fused --max-new-tokens 256 --budget 40 --skip-hf --out $S/decode_humaneval.json
+      --limit 40 --k 3,7 --round both --max-new-tokens 256 --budget 40 --skip-hf --out $S/decode_humaneval.json
   fi
 elif [ $mode = qwen ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done
@@ -56,10 +56,10 @@ elif [ $mode = qwen ]; then
     --out $S/qwen_extract.json
   if [ -d $q/draft ]; then
     CUDA_VISIBLE_DEVICES=0 job qwen_decode_humaneval python3 bench/bench_decode.py --target qwen-coder-0.5b \
-      --draft $q/draft --prompts humaneval --limit 40 --k 3,7 --fused --max-new-tokens 256 --budget 40 --hf-budget 15 \
+      --draft $q/draft --prompts humaneval --limit 40 --k 3,7 --round both --max-new-tokens 256 --budget 40 --hf-budget 15 \
       --out $S/qwen_decode_humaneval.json
     CUDA_VISIBLE_DEVICES=0 job qwen_decode_sharegpt python3 bench/bench_decode.py --target qwen-coder-0.5b \
-      --draft $q/draft --prompts sharegpt --limit 40 --k 3,7 --fused --max-new-tokens 256 --budget 40 --skip-hf \
+      --draft $q/draft --prompts sharegpt --limit 40 --k 3,7 --round both --max-new-tokens 256 --budget 40 --skip-hf \
       --out $S/qwen_decode_sharegpt.json
   fi
 fi

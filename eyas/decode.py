@@ -289,7 +289,7 @@ class Decoder:
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
-                 fused: bool = False):
+                 fused: bool | None = None):
         if k < 1:
             raise EyasError(f"eval.k must be at least 1, got {k}")
         if temperature < 0:
@@ -301,9 +301,6 @@ class Decoder:
         self.dtype = target.dtype
         self.k = k
         self.temperature = temperature
-        # greedy rounds as one step (drafts, verify, acceptance, drafter rebuild): one CUDA graph and no
-        # host work between its parts; its time is reported as verify time
-        self.fused = fused and temperature == 0
         self.top_p = top_p
         self.max_len = max_len
         if engine not in ("auto", "fast", "hf"):
@@ -315,6 +312,12 @@ class Decoder:
             raise EyasError(f"the fast decoder cannot run this target: {why}")
         self.engine = "fast" if ok and engine != "hf" else "hf"
         self.runner = FastTargetRunner(target, max_len) if self.engine == "fast" else TargetRunner(target, max_len)
+        # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
+        # CUDA graph and no host work between its parts; its time is reported as verify time.
+        # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)
+        if fused is None:
+            fused = self.device.type == "cuda"
+        self.fused = bool(fused) and temperature == 0 and self.engine == "fast"
         self.drafter = None
         if drafter is not None:
             from .draft import check_fits

@@ -118,7 +118,7 @@ class Tally:
         return out
 
 
-def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=False):
+def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None):
     from .decode import Decoder
 
     return Decoder(target, drafter, k=k, temperature=temperature, top_p=top_p, max_len=max_len,
@@ -174,7 +174,7 @@ def _peak_memory(device: torch.device) -> int:
 
 def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True,
-             fused: bool = False) -> dict:
+             fused: bool | None = None) -> dict:
     """Answer every user turn of every conversation in sequence (the history holds eyas' own
     answers), with speculative decoding and, when `baseline`, plain decoding on the same engine."""
     from .data.tokenize import to_messages
@@ -341,7 +341,8 @@ def run_eval(cfg) -> dict:
     set_name, convs = load_prompt_set(cfg)
     log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
     res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
-                   max_new_tokens=e.max_new_tokens, compile_=e.compile, fused=e.fused_round)
+                   max_new_tokens=e.max_new_tokens, compile_=e.compile,
+                   fused={"fused": True, "stepwise": False, "auto": None}[e.round])
     report = {"target": target.name, "target_identity": target.identity(), "dtype": str(target.dtype).replace("torch.", ""),
               "draft": str(draft_path), "k": e.k, "temperature": e.temperature,
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},

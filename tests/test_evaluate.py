@@ -38,7 +38,7 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
         assert k in rep, k
     assert rep["prompts"] == {"set": "p.jsonl", "count": 3, "conversations": 2}  # each user turn answered
     assert rep["dtype"] == "float32"  # eval.dtype overrides target.dtype while evaluating
-    assert rep["fused_round"] is False
+    assert rep["fused_round"] is False  # eval.round=auto runs stepwise on a CPU
     assert rep["k"] == 2 and len(rep["per_position_acceptance"]) == 2
     assert len(rep["accepted_length_histogram"]) == 3 and sum(rep["accepted_length_histogram"]) == rep["verify_rounds"]
     assert 1.0 <= rep["acceptance_length"] <= 3.0
@@ -55,7 +55,7 @@ def test_run_eval_fused_round_is_lossless(tiny, tiny_drafter, tmp_path):
     prompts.write_text("Hello there\nName a fruit.\nCount to five.\n")
     cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 3,
                                  "eval.max_new_tokens": 12, "eval.draft": str(tiny_drafter), "target.device": "cpu",
-                                 "eval.fused_round": True, "eval.limit": 0})
+                                 "eval.round": "fused", "eval.limit": 0})
     run_eval(cfg)
     rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert rep["fused_round"] is True and rep["lossless"] is True and rep["lossless_checked"] == 3
