@@ -37,6 +37,9 @@ class TargetConfig:
     aux_layers: list[int] = opt([], "aux layer ids (residual stream entering these decoder layers); empty = [2, N//2, N-3]")
     cache_dir: str = opt("", "where dequantized GGUF weights are cached as safetensors (default: $EYAS_CACHE or ~/.cache/eyas)")
     trust_remote_code: bool = opt(False, "allow a hub/HF-folder target to run its own Python code (off: files are data)")
+    tensor_parallel: bool = opt(False, "eyas extract under torchrun: shard the target's layers over the processes "
+                                "(transformers' tensor-parallel plan, tp_plan='auto'), for a target larger than one "
+                                "GPU; the processes compute the same batches and rank 0 writes the shards")
 
 
 @dataclass

@@ -44,10 +44,9 @@ def target_top(final: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 4096)
     """The target's argmax token over its full vocabulary for final states [n, H] -> [n] int32, in
     row chunks so the full logits never exist all at once."""
     W = lm_head.weight
-    b = getattr(lm_head, "bias", None)
     x = final.reshape(-1, final.shape[-1])
-    out = [torch.nn.functional.linear(x[i:i + chunk].to(W.dtype), W, b).argmax(-1).to(torch.int32)
-           for i in range(0, x.shape[0], chunk)]
+    # the module, not its weight: under tensor parallelism its hooks gather the sharded logits
+    out = [lm_head(x[i:i + chunk].to(W.dtype)).argmax(-1).to(torch.int32) for i in range(0, x.shape[0], chunk)]
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.int32, device=W.device)).view(final.shape[:-1])
 
 
@@ -207,6 +206,15 @@ def _barrier():
         dist.barrier()
 
 
+def _broadcast(obj):
+    """Rank 0's `obj` on every process (the others pass None)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class _ShardBuffers:
     """Host buffers the GPU copies into (pinned on CUDA) and the writer threads save from; one
     more than there are writer threads, so the target computes the next shard while others are written."""
@@ -307,7 +315,8 @@ def _pad_batch(tokens: TokenSet, seqs: list[int], pin: bool) -> tuple[torch.Tens
 def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int, dtype: str, buf: dict,
                    on_tokens) -> int:
     """Run the target over one shard's sequences (already longest first), filling `buf`'s leading
-    rows; returns the number of tokens."""
+    rows; returns the number of tokens. buf None: compute only (a tensor-parallel process other than
+    rank 0, which takes part in every forward but writes nothing)."""
     dev = target.device
     pin = dev.type == "cuda"
     lm_head = target.model.get_output_embeddings()
@@ -322,7 +331,12 @@ def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int,
         aux = aux.reshape(-1, aux.shape[-1]).index_select(0, rows)
         final = final.reshape(-1, final.shape[-1]).index_select(0, rows)
         n = aux.shape[0]
-        buf["top"][pos:pos + n].copy_(target_top(final, lm_head), non_blocking=True)
+        top = target_top(final, lm_head)
+        if buf is None:
+            pos += n
+            on_tokens(n)
+            continue
+        buf["top"][pos:pos + n].copy_(top, non_blocking=True)
         if dtype == "fp8":
             aux, aux_s = quantize_fp8(aux, 3)
             final, final_s = quantize_fp8(final, 1)
@@ -362,6 +376,11 @@ def extract_split(cfg: Config, target, split: str) -> dict:
 
     run = Path(cfg.out)
     rank, world, _ = dist_env()
+    tp_world = 0
+    if cfg.target.tensor_parallel:  # one data-parallel rank: all processes run the same batches, rank 0 writes
+        tp_world, writes, rank, world = world, rank == 0, 0, 1
+    else:
+        writes = True
     dtype = cfg.features.dtype
     tokens = load_tokens(run, split)
     d = features_dir(run, split)
@@ -378,11 +397,22 @@ def extract_split(cfg: Config, target, split: str) -> dict:
     manifest_path = d / "manifest.json"
     if manifest_path.exists():
         _check_manifest(manifest_path, plan)
-    elif rank == 0:
+    elif rank == 0 and writes:
         atomic_write_json(manifest_path, {**plan, "complete": False, "sequences": len(tokens),
                                           "tokens": tokens.n_tokens, "bytes_per_token": bpt,
-                                          "estimated_bytes": tokens.n_tokens * bpt})
+                                          "estimated_bytes": tokens.n_tokens * bpt,
+                                          **({"tensor_parallel": tp_world} if tp_world else {})})
     _barrier()
+    if not writes:  # a tensor-parallel process: rank 0 says which shards to compute
+        todo = _broadcast(None)
+        with torch.inference_mode():
+            for k in todo:
+                _extract_shard(target, tokens, plans[0][k], cfg.features.batch_tokens, dtype, None, lambda n: None)
+        _barrier()  # rank 0 merges the index between these two
+        _barrier()
+        return {"split": split, "sequences": 0, "tokens": 0, "shards": 0, "reused_shards": 0, "dtype": dtype,
+                "extracted_tokens": sum(lengths[i] for k in todo for i in plans[0][k]), "bytes_per_token": bpt,
+                "dir": str(d), "writes": False}
 
     # this rank's progress: finished shards (entries with size and sha256)
     prog_path = d / f"rank-{rank:03d}.json"
@@ -412,6 +442,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
     # refuse before starting when the disk cannot hold the rest (all ranks write to this folder)
     need = sum(lengths[i] for k in todo for i in my[k]) * bpt * world
     free = shutil.disk_usage(d).free
+    if tp_world:
+        _broadcast(todo if need <= free else [])  # the other tensor-parallel processes compute the same shards
     if need > free:
         raise EyasError(f"{d}: extracting the remaining features needs about {human_bytes(need)} "
                         f"({bpt:,} bytes/token, dtype {dtype}) but only {human_bytes(free)} is free; free space, "
@@ -540,7 +572,9 @@ def run_extract(cfg: Config, target=None) -> dict:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group(backend="gloo")
+            # gloo for the barriers and broadcasts; a tensor-parallel target on GPUs also needs NCCL
+            tp_gpu = cfg.target.tensor_parallel and torch.cuda.is_available() and cfg.target.device != "cpu"
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if tp_gpu else "gloo")
             own_pg = True
     try:
         if target is None:
@@ -548,7 +582,7 @@ def run_extract(cfg: Config, target=None) -> dict:
             if world > 1 and torch.cuda.is_available() and tcfg.device in ("auto", "cuda"):
                 torch.cuda.set_device(local)
                 tcfg = dataclasses.replace(tcfg, device=f"cuda:{local}")
-            target = load_target(tcfg)
+            target = load_target(tcfg, allow_tp=True)
         if not (tokens_dir(Path(cfg.out)) / "meta.json").exists():
             if rank == 0:
                 run_tokenize(cfg, target)

@@ -336,20 +336,46 @@ def find_eot_ids(tokenizer, generation_config=None) -> list[int]:
     return [i for i in ids if i != start] or ids
 
 
-def load_target(cfg: TargetConfig | None = None) -> Target:
+def _tp_world(cfg: TargetConfig, allow_tp: bool) -> int:
+    """The tensor-parallel process count (0: not tensor parallel), or a clear error where it cannot be."""
+    if not cfg.tensor_parallel:
+        return 0
+    if not allow_tp:
+        raise EyasError("target.tensor_parallel splits the target over torchrun processes for `eyas extract` only; "
+                        "run the other stages without it (train from the extracted features: --no-online)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        raise EyasError("target.tensor_parallel needs several processes: run `torchrun --nproc-per-node N -m eyas "
+                        "extract ... --tensor-parallel`")
+    return world
+
+
+def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Target:
+    """Load the target. With cfg.tensor_parallel (only where the caller allows it: extraction under
+    torchrun, the process group already initialised) every process holds a slice of each layer."""
     cfg = cfg or TargetConfig()
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tp = _tp_world(cfg, allow_tp)
     source, digest = resolve_source(cfg)
     device = _pick_device(cfg.device)
     dtype = _pick_dtype(cfg.dtype, device)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                                     **({"tp_plan": "auto"} if tp else {}))
     except OSError as e:
         raise EyasError(f"could not load target '{cfg.name}' from {source}: {e}") from None
-    model.to(device).eval()
+    except (ValueError, RuntimeError, AssertionError) as e:
+        if not tp:
+            raise
+        raise EyasError(f"target '{cfg.name}' could not be split over {tp} processes with transformers' "
+                        f"tensor-parallel plan ({type(e).__name__}: {e}); its attention heads must divide "
+                        f"evenly by the process count") from None
+    if not tp:  # a tensor-parallel model is already placed, one slice per process
+        model.to(device)
+    model.eval()
     model.requires_grad_(False)
     n = model.config.num_hidden_layers
     aux = check_aux_layers(cfg.aux_layers or default_aux_layers(n), n)

@@ -254,3 +254,41 @@ def test_torchrun_two_ranks(tiny, tmp_path):
         assert torch.equal(x.input_ids, y.input_ids)
         torch.testing.assert_close(x.aux, y.aux, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.final, y.final, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_extraction_equals_one_process(tiny, tmp_path):
+    """Two gloo processes holding half of each layer (transformers' tensor-parallel plan) write one set of
+    shards, from rank 0, equal to the single-process extraction up to float32 reduction order."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    write_tokens(ref, tiny, 8, 64)
+    (run / "data").mkdir(parents=True)
+    os.symlink(ref / "data" / "tokens", run / "data" / "tokens")
+    run_extract(tiny_cfg(ref, dtype="fp32"), tiny)
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(30500 + os.getpid() % 1000))
+        procs.append(subprocess.Popen(_extract_cmd(run) + ["--dtype", "fp32", "--tensor-parallel"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    d = run / "features" / "train"
+    assert {s.name[:10] for s in d.glob("shard-*")} == {"shard-000-"}  # one writer
+    a, b = OfflineFeatures(ref), OfflineFeatures(run)
+    assert len(b) == 8 and b.manifest["world_size"] == 1 and b.manifest["tensor_parallel"] == 2
+    for x, y in zip(a.get(range(8)), b.get(range(8))):
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.top, y.top)
+        torch.testing.assert_close(x.aux, y.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.final, y.final, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_is_refused_where_it_cannot_run(tiny):
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    cfg = TargetConfig(name="tiny", device="cpu", tensor_parallel=True)
+    with pytest.raises(EyasError, match="for `eyas extract` only"):
+        load_target(cfg)
+    with pytest.raises(EyasError, match="needs several processes"):
+        load_target(cfg, allow_tp=True)
