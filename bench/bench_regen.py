@@ -69,9 +69,10 @@ def prompts(target, n: int, max_tokens: int) -> list[str]:
     return out
 
 
-def bench_eyas(target, users: list[str], args, engine: str) -> dict:
+def regen_config(users: list[str], args, engine: str):
+    """A fresh run directory whose data set is `users` (one user turn each), and the config that
+    regenerates them greedily with `engine` at the sizes in `args`."""
     from eyas.config import Config
-    from eyas.data.regen import run_regen
 
     tmp = Path(tempfile.mkdtemp(prefix="eyas-bench-regen-"))
     src = tmp / "prompts.jsonl"
@@ -83,6 +84,13 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     r = cfg.regen
     r.split, r.turns, r.max_new_tokens, r.temperature = "all", 1, args.max_new_tokens, 0.0
     r.batch_size, r.shard_size, r.engine = args.batch_size, 256, engine
+    return cfg
+
+
+def bench_eyas(target, users: list[str], args, engine: str) -> dict:
+    from eyas.data.regen import run_regen
+
+    cfg = regen_config(users, args, engine)
     sync()
     t0 = time.perf_counter()
     rep = run_regen(cfg, target=target)

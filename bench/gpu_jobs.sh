@@ -6,16 +6,8 @@
 # TRAIN32K=1 adds a second training of the pipeline's drafter on the same data with 32,768-token batches
 # (1.58x the tok/s of 8,192 in bench_train) and its eval, to compare accuracy per token.
 S=$1
-export EYAS_STAGE_DIR=~/eyas-stage EYAS_PROGRESS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+source bench/gpu_lib.sh
 run=/tmp/gpurun
-job() {  # job NAME COMMAND...: run it, log to $S/NAME.log
-  local name=$1; shift
-  local t=$(date +%s)
-  echo "$(date +%T) start $name: $*"
-  "$@" > "$S/$name.log" 2>&1
-  local rc=$?
-  echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t ))s"
-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/gpu.txt 2>&1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $S/gpu.txt
 git log -1 --format=%h >> $S/gpu.txt 2>/dev/null

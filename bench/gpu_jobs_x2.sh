@@ -9,15 +9,7 @@
 # Each job logs to $S/NAME.log and writes its results into $S; the regenerated data of each pipeline comes
 # back as $S/<chain>_regen.tgz, so a later session can carry it instead of regenerating.
 mode=$1; S=$2; tag=$3
-export EYAS_STAGE_DIR=~/eyas-stage EYAS_PROGRESS=1 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
-job() {  # job NAME COMMAND...: run it, log to $S/NAME.log
-  local name=$1; shift
-  local t=$(date +%s)
-  echo "$(date +%T) start $name: $*"
-  "$@" > "$S/$name.log" 2>&1
-  local rc=$?
-  echo "$(date +%T) end $name rc=$rc $(( $(date +%s) - t ))s"
-}
+source bench/gpu_lib.sh
 keep() {  # keep RUN PREFIX: the run's results into $S
   cp $1/manifest.json $S/$2_manifest.json 2>/dev/null; cp $1/eval/report.json $S/$2_report.json 2>/dev/null
   cp $1/report.md $S/$2_report.md 2>/dev/null; cp $1/train/summary.json $S/$2_train_summary.json 2>/dev/null

@@ -6,7 +6,8 @@ chunk, and a whole `eyas regen` run with its decode steps and prefill tokens cou
 Parts, each timed with CUDA events after a warm-up:
 - `step_ms[span]`: one decode step of all B rows (a CUDA graph replay) attending to `span` cache slots,
   greedy and with temperature/top-p sampling;
-- `prefill_ms`: one right-padded prefill of `prefill_tokens` tokens at a few widths;
+- `prefill_ms`: one right-padded prefill of about 16,384 tokens at a few widths, with the kernels regen
+  uses for prefills (`one_off`), the same shape repeated;
 - `run`: `eyas regen` (static engine, greedy) over the prompts, with the number of decode steps, the
   spans they attended to, the prefill tokens, and the time those would take at the rates above
   (`modelled_s`) against the measured wall time; the gap is host work and waiting.
@@ -19,7 +20,6 @@ import collections
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -59,8 +59,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from bench_regen import load, prompts
-    from eyas.config import Config
+    from bench_regen import load, prompts, regen_config
     from eyas.data import regen as R
     from eyas.fastlm import DecodeGraph, FastLM
 
@@ -102,7 +101,7 @@ def main(argv=None) -> int:
         r = torch.arange(rows, device=lm.device)
         last = torch.full((rows,), width - 1, device=lm.device)
         res["prefill_ms"][f"{rows}x{width}"] = round(timed(
-            lambda: lm.forward(ids, zero, rows=r, upto=width, last_idx=last), n=5), 3)
+            lambda: lm.forward(ids, zero, rows=r, upto=width, last_idx=last, one_off=True), n=5), 3)
     del lm
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     print(json.dumps({k: res[k] for k in ("step_ms", "pick_ms", "prefill_ms")}, indent=1), file=sys.stderr)
@@ -125,17 +124,7 @@ def main(argv=None) -> int:
     DecodeGraph.__call__, R.StaticEngine._prefill = call, pre
 
     def regen(us):
-        tmp = Path(tempfile.mkdtemp(prefix="eyas-profile-regen-"))
-        src = tmp / "prompts.jsonl"
-        src.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": u}]}) + "\n"
-                               for i, u in enumerate(us)))
-        cfg = Config(out=str(tmp / "run"))
-        cfg.data.source = str(src)
-        cfg.data.max_seq_len = a.max_prompt_tokens + 64
-        rc = cfg.regen
-        rc.split, rc.turns, rc.max_new_tokens, rc.temperature = "all", 1, a.max_new_tokens, 0.0
-        rc.batch_size, rc.engine = B, "static"
-        return R.run_regen(cfg, target=target)
+        return R.run_regen(regen_config(us, a, "static"), target=target)
 
     sync()
     t0 = time.perf_counter()

@@ -229,9 +229,9 @@ def test_kill9_then_resume_gives_identical_shards(tiny, tmp_path):
     assert not list(d.glob(".*.tmp"))
 
 
-def test_torchrun_two_ranks(tiny, tmp_path):
-    """Two gloo processes with torchrun's environment: each writes its own shards, rank 0 merges
-    the index, and every sequence matches the single-process extraction."""
+def _two_process_extraction(tiny, tmp_path, port: int, *flags: str):
+    """A single-process fp32 extraction (ref) and one by two gloo processes with torchrun's environment
+    over the same tokens (run), passing `flags`; returns (ref, run)."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     write_tokens(ref, tiny, 8, 64)
     (run / "data").mkdir(parents=True)
@@ -240,47 +240,42 @@ def test_torchrun_two_ranks(tiny, tmp_path):
     procs = []
     for r in range(2):
         env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
-        procs.append(subprocess.Popen(_extract_cmd(run) + ["--dtype", "fp32"], env=env,
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + os.getpid() % 1000))
+        procs.append(subprocess.Popen(_extract_cmd(run) + ["--dtype", "fp32", *flags], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
-    d = run / "features" / "train"
-    assert {s.name[:10] for s in d.glob("shard-*")} == {"shard-000-", "shard-001-"}
+    return ref, run
+
+
+def _assert_same_features(ref: Path, run: Path, n: int = 8) -> OfflineFeatures:
     a, b = OfflineFeatures(ref), OfflineFeatures(run)
-    assert len(b) == 8 and b.manifest["world_size"] == 2
-    for x, y in zip(a.get(range(8)), b.get(range(8))):
-        assert torch.equal(x.input_ids, y.input_ids)
+    assert len(b) == n
+    for x, y in zip(a.get(range(n)), b.get(range(n))):
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.top, y.top)
         torch.testing.assert_close(x.aux, y.aux, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.final, y.final, rtol=1e-5, atol=1e-5)
+    return b
+
+
+def test_torchrun_two_ranks(tiny, tmp_path):
+    """Two gloo processes with torchrun's environment: each writes its own shards, rank 0 merges
+    the index, and every sequence matches the single-process extraction."""
+    ref, run = _two_process_extraction(tiny, tmp_path, 29500)
+    d = run / "features" / "train"
+    assert {s.name[:10] for s in d.glob("shard-*")} == {"shard-000-", "shard-001-"}
+    assert _assert_same_features(ref, run).manifest["world_size"] == 2
 
 
 def test_tensor_parallel_extraction_equals_one_process(tiny, tmp_path):
     """Two gloo processes holding half of each layer (transformers' tensor-parallel plan) write one set of
     shards, from rank 0, equal to the single-process extraction up to float32 reduction order."""
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    write_tokens(ref, tiny, 8, 64)
-    (run / "data").mkdir(parents=True)
-    os.symlink(ref / "data" / "tokens", run / "data" / "tokens")
-    run_extract(tiny_cfg(ref, dtype="fp32"), tiny)
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=str(REPO), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(30500 + os.getpid() % 1000))
-        procs.append(subprocess.Popen(_extract_cmd(run) + ["--dtype", "fp32", "--tensor-parallel"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err
+    ref, run = _two_process_extraction(tiny, tmp_path, 30500, "--tensor-parallel")
     d = run / "features" / "train"
     assert {s.name[:10] for s in d.glob("shard-*")} == {"shard-000-"}  # one writer
-    a, b = OfflineFeatures(ref), OfflineFeatures(run)
-    assert len(b) == 8 and b.manifest["world_size"] == 1 and b.manifest["tensor_parallel"] == 2
-    for x, y in zip(a.get(range(8)), b.get(range(8))):
-        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.top, y.top)
-        torch.testing.assert_close(x.aux, y.aux, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(x.final, y.final, rtol=1e-5, atol=1e-5)
+    b = _assert_same_features(ref, run)
+    assert b.manifest["world_size"] == 1 and b.manifest["tensor_parallel"] == 2
 
 
 def test_tensor_parallel_is_refused_where_it_cannot_run(tiny):
