@@ -7,6 +7,8 @@ Measures, over the same length-sorted token-budget batches:
   forward_tok_s    model(input_ids).logits (what a user's plain prefill costs)
   capture_tok_s    the aux+final capture alone (no copy to the host, no disk)
   extract_tok_s    the whole extraction (bf16 and fp8): capture, quantize, copy to host, write shards
+  disk             the same number of bytes as the bf16 shards written by plain 256 MiB writes (GB/s into
+                   the page cache, and with an fsync at the end): the disk's own bound
 and bytes/token on disk for bf16 and fp8, and the draft-vocabulary coverage at --vocab-size over
 the loss-masked tokens of the same sequences. Token counts are real (unpadded) tokens.
 """
@@ -132,6 +134,7 @@ def main():
             res[f"bytes_per_token_{dtype}"] = round(man["bytes_per_token_measured"], 1)
             res[f"shards_{dtype}"] = man["shards"]
             shutil.rmtree(run, ignore_errors=True)
+        res["disk"] = disk_write(work, res["tokens"] * res["bytes_per_token_bf16"])
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -156,9 +159,35 @@ def main():
     for name, v, r in rows:
         print(f"{name:28}{v:14,.0f}{100 * r:11.1f}%")
     print(f"bytes/token: bf16 {res['bytes_per_token_bf16']}, fp8 {res['bytes_per_token_fp8']}")
+    dk = res["disk"]
+    print(f"the disk alone: {dk['gb']:.1f} GB in {dk['seconds']:.1f} s = {dk['gb_per_s']:.2f} GB/s with fsync, "
+          f"{dk['before_fsync_gb_per_s']:.2f} GB/s into the page cache; bf16 extraction needs {res['forward_tok_s'] * res['bytes_per_token_bf16'] / 1e9:.2f} GB/s "
+          f"to keep up with the forward")
     print(f"draft vocab {size:,} of {target.vocab_size:,}: coverage {100 * res['vocab']['coverage']:.2f}% "
           f"of {res['vocab']['loss_tokens']:,} trained-on tokens")
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+def disk_write(folder: Path, nbytes: float, chunk: int = 256 << 20) -> dict:
+    """The disk's own sustained write rate: as many bytes as the bf16 extraction wrote, in 256 MiB
+    writes of one buffer, then fsync (so the page cache does not hide the disk), into `folder`."""
+    import os
+
+    buf = os.urandom(chunk)
+    path = folder / "disk-write-test.bin"
+    n = max(1, int(nbytes) // chunk)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(buf)
+        f.flush()
+        t_write = time.perf_counter() - t0
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    gb = n * chunk / 1e9
+    return {"gb": gb, "seconds": round(dt, 2), "gb_per_s": round(gb / dt, 3),
+            "before_fsync_gb_per_s": round(gb / t_write, 3)}
 
 
 if __name__ == "__main__":
