@@ -2,10 +2,12 @@
 # The jobs of a 2-GPU session, as two chains started by bench/gpu_queue.sh:
 #   JOBS="bench/gpu_jobs_x2.sh smol" bash bench/gpu_queue.sh S   (once SmolLM2 is staged)
 #   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
-# smol: the regen profile (GPU 0) next to 1-GPU training throughput (GPU 1), then the same training on both
-#   GPUs under torchrun (the scaling), then the default pipeline and the decoding benchmarks on GPU 1.
-# qwen: waits for the torchrun job, then on GPU 0 the Qwen pipeline (sized to the session: QWEN_LIMIT
-#   conversations, QWEN_EPOCHS epochs), the extraction benchmark and decoding on HumanEval and ShareGPT.
+# smol: alone on the machine, the regen benchmark, 1-GPU training throughput and the same training on both
+#   GPUs under torchrun (the scaling); then the default pipeline and the decoding benchmarks on GPU 1.
+# qwen: waits for the torchrun job, then on GPU 0 the Qwen pipeline (QWEN_LIMIT first turns, default 10,000,
+#   QWEN_EPOCHS epochs, default 8, as the SmolLM2 default), the extraction benchmark and decoding on
+#   HumanEval and ShareGPT. The two pipelines run side by side: their throughput figures say so.
+# Between device calls the machine must never sit idle for 30 s: it is given back, with these jobs.
 # Each job logs to $S/NAME.log and writes its results into $S; the regenerated data of each pipeline comes
 # back as $S/<chain>_regen.tgz, so a later session can carry it instead of regenerating.
 mode=$1; S=$2; tag=$3
@@ -23,9 +25,10 @@ if [ $mode = smol ]; then
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
   } > $S/gpu.txt 2>&1
   bt="--conversations 1500 --steps 60 --batch-tokens 8192"
-  CUDA_VISIBLE_DEVICES=0 job profile_regen python3 bench/profile_regen.py --prompts 1024 --out $S/profile_regen.json &
+  # alone on the machine, one after another (host-bound work slows down next to other jobs)
+  CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
+    --max-new-tokens 256 --engine static,generate --baseline-batches 2 --out $S/regen_bench.json
   CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
-  wait
   mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
   job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 --out $S/train_2gpu.json
   touch $S/gpus_free
@@ -42,7 +45,7 @@ elif [ $mode = qwen ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done
   q=/tmp/qrun
   CUDA_VISIBLE_DEVICES=0 job qwen_pipeline python3 -m eyas run --preset qwen-coder-0.5b --out $q \
-    --set regen.limit=${QWEN_LIMIT:-3000} --set train.epochs=${QWEN_EPOCHS:-6}
+    --set regen.limit=${QWEN_LIMIT:-10000} --set regen.turns=1 --set train.epochs=${QWEN_EPOCHS:-8}
   keep $q qwen
   CUDA_VISIBLE_DEVICES=0 job qwen_extract python3 bench/bench_extract.py --target qwen-coder-0.5b --sequences 2000 \
     --out $S/qwen_extract.json
