@@ -42,6 +42,9 @@ AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "d
 # of 8. Evaluation stays fp32 (the lossless check)
 AUTO_CPU_BF16 = {"target.dtype": "bfloat16", "eval.dtype": "float32", "train.precision": "bf16"}
 AUTO_GPU = {"regen.limit": 10000, "regen.turns": 1, "train.epochs": 8}
+# the presets sized this way (their own target on the ShareGPT package); left unsized, the Qwen preset would
+# regenerate every turn of all of ShareGPT
+SIZED_PRESETS = ("smollm2", "qwen-coder-0.5b")
 
 
 def _get(cfg, key):
@@ -57,7 +60,7 @@ def _default(key):
 
 def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> dict:
     """Apply the machine-sized defaults to the settings the user left at their defaults."""
-    if cfg.preset != "smollm2" or cfg.target.name != "smollm2" or cfg.data.source != "sharegpt":
+    if cfg.preset not in SIZED_PRESETS or cfg.target.name != cfg.preset or cfg.data.source != "sharegpt":
         return {}
     if device_type == "cuda":
         table = AUTO_GPU

@@ -82,7 +82,10 @@ def test_machine_sizing_leaves_given_settings_alone():
     assert "data.extra_original" not in changed and "train.batch_tokens" not in changed
     assert cfg.data.extra_original == 0 and cfg.train.batch_tokens == 8192
     assert changed["regen.limit"] == 32  # settings left alone are sized
-    assert autosize(C.resolve(None, "tiny", {}), "cpu") == {}  # only the embedded default is sized
+    assert autosize(C.resolve(None, "tiny", {}), "cpu") == {}  # only the real-model presets are sized
+    qwen = autosize(C.resolve(None, "qwen-coder-0.5b", {"regen.limit": "2000"}), "cuda")
+    assert qwen == {"regen.turns": 1, "train.epochs": 8}  # the given limit is kept
+    assert autosize(C.resolve(None, "qwen-coder-0.5b", {"data.source": "humaneval"}), "cuda") == {}
 
 
 def test_cpu_sizing_uses_bf16_only_where_the_cpu_has_it(tmp_path):
