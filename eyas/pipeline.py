@@ -75,8 +75,18 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
     return changed
 
 
+# settings that change how a stage runs, not what it writes: left out of the stage keys, so changing them
+# (or a new eyas adding one) does not rerun finished stages
+EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel", "regen.concurrency",
+                  "regen.timeout", "regen.retries", "regen.backoff", "train.num_workers"}
+
+
 def stage_keys(cfg: C.Config) -> dict[str, str]:
+    """A key per stage: a hash of the settings it reads (less EXECUTION_ONLY) and of the stage before it."""
     d = C.to_dict(cfg)
+    for key in EXECUTION_ONLY:
+        sec, _, field = key.partition(".")
+        d[sec].pop(field, None)
     keys, prev = {}, ""
     for name, _, reads, _ in STAGES:
         part = {}

@@ -104,3 +104,19 @@ def test_cpu_sizing_uses_bf16_only_where_the_cpu_has_it(tmp_path):
     assert cpu_has_bf16(str(info))
     info.write_text("processor : 0\nflags : fpu avx2 avx512f\n")
     assert not cpu_has_bf16(str(info)) and not cpu_has_bf16(str(tmp_path / "missing"))
+
+
+def test_stage_keys_ignore_how_a_stage_runs():
+    """Settings that change how a stage runs, not what it writes, leave every stage key alone; a setting
+    a stage reads changes its key and the keys after it, not those before."""
+    from eyas.pipeline import STAGES, stage_keys
+
+    base = stage_keys(C.resolve(None, "smollm2", {}))
+    same = stage_keys(C.resolve(None, "smollm2", {"target.device": "cpu", "target.cache_dir": "/x",
+                                                   "target.tensor_parallel": "true", "regen.concurrency": "4"}))
+    assert same == base
+    lr = stage_keys(C.resolve(None, "smollm2", {"train.lr": "3e-4"}))
+    names = [s[0] for s in STAGES]
+    cut = names.index("train")
+    assert all(lr[n] == base[n] for n in names[:cut]) and all(lr[n] != base[n] for n in names[cut:])
+    assert stage_keys(C.resolve(None, "smollm2", {"target.dtype": "float32"}))["regen"] != base["regen"]
