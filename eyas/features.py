@@ -27,7 +27,7 @@ import torch
 from .config import Config
 from .data.prepare import TokenSet
 from .util import (EyasError, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, sha256_file,
-                   sha256_json)
+                   sha256_json, to_device)
 
 
 @dataclass
@@ -48,16 +48,6 @@ def target_top(final: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 4096)
     # the module, not its weight: under tensor parallelism its hooks gather the sharded logits
     out = [lm_head(x[i:i + chunk].to(W.dtype)).argmax(-1).to(torch.int32) for i in range(0, x.shape[0], chunk)]
     return (torch.cat(out) if out else torch.zeros(0, dtype=torch.int32, device=W.device)).view(final.shape[:-1])
-
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device`. A CPU tensor bound for a GPU goes through pinned memory without blocking: a copy
-    from pageable memory would wait for all the work queued on the GPU, so the host could never run
-    ahead of it (the training step made one such copy per sequence)."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @torch.no_grad()

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .features import Sample, target_top, to_device
+from .features import Sample, target_top
+from .util import to_device
 
 
 @dataclass

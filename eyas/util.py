@@ -134,6 +134,18 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def to_device(t, device):
+    """Tensor `t` on `device`. A CPU tensor bound for a GPU goes through pinned memory without blocking:
+    a copy from pageable memory waits for all the work queued on the GPU, so the host could never run
+    ahead of it (the training step once made one such copy per sequence)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class PhaseClock:
     """Phase timer that never syncs the device while it runs: CUDA events on GPU (read at the
     end, by `totals`), perf_counter on CPU (where work is synchronous anyway). Used by the decoder

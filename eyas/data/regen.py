@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..config import Config, RegenConfig
 from ..util import (EyasError, atomic_write_json, atomic_write_text, human_bytes, log, progress, read_json,
-                    stable_hash)
+                    stable_hash, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
 from .readers import read_dataset, select_split
@@ -386,15 +386,14 @@ class StaticEngine(_Embedded):
     def _prefill(self, rows: list[int], items: list[tuple[str, list[int], int]]) -> None:
         import torch
 
-        def to_device(data):  # without waiting for the decode steps queued on a GPU (a pageable copy would)
-            t = torch.tensor(data)
-            return t.pin_memory().to(self.t.device, non_blocking=True) if self.t.device.type == "cuda" else t
+        def send(data):  # without waiting for the decode steps queued on a GPU
+            return to_device(torch.tensor(data), self.t.device)
 
         width = max(len(p) for _, p, _ in items)
-        ids = to_device([p + [0] * (width - len(p)) for _, p, _ in items])
-        lens = to_device([len(p) for _, p, _ in items])
-        limit = to_device([m for _, _, m in items])
-        r = to_device(rows)
+        ids = send([p + [0] * (width - len(p)) for _, p, _ in items])
+        lens = send([len(p) for _, p, _ in items])
+        limit = send([m for _, _, m in items])
+        r = send(rows)
         logits, _ = self.lm.forward(ids, torch.zeros_like(lens), rows=r, upto=width, last_idx=lens - 1, one_off=True)
         tok = self._pick(logits[:, 0])
         self.step.ids[r, 0] = tok
