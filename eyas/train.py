@@ -646,6 +646,7 @@ def run_train(cfg: Config, target=None) -> dict:
             warm_steps -= 1
             clock.drop()  # compilation and warm-up are not a step's usual time
         else:  # time spent training (not validating or saving) after warm-up
+            clock.fold()  # the step's events are done: acc_t.tolist() above synced the device
             steady[0] += time.perf_counter() - t_step
             steady[1] += ntok
         tok_window += ntok

@@ -147,13 +147,14 @@ def to_device(t, device):
 
 
 class PhaseClock:
-    """Phase timer that never syncs the device while it runs: CUDA events on GPU (read at the
-    end, by `totals`), perf_counter on CPU (where work is synchronous anyway). Used by the decoder
+    """Phase timer that never syncs the device while it runs: CUDA events on GPU (read later, by `fold`
+    or `totals`), perf_counter on CPU (where work is synchronous anyway). Used by the decoder
     (draft/verify time) and by training (where each step's time goes)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[str, object, object]] = []
+        self._sum: dict[str, float] = {}
 
     def _now(self):
         if self.cuda:
@@ -173,10 +174,17 @@ class PhaseClock:
     def drop(self) -> None:
         """Forget the phases timed so far (warm-up)."""
         self.marks.clear()
+        self._sum.clear()
 
-    def totals(self) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def fold(self) -> None:
+        """Add the phases timed so far into the totals and let their events go; call it where the
+        device has been synced anyway (a long run would otherwise hold every step's events)."""
         for name, a, b in self.marks:
             dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
-            out[name] = out.get(name, 0.0) + dt
-        return out
+            self._sum[name] = self._sum.get(name, 0.0) + dt
+        self.marks.clear()
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase name."""
+        self.fold()
+        return dict(self._sum)
