@@ -5,7 +5,8 @@
 Needs EYAS_STAGE_DIR holding smollm2-135m-instruct.gguf and sharegpt.json.gz (or the PyPI packages).
 Tokenizes N ShareGPT conversations (their original answers: fine for throughput), chooses the draft
 vocabulary, trains a fixed number of steps with the target computing features online, and reports
-training tok/s (steady state: after warm-up and compilation, validation and saving left out), the
+training tok/s (steady state: after warm-up and compilation, validation and saving left out; also per
+epoch, where runs past the first epoch show the feature cache), the
 peak GPU memory and the validation accuracy per TTT step. Run under torchrun for several GPUs.
 """
 from __future__ import annotations
@@ -28,6 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--feature-cache-gb", type=float, default=-1.0,
+                   help="train.feature_cache_gb: GPU memory for online features kept after their first computation "
+                        "(-1 = auto, 0 = recompute every epoch); run more steps than an epoch to see its effect")
     p.add_argument("--workdir", default="", help="run directory (default: a temporary one)")
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     p.add_argument("--random-target", default="", metavar="DIR",
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
         "vocab.draft_vocab_size": a.draft_vocab_size, "train.max_seq_len": a.max_seq_len,
         "train.batch_tokens": a.batch_tokens, "train.ttt_steps": a.ttt_steps, "train.max_steps": a.steps,
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
-        "target.name": target_name})
+        "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -77,6 +81,7 @@ def main(argv=None) -> int:
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
         "draft_vocab_size": a.draft_vocab_size, "tokens_trained": res["tokens_trained"],
         "tok_s_steady": res["tok_s_steady"], "tok_s_overall": res["tok_s"],
+        "epoch_tok_s": res.get("epoch_tok_s"), "feature_cache": res.get("feature_cache"),
         "peak_memory": res["peak_memory"], "val": res["best"], "step_time_split": res.get("step_time_split"),
         "prep_s": round(prep, 1),
         "train_s": round(train_s, 1), "run": run, "random_target": bool(a.random_target),

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The jobs of a 2-GPU session, as two chains started by bench/gpu_queue.sh:
+# The jobs of a 2-GPU session, as chains started by bench/gpu_queue.sh:
 #   JOBS="bench/gpu_jobs_x2.sh smol" bash bench/gpu_queue.sh S   (once SmolLM2 is staged)
+#   JOBS="bench/gpu_jobs_x2.sh big" bash bench/gpu_queue.sh S    (SmolLM2 on BIG_LIMIT prompts, default 20,000)
 #   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
-# smol: alone on the machine, the regen benchmark, 1-GPU training throughput and the same training on both
-#   GPUs under torchrun (the scaling); then the default pipeline and the decoding benchmarks on GPU 1.
-# qwen: waits for the torchrun job, then on GPU 0 the Qwen pipeline (QWEN_LIMIT first turns, default 10,000,
-#   QWEN_EPOCHS epochs, default 8, as the SmolLM2 default), the extraction benchmark and decoding on
-#   HumanEval and ShareGPT. The two pipelines run side by side: their throughput figures say so.
+# smol: alone on the machine, the regen benchmark, the SmolLM2 extraction benchmark, training throughput on
+#   one GPU and on both under torchrun (the scaling), each past its first epoch so the feature cache shows;
+#   then the default pipeline and the decoding benchmarks on GPU 1.
+# big and qwen wait for the torchrun job, then run on GPU 0 beside the smol chain's pipeline (their
+#   throughput figures say so). big: the default pipeline on BIG_LIMIT prompts, then decoding on ShareGPT.
+#   qwen: the Qwen pipeline (QWEN_LIMIT first turns, default 10,000, QWEN_EPOCHS epochs, default 8), the
+#   extraction benchmark and decoding on HumanEval and ShareGPT.
 # Between device calls the machine must never sit idle for 30 s: it is given back, with these jobs.
 # Each job logs to $S/NAME.log and writes its results into $S; the regenerated data of each pipeline comes
 # back as $S/<chain>_regen.tgz, so a later session can carry it instead of regenerating.
@@ -24,10 +27,12 @@ if [ $mode = smol ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
   } > $S/gpu.txt 2>&1
-  bt="--conversations 1500 --steps 60 --batch-tokens 8192"
+  bt="--conversations 1500 --steps 200 --batch-tokens 8192"
   # alone on the machine, one after another (host-bound work slows down next to other jobs)
   CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
-    --max-new-tokens 256 --engine static,generate --baseline-batches 2 --out $S/regen_bench.json
+    --max-new-tokens 256 --engine static --baseline-batches 2 --out $S/regen_bench.json
+  CUDA_VISIBLE_DEVICES=0 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
+    --out $S/smol_extract.json
   CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
   mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
   job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 --out $S/train_2gpu.json
@@ -37,9 +42,18 @@ if [ $mode = smol ]; then
   keep $run smol
   if [ -d $run/draft ]; then
     CUDA_VISIBLE_DEVICES=1 job decode_sharegpt python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt \
-      --limit 80 --k 3,7 --round both --max-new-tokens 256 --budget 60 --hf-budget 15 --out $S/decode_sharegpt.json
+      --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 --hf-budget 15 --out $S/decode_sharegpt.json
     CUDA_VISIBLE_DEVICES=1 job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval \
-      --limit 40 --k 3,7 --round both --max-new-tokens 256 --budget 40 --skip-hf --out $S/decode_humaneval.json
+      --limit 40 --k 3,7 --max-new-tokens 256 --budget 40 --skip-hf --out $S/decode_humaneval.json
+  fi
+elif [ $mode = big ]; then
+  while [ ! -f $S/gpus_free ]; do sleep 5; done
+  b=/tmp/bigrun
+  CUDA_VISIBLE_DEVICES=0 job big_pipeline python3 -m eyas run --out $b --set regen.limit=${BIG_LIMIT:-20000}
+  keep $b big
+  if [ -d $b/draft ]; then
+    CUDA_VISIBLE_DEVICES=0 job big_decode_sharegpt python3 bench/bench_decode.py --draft $b/draft --prompts sharegpt \
+      --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 --skip-hf --out $S/big_decode_sharegpt.json
   fi
 elif [ $mode = qwen ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done

@@ -67,31 +67,74 @@ def compute_features(target, seqs: list[torch.Tensor]) -> list[tuple[torch.Tenso
 
 
 class OnlineFeatures:
-    """Features computed on the fly from the target, for sequence indices of a TokenSet."""
+    """Features computed on the fly from the target, for sequence indices of a TokenSet.
 
-    def __init__(self, target, tokens: TokenSet, max_batch_tokens: int = 16384):
+    With `cache_bytes` > 0 the features of each sequence are kept (on the target's device) after
+    their first computation, up to that many bytes, and later epochs read them instead of running the
+    target again. Sequences that do not fit are computed every time."""
+
+    def __init__(self, target, tokens: TokenSet, max_batch_tokens: int = 16384, cache_bytes: int = 0):
         self.target = target
         self.tokens = tokens
         self.max_batch_tokens = max_batch_tokens
+        self.cache_bytes = max(0, int(cache_bytes))
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.cached_bytes = 0
+        self.hits = self.misses = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def cache_stats(self) -> dict:
+        return {"limit_bytes": self.cache_bytes, "bytes": self.cached_bytes, "sequences": len(self.cache),
+                "of": len(self.tokens), "hits": self.hits, "misses": self.misses}
+
+    def _keep(self, i: int, aux: torch.Tensor, final: torch.Tensor, top: torch.Tensor) -> None:
+        n = aux.numel() * aux.element_size() + final.numel() * final.element_size() + top.numel() * top.element_size()
+        if self.cached_bytes + n <= self.cache_bytes:
+            # copies, so the padded batch they were cut from can be freed
+            self.cache[i] = (aux.clone(), final.clone(), top.clone())
+            self.cached_bytes += n
 
     def get(self, indices: list[int]) -> list[Sample]:
         """Samples in the order of `indices`. The forwards take the sequences longest first, cut
         like an extraction plan (`plan_batches`), so a batch pads little whatever order the
         training bins list their sequences in (a bin drawn at random padded to 2-3x its tokens).
         input_ids and loss_mask stay where the token set keeps them (`pack_samples` moves them in one
-        copy); the features are on the target's device."""
+        copy); the features are on the target's device. Cached sequences skip the forward."""
         pairs = [self.tokens[i] for i in indices]
-        order = sorted(range(len(pairs)), key=lambda k: -len(pairs[k][0]))  # stable: ties keep their order
         out: list[Sample | None] = [None] * len(pairs)
+        todo = []
+        for k, i in enumerate(indices):
+            hit = self.cache.get(i)
+            if hit is None:
+                todo.append(k)
+            else:
+                out[k] = Sample(pairs[k][0], pairs[k][1], *hit)
+        self.hits += len(indices) - len(todo)
+        self.misses += len(todo)
+        order = sorted(todo, key=lambda k: -len(pairs[k][0]))  # stable: ties keep their order
         for a, b in plan_batches([len(pairs[k][0]) for k in order], self.max_batch_tokens):
             group = order[a:b]
             for k, (aux, final, top) in zip(group, compute_features(self.target, [pairs[k][0] for k in group])):
                 ids, mask = pairs[k]
                 out[k] = Sample(ids, mask, aux, final, top)
+                if self.cache_bytes:
+                    self._keep(indices[k], aux, final, top)
         return out
+
+
+def feature_cache_budget(setting_gb: float, device) -> int:
+    """Bytes of device memory the online features may keep: the setting in GB, or for a negative
+    setting (auto) half the memory free on a GPU now (after the target is loaded), and none on a
+    CPU (where the default reads stored features anyway)."""
+    if setting_gb >= 0:
+        return int(setting_gb * 1e9)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * 0.5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
 # settings that change how a stage runs, not what it writes: left out of the stage keys, so changing them
 # (or a new eyas adding one) does not rerun finished stages
 EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel", "regen.concurrency",
-                  "regen.timeout", "regen.retries", "regen.backoff", "train.num_workers"}
+                  "regen.timeout", "regen.retries", "regen.backoff", "train.num_workers",
+                  "train.feature_cache_gb"}
 
 
 def stage_keys(cfg: C.Config) -> dict[str, str]:

@@ -142,11 +142,12 @@ class Data:
         return batch
 
 
-def make_features(cfg: Config, target, tokens, split: str):
+def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0):
     if cfg.train.online:
         from .features import OnlineFeatures
 
-        return OnlineFeatures(target, tokens, max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens))
+        return OnlineFeatures(target, tokens, max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens),
+                              cache_bytes=cache_bytes)
     try:
         from .features import OfflineFeatures
     except ImportError:
@@ -518,9 +519,20 @@ def run_train(cfg: Config, target=None) -> dict:
     multiple = 128 if d.device.type == "cuda" else 1
     fp32 = tc.precision == "fp32"
     train_tokens, val_tokens = load_tokens(run, "train"), load_tokens(run, "val")
-    train = Data(train_tokens, make_features(cfg, target, train_tokens, "train"), max_len, tc.batch_tokens, fp32)
-    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val"), max_len, tc.batch_tokens, fp32) \
-        if len(val_tokens) else None
+    cache = {"train": 0, "val": 0}
+    if tc.online:  # the budget split between the splits by their tokens
+        from .features import feature_cache_budget
+
+        budget = feature_cache_budget(tc.feature_cache_gb, target.device)
+        n_tok = {k: max(1, int(t.lengths().sum())) for k, t in (("train", train_tokens), ("val", val_tokens))}
+        cache = {k: budget * n / sum(n_tok.values()) for k, n in n_tok.items()}
+        if budget:
+            log(f"train: online features kept in {target.device} memory after their first computation, up to "
+                f"{human_bytes(budget)}")
+    train = Data(train_tokens, make_features(cfg, target, train_tokens, "train", cache["train"]), max_len,
+                 tc.batch_tokens, fp32)
+    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val", cache["val"]), max_len, tc.batch_tokens,
+               fp32) if len(val_tokens) else None
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
 
@@ -600,6 +612,7 @@ def run_train(cfg: Config, target=None) -> dict:
     t0, tok_done, tok_window, t_window = time.perf_counter(), 0, 0, time.perf_counter()
     warm_steps = min(5, max(0, (total - step) // 4))  # steady-state rate leaves out compilation and warm-up
     steady = [0.0, 0]
+    per_epoch: dict[int, list] = {}  # epoch -> [seconds, tokens] of its steady steps
     clock = PhaseClock(d.device)  # where each steady step's time goes
     module.train()
     while step < total:
@@ -647,8 +660,12 @@ def run_train(cfg: Config, target=None) -> dict:
             clock.drop()  # compilation and warm-up are not a step's usual time
         else:  # time spent training (not validating or saving) after warm-up
             clock.fold()  # the step's events are done: acc_t.tolist() above synced the device
-            steady[0] += time.perf_counter() - t_step
+            dt = time.perf_counter() - t_step
+            steady[0] += dt
             steady[1] += ntok
+            e_rate = per_epoch.setdefault(epoch, [0.0, 0])
+            e_rate[0] += dt
+            e_rate[1] += ntok
         tok_window += ntok
         now = time.perf_counter()
         tps = tok_window / max(now - t_window, 1e-9)
@@ -673,6 +690,8 @@ def run_train(cfg: Config, target=None) -> dict:
     summary = {"steps": step, "total_steps": total, "processes": d.world, "device": str(d.device),
                "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,
                "tok_s_steady": steady[1] / steady[0] if steady[1] else None,
+               "epoch_tok_s": {str(e): round(n / t, 1) for e, (t, n) in sorted(per_epoch.items()) if t > 0},
+               "feature_cache": train.features.cache_stats() if hasattr(train.features, "cache_stats") else None,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
                "step_time_split": time_shares(clock.totals()),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}

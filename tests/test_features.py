@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -68,6 +69,38 @@ def test_capture_equals_output_hidden_states_exactly(smol):
     assert torch.equal(final, hs[-1])
     # and the final state is what lm_head reads: it reproduces the model's logits
     torch.testing.assert_close(smol.model.lm_head(final), out.logits, rtol=0, atol=1e-4)
+
+
+def test_online_feature_cache_returns_first_computation(tiny):
+    """Cached sequences come back as the tensors of their first computation (not recomputed in another
+    padded group), as copies that do not hold the padded batch; sequences past the budget are computed
+    each time; hits and misses are counted."""
+    torch.manual_seed(0)
+    lens = [30, 7, 19, 12]
+    tokens = TokenSet.from_tokenized([SimpleNamespace(id=f"s{i}", input_ids=torch.randint(3, 200, (n,)).tolist(),
+                                                      loss_mask=[1] * n) for i, n in enumerate(lens)])
+    plain = OnlineFeatures(tiny, tokens, max_batch_tokens=64)
+    cached = OnlineFeatures(tiny, tokens, max_batch_tokens=64, cache_bytes=1 << 30)
+    first = cached.get([0, 1, 2, 3])
+    assert cached.cache_stats()["sequences"] == 4 and cached.misses == 4 and cached.hits == 0
+    for i, s in enumerate(first):  # each cached copy owns its storage: no padded neighbour kept alive
+        aux, final, top = cached.cache[i]
+        assert aux.untyped_storage().nbytes() == aux.numel() * aux.element_size()
+        assert torch.equal(aux, s.aux) and torch.equal(final, s.final) and torch.equal(top, s.top)
+    again = cached.get([3, 1, 0])
+    assert cached.hits == 3 and cached.misses == 4
+    for k, i in enumerate([3, 1, 0]):
+        assert again[k].aux is cached.cache[i][0] and torch.equal(again[k].input_ids, first[i].input_ids)
+    for o, n in zip(again, plain.get([3, 1, 0])):  # and they are the target's features
+        torch.testing.assert_close(o.aux, n.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o.final, n.final, rtol=1e-5, atol=1e-5)
+    # a budget for about one long sequence: the first (longest) fits, the rest are recomputed
+    per_token = sum(t.numel() * t.element_size() for t in cached.cache[0]) // lens[0]
+    small = OnlineFeatures(tiny, tokens, max_batch_tokens=64, cache_bytes=per_token * 31)
+    small.get([0, 1, 2, 3])
+    assert list(small.cache) == [0] and small.cached_bytes <= per_token * 31
+    small.get([0, 1])
+    assert small.hits == 1 and small.misses == 5
 
 
 def test_fp8_round_trip_bound():

@@ -269,3 +269,26 @@ def test_bf16_precision_on_cpu_trains_under_autocast(tiny_run, tiny, tmp_path):
     assert losses["fp32"] != losses["bf16"]
     assert all(math.isfinite(x) for x in losses["bf16"])
     assert abs(losses["fp32"][0] - losses["bf16"][0]) < 0.05 * abs(losses["fp32"][0])
+
+
+def test_feature_cache_trains_like_recomputing(tiny_run, tiny, tmp_path):
+    """Online features kept after their first computation (train.feature_cache_gb) give the losses of
+    recomputing them every epoch (to float rounding: a sequence's forward can fall in another padded
+    group), and later epochs read them from the cache."""
+    out = {}
+    for gb in (0, 1):
+        run = clone_run(tiny_run, tmp_path / f"cache{gb}")
+        cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.epochs": 3, "train.batch_tokens": 512,
+                                                     "train.max_seq_len": 256, "train.online": True,
+                                                     "train.feature_cache_gb": gb})
+        summary = run_train(cfg, tiny)
+        rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+        out[gb] = ([r["loss"] for r in rows if "loss" in r], summary)
+    (plain, s0), (cached, s1) = out[0], out[1]
+    assert len(plain) == len(cached) == s1["steps"] and s1["steps"] >= 3
+    assert plain == pytest.approx(cached, rel=1e-4)
+    c, c0 = s1["feature_cache"], s0["feature_cache"]
+    assert c["misses"] == c["sequences"] > 0  # each sequence computed once
+    assert c["hits"] > c["misses"]  # and read from the cache by the later epochs
+    assert c0["sequences"] == c0["hits"] == 0 and c0["misses"] == c["hits"] + c["misses"]
+    assert "2" in s1["epoch_tok_s"]  # the throughput of each epoch, where the cache shows
