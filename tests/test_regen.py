@@ -227,29 +227,6 @@ def test_server_down_stops_with_progress_kept(tmp_path, server):
         run_regen(cfg)
 
 
-def test_plan_puts_short_prompts_first_and_resumes_an_older_order(tmp_path, server):
-    """The plan orders conversations by the length of their first prompt (similar lengths decode side by
-    side); a plan written in the data set's order (an older eyas) is resumed in that order."""
-    users = [["x" * n] for n in (50, 5, 30, 1, 12, 40)]
-    src = write_jsonl(tmp_path / "d.jsonl", users)
-    cfg = server_cfg(tmp_path, src, server.url, shard_size=2)
-    run_regen(cfg)
-    d = regen_dir(tmp_path / "run")
-    plan = json.loads((d / "plan.json").read_text())
-    assert plan["ids"] == ["c3", "c1", "c4", "c2", "c5", "c0"]
-    assert [c.id for c in read_dataset(str(d))[0]] == plan["ids"]  # shards follow the plan
-    old = tmp_path / "old"
-    cfg.out = str(old)
-    regen_dir(old).mkdir(parents=True)
-    (regen_dir(old) / "plan.json").write_text(json.dumps({**plan, "ids": [f"c{i}" for i in range(6)]}))
-    rep = run_regen(cfg)
-    assert rep["complete"] and rep["records"] == 6
-    assert [c.id for c in read_dataset(str(regen_dir(old)))[0]] == [f"c{i}" for i in range(6)]
-    (regen_dir(old) / "plan.json").write_text(json.dumps({**plan, "ids": [f"c{i}" for i in range(5)] + ["c9"]}))
-    with pytest.raises(EyasError, match="different 'ids'"):
-        run_regen(cfg)
-
-
 def _kill_and_resume(tmp_path, args: list[str], out: Path, n_shards: int, env=None) -> dict:
     """Start `python -m eyas regen ARGS`, kill -9 it once a shard is written, check the shards then
     present stay byte-identical after resuming."""

@@ -499,8 +499,7 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict) -> dict:
     if path.exists():
         old = read_json(path)
         for k in ("source", "split", "settings", "generator", "shard_size", "ids"):
-            # the ids as a set: a plan written by an eyas that kept the data set's order is resumed in its order
-            if (sorted(old.get(k, [])) != sorted(plan[k])) if k == "ids" else old.get(k) != plan[k]:
+            if old.get(k) != plan[k]:
                 what = (f"{len(old.get('ids', []))} conversations before, {len(ids)} now" if k == "ids"
                         else f"{old.get(k)!r} before, {plan[k]!r} now")
                 raise EyasError(f"{d} holds regenerated data made with different '{k}' ({what}); use another "
@@ -508,16 +507,6 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict) -> dict:
         return old
     atomic_write_json(path, plan)
     return plan
-
-
-def first_prompt_chars(conv: Conversation) -> int:
-    """Characters before the first assistant turn: the length of the first prompt, without a tokenizer."""
-    n = 0
-    for t in conv.turns:
-        if t.role == "assistant":
-            break
-        n += len(t.content)
-    return n
 
 
 def _check_cfg(rc: RegenConfig) -> None:
@@ -548,10 +537,6 @@ def run_regen(cfg: Config, target=None) -> dict:
                         f"regeneration needs unique ids to resume safely")
     if not convs:
         raise EyasError(f"no conversations to regenerate in split '{rc.split}' of {cfg.data.source}")
-    # shortest first prompt first: conversations of similar length run side by side. A static-engine decode
-    # step attends over the longest busy row's span, so a batch of mixed lengths pays for its longest
-    # prompt at every step (modelled from measured step times: bench/sim_regen_order.py)
-    convs = sorted(convs, key=first_prompt_chars)
     d = regen_dir(cfg.out)
     d.mkdir(parents=True, exist_ok=True)
 
@@ -568,9 +553,6 @@ def run_regen(cfg: Config, target=None) -> dict:
     identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
     try:
         plan = _plan(d, cfg, [c.id for c in convs], identity)
-        if plan["ids"] != [c.id for c in convs]:  # resuming an older plan: its order decides the shards
-            by_id = {c.id: c for c in convs}
-            convs = [by_id[i] for i in plan["ids"]]
         _drive(backend, convs, plan, d, rc, sampling_settings(cfg), ident)
     finally:
         backend.close()
