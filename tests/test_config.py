@@ -86,6 +86,8 @@ def test_machine_sizing_leaves_given_settings_alone():
     qwen = autosize(C.resolve(None, "qwen-coder-0.5b", {"regen.limit": "2000"}), "cuda")
     assert qwen == {"regen.turns": 1, "train.epochs": 8}  # the given limit is kept
     assert autosize(C.resolve(None, "qwen-coder-0.5b", {"data.source": "humaneval"}), "cuda") == {}
+    assert autosize(C.resolve(None, "smollm2", {}), "cuda")["regen.limit"] == 20000  # every ShareGPT first turn
+    assert autosize(C.resolve(None, "qwen-coder-0.5b", {}), "cuda")["regen.limit"] == 10000  # its own size
 
 
 def test_cpu_sizing_uses_bf16_only_where_the_cpu_has_it(tmp_path):
