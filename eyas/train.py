@@ -114,12 +114,27 @@ class Data:
         self.max_len = max_len
         self.budget = budget
         self.lengths = [min(int(x), max_len) for x in tokens.lengths()]
-        self._epoch: tuple[int, list] | None = None
+        self._epoch: tuple[tuple[int, int], list] | None = None
         self.fp32 = fp32  # train.precision=fp32 on a GPU: features cast up like on the CPU
 
     def bins(self, seed: int) -> list[list[int]]:
-        if self._epoch is None or self._epoch[0] != seed:
-            self._epoch = (seed, pack_indices(self.lengths, self.budget, seed))
+        return self.slot_bins(seed, 1)[0]
+
+    def slot_bins(self, seed: int, slots: int) -> list[list[list[int]]]:
+        """An epoch's micro-batches for each of `slots` slots (processes x grad_accum), slot j taking its
+        step-i micro-batch from its own list. Sequence i always belongs to slot i % slots, so a process
+        meets the same sequences every epoch (its feature cache serves them all after the first) and
+        packs them anew each epoch. The lists depend on `slots`, not on how the slots are spread over
+        processes, so 2 processes and 1 process with grad_accum 2 train on the same batches."""
+        key = (seed, slots)
+        if self._epoch is None or self._epoch[0] != key:
+            out = []
+            for j in range(slots):
+                idx = list(range(j, len(self.lengths), slots))
+                packed = pack_indices([self.lengths[i] for i in idx], self.budget,
+                                      seed if slots == 1 else seed * 1_000_003 + j)
+                out.append([[idx[k] for k in b] for b in packed])
+            self._epoch = (key, out)
         return self._epoch[1]
 
     def counts(self, bins: list[list[int]], steps: int) -> list[int]:
@@ -540,7 +555,8 @@ def run_train(cfg: Config, target=None) -> dict:
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
     drafter.float()
     if not tc.finetune_from and tc.fc_init == "scaled":  # same batches on every rank (DDP also broadcasts)
-        rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in train.bins(tc.seed)[:2]])
+        first = train.slot_bins(tc.seed, d.world * tc.grad_accum)[0][:2]  # slot 0 (rank 0) owns these sequences
+        rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in first])
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")
     drafter.embed_tokens.weight.requires_grad_(False)
     draft_ids = drafter.draft_ids
@@ -556,8 +572,8 @@ def run_train(cfg: Config, target=None) -> dict:
         model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
 
     group = d.world * tc.grad_accum
-    n_bins = min(len(train.bins(tc.seed + e)) for e in range(tc.epochs))
-    spe = n_bins // group
+    spe = min(len(b) for e in range(tc.epochs) for b in train.slot_bins(tc.seed + e, group))
+    n_bins = sum(len(b) for b in train.slot_bins(tc.seed, group))
     if spe == 0:
         raise EyasError(f"the training split packs into {n_bins} micro-batches of {tc.batch_tokens} tokens, fewer than "
                         f"the {group} one optimizer step needs ({d.world} processes x grad_accum {tc.grad_accum}); "
@@ -618,7 +634,7 @@ def run_train(cfg: Config, target=None) -> dict:
     while step < total:
         t_step = time.perf_counter()
         epoch, i = divmod(step, spe)
-        bins = train.bins(tc.seed + epoch)[i * group:(i + 1) * group]
+        bins = [slot[i] for slot in train.slot_bins(tc.seed + epoch, group)]
         counts = train.counts(bins, tc.ttt_steps)
         denom = [max(1, c) for c in counts]
         mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))

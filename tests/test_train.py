@@ -218,6 +218,39 @@ def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_slot_bins_keep_each_sequence_with_one_slot(tiny_run):
+    """Slot j of `slots` packs exactly the sequences i % slots == j every epoch, each once; one slot is
+    the plain epoch packing."""
+    from eyas.data.prepare import load_tokens
+    from eyas.train import Data
+
+    data = Data(load_tokens(tiny_run, "train"), None, 256, 512)
+    n = len(data.lengths)
+    assert data.slot_bins(5, 1)[0] == pack_indices(data.lengths, 512, 5)
+    for seed in (0, 1):
+        slots = data.slot_bins(seed, 3)
+        for j, bins in enumerate(slots):
+            seen = [i for b in bins for i in b]
+            assert sorted(seen) == list(range(j, n, 3))
+            assert all(sum(data.lengths[i] for i in b) <= 512 for b in bins)
+    assert data.slot_bins(0, 3) != data.slot_bins(1, 3)  # packed anew each epoch
+
+
+def test_two_gloo_processes_compute_each_feature_once(tiny_run, tmp_path):
+    """Under DDP a process keeps its own sequences every epoch, so with the feature cache on it runs the
+    target over each of them once and reads them from the cache in the later epochs."""
+    from eyas.data.prepare import load_tokens
+
+    run = clone_run(tiny_run, tmp_path / "two")
+    r = subprocess.run(cli(run, "--epochs", "3", "--set", "train.feature_cache_gb=1", torchrun=2), env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = json.loads((run / "train" / "summary.json").read_text())["feature_cache"]
+    n = len(load_tokens(tiny_run, "train"))
+    assert c["misses"] == c["sequences"] <= (n + 1) // 2  # rank 0: only its own slot, each computed once
+    assert c["hits"] > c["sequences"]  # the two later epochs read them (less a bin a slot may drop an epoch)
+
+
 def test_finetune_from_saved_drafter_and_refuse_misfit(tiny_run, tiny, tmp_path):
     ids = load_vocab(tiny_run)
     torch.manual_seed(5)
