@@ -96,6 +96,24 @@ class OnlineFeatures:
             self.cache[i] = (aux.clone(), final.clone(), top.clone())
             self.cached_bytes += n
 
+    def warm(self, indices: list[int], batch_tokens: int) -> int:
+        """Compute and keep the features of `indices` before training, longest first in forwards of up to
+        `batch_tokens` padded tokens (an extraction's batches: on an H200 its capture ran at 640k tok/s,
+        where a training batch's own small forwards ran at about 136k); stops once the cache is full.
+        Returns the number of sequences kept."""
+        todo = sorted((i for i in dict.fromkeys(indices) if i not in self.cache), key=lambda i: -len(self.tokens[i][0]))
+        kept = 0
+        for a, b in plan_batches([len(self.tokens[i][0]) for i in todo], batch_tokens):
+            group = todo[a:b]
+            for i, (aux, final, top) in zip(group, compute_features(self.target, [self.tokens[i][0] for i in group])):
+                before = len(self.cache)
+                self._keep(i, aux, final, top)
+                kept += len(self.cache) - before
+            self.misses += len(group)
+            if self.cached_bytes >= self.cache_bytes * 0.999:
+                break
+        return kept
+
     def get(self, indices: list[int]) -> list[Sample]:
         """Samples in the order of `indices`. The forwards take the sequences longest first, cut
         like an extraction plan (`plan_batches`), so a batch pads little whatever order the

@@ -157,6 +157,11 @@ class Data:
         return batch
 
 
+def group_slots(d: Dist, tc) -> int:
+    """Micro-batch slots per optimizer step (processes x grad_accum); slot j belongs to rank j // grad_accum."""
+    return d.world * tc.grad_accum
+
+
 def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0):
     if cfg.train.online:
         from .features import OnlineFeatures
@@ -551,11 +556,22 @@ def run_train(cfg: Config, target=None) -> dict:
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
 
+    warm = None
+    if cache["train"]:  # this process's sequences through the target ahead, in extraction-sized forwards
+        mine_seqs = [i for i in range(len(train_tokens)) if i % group_slots(d, tc) // tc.grad_accum == d.rank]
+        t_w = time.perf_counter()
+        n_kept = train.features.warm(mine_seqs, cfg.features.batch_tokens)
+        dt = time.perf_counter() - t_w
+        n_tok = int(sum(len(train_tokens[i][0]) for i in mine_seqs))
+        warm = {"sequences": n_kept, "of": len(mine_seqs), "seconds": round(dt, 2), "tok_s": round(n_tok / dt, 1)}
+        log(f"train: target features of {n_kept} of {len(mine_seqs)} sequences computed ahead and kept, "
+            f"{dt:.1f} s ({n_tok / dt:,.0f} tok/s)")
+
     torch.manual_seed(tc.seed)
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
     drafter.float()
     if not tc.finetune_from and tc.fc_init == "scaled":  # same batches on every rank (DDP also broadcasts)
-        first = train.slot_bins(tc.seed, d.world * tc.grad_accum)[0][:2]  # slot 0 (rank 0) owns these sequences
+        first = train.slot_bins(tc.seed, group_slots(d, tc))[0][:2]  # slot 0 (rank 0) owns these sequences
         rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in first])
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")
     drafter.embed_tokens.weight.requires_grad_(False)
@@ -571,7 +587,7 @@ def run_train(cfg: Config, target=None) -> dict:
 
         model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
 
-    group = d.world * tc.grad_accum
+    group = group_slots(d, tc)
     spe = min(len(b) for e in range(tc.epochs) for b in train.slot_bins(tc.seed + e, group))
     n_bins = sum(len(b) for b in train.slot_bins(tc.seed, group))
     if spe == 0:
@@ -708,6 +724,7 @@ def run_train(cfg: Config, target=None) -> dict:
                "tok_s_steady": steady[1] / steady[0] if steady[1] else None,
                "epoch_tok_s": {str(e): round(n / t, 1) for e, (t, n) in sorted(per_epoch.items()) if t > 0},
                "feature_cache": train.features.cache_stats() if hasattr(train.features, "cache_stats") else None,
+               "feature_warm": warm,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
                "step_time_split": time_shares(clock.totals()),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}

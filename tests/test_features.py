@@ -101,6 +101,12 @@ def test_online_feature_cache_returns_first_computation(tiny):
     assert list(small.cache) == [0] and small.cached_bytes <= per_token * 31
     small.get([0, 1])
     assert small.hits == 1 and small.misses == 5
+    # computed ahead in extraction-sized forwards: longest first, up to the budget, the same features
+    ahead = OnlineFeatures(tiny, tokens, max_batch_tokens=64, cache_bytes=per_token * (30 + 19))
+    assert ahead.warm([3, 2, 1, 0, 2], batch_tokens=128) == 2 and sorted(ahead.cache) == [0, 2]
+    for i in (0, 2):
+        torch.testing.assert_close(ahead.cache[i][0], cached.cache[i][0], rtol=1e-5, atol=1e-5)
+    assert OnlineFeatures(tiny, tokens, cache_bytes=1 << 30).warm([0, 1, 2, 3], 64) == 4
 
 
 def test_fp8_round_trip_bound():
