@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The jobs of a 2-GPU session, as chains started by bench/gpu_queue.sh:
 #   JOBS="bench/gpu_jobs_x2.sh smol" bash bench/gpu_queue.sh S   (once SmolLM2 is staged)
-#   JOBS="bench/gpu_jobs_x2.sh big" bash bench/gpu_queue.sh S    (SmolLM2 on BIG_LIMIT prompts, default 20,000)
+#   JOBS="bench/gpu_jobs_x2.sh big" bash bench/gpu_queue.sh S    (SmolLM2 with BIG_ARGS, e.g. every turn:
+#     BIG_ARGS="--set regen.limit=6000 --set regen.turns=0"; default: every first turn)
 #   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
-# smol: alone on the machine, the regen benchmark, the SmolLM2 extraction benchmark, training throughput on
-#   one GPU and on both under torchrun (the scaling), each past its first epoch so the feature cache shows;
+# smol: alone on the machine (with ALSO_BENCH=1 the regen and extraction benchmarks first), training throughput on
+#   one GPU and on both under torchrun (the scaling), with the feature cache (computed ahead) and without it;
 #   then the default pipeline and the decoding benchmarks on GPU 1.
 # big and qwen wait for the torchrun job, then run on GPU 0 beside the smol chain's pipeline (their
-#   throughput figures say so). big: the default pipeline on BIG_LIMIT prompts, then decoding on ShareGPT.
+#   throughput figures say so). big: the default pipeline with BIG_ARGS, then decoding on ShareGPT.
 #   qwen: the Qwen pipeline (QWEN_LIMIT first turns, default 10,000, QWEN_EPOCHS epochs, default 8), the
 #   extraction benchmark and decoding on HumanEval and ShareGPT.
 # Between device calls the machine must never sit idle for 30 s: it is given back, with these jobs.
@@ -27,15 +28,21 @@ if [ $mode = smol ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
   } > $S/gpu.txt 2>&1
-  bt="--conversations 1500 --steps 200 --batch-tokens 8192"
+  bt="--conversations 1500 --steps 120 --batch-tokens 8192"
   # alone on the machine, one after another (host-bound work slows down next to other jobs)
-  CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
-    --max-new-tokens 256 --engine static --baseline-batches 2 --out $S/regen_bench.json
-  CUDA_VISIBLE_DEVICES=0 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
-    --out $S/smol_extract.json
+  if [ -n "${ALSO_BENCH:-}" ]; then  # measured in the fourth session; ALSO_BENCH=1 runs them again
+    CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
+      --max-new-tokens 256 --engine static --baseline-batches 2 --out $S/regen_bench.json
+    CUDA_VISIBLE_DEVICES=0 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
+      --out $S/smol_extract.json
+  fi
   CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
-  mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
+  for w in bt2 bt3 bt4; do mkdir -p /tmp/$w && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/$w/; done  # same data, no checkpoint
   job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 --out $S/train_2gpu.json
+  CUDA_VISIBLE_DEVICES=1 job train_1gpu_nocache python3 bench/bench_train.py $bt --feature-cache-gb 0 --workdir /tmp/bt3 \
+    --out $S/train_1gpu_nocache.json
+  job train_2gpu_nocache torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --feature-cache-gb 0 \
+    --workdir /tmp/bt4 --out $S/train_2gpu_nocache.json
   touch $S/gpus_free
   run=/tmp/gpurun
   CUDA_VISIBLE_DEVICES=1 job pipeline python3 -m eyas run --out $run
@@ -49,7 +56,7 @@ if [ $mode = smol ]; then
 elif [ $mode = big ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done
   b=/tmp/bigrun
-  CUDA_VISIBLE_DEVICES=0 job big_pipeline python3 -m eyas run --out $b --set regen.limit=${BIG_LIMIT:-20000}
+  CUDA_VISIBLE_DEVICES=0 job big_pipeline python3 -m eyas run --out $b ${BIG_ARGS:---set regen.limit=20000}
   keep $b big
   if [ -d $b/draft ]; then
     CUDA_VISIBLE_DEVICES=0 job big_decode_sharegpt python3 bench/bench_decode.py --draft $b/draft --prompts sharegpt \
