@@ -142,17 +142,26 @@ class OnlineFeatures:
         return out
 
 
-def feature_cache_budget(setting_gb: float, device) -> int:
-    """Bytes of device memory the online features may keep: the setting in GB, or for a negative
-    setting (auto) half the memory free on a GPU now (after the target is loaded), and none on a
-    CPU (where the default reads stored features anyway)."""
+def feature_cache_budget(setting_gb: float, device, step_bytes: int = 0, free: int | None = None) -> int:
+    """Bytes of device memory the online features may keep: the setting in GB, or for a negative setting
+    (auto) on a GPU half the memory free now (after the target is loaded), less what the training steps
+    will need on top (`step_bytes`, with a margin); none on a CPU, where the default reads stored features."""
     if setting_gb >= 0:
         return int(setting_gb * 1e9)
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" and free is None:
         return 0
-    free, _ = torch.cuda.mem_get_info(device)
-    return int(free * 0.5)
+    if free is None:
+        free, _ = torch.cuda.mem_get_info(device)
+    return max(0, int(min(free * 0.5, free - 1.25 * step_bytes - 2e9)))
+
+
+def train_step_bytes(batch_tokens: int, ttt_steps: int, draft_vocab: int) -> int:
+    """About the peak memory of a training step: its draft-vocabulary logits dominate, with about 3.2 fp32
+    copies of [tokens, steps, vocab] live at once. Fitted to the H200 runs with SmolLM2 and a 32K vocabulary
+    (BENCHMARKS.md): 10.1 GB estimated for 8,192-token batches against 10.4 GB measured, 40.3 GB for 32,768
+    against 38.0."""
+    return int(batch_tokens * ttt_steps * draft_vocab * 4 * 3.2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -541,9 +541,10 @@ def run_train(cfg: Config, target=None) -> dict:
     train_tokens, val_tokens = load_tokens(run, "train"), load_tokens(run, "val")
     cache = {"train": 0, "val": 0}
     if tc.online:  # the budget split between the splits by their tokens
-        from .features import feature_cache_budget
+        from .features import feature_cache_budget, train_step_bytes
 
-        budget = feature_cache_budget(tc.feature_cache_gb, target.device)
+        budget = feature_cache_budget(tc.feature_cache_gb, target.device,
+                                      train_step_bytes(tc.batch_tokens, tc.ttt_steps, int(draft_ids.numel())))
         n_tok = {k: max(1, int(t.lengths().sum())) for k, t in (("train", train_tokens), ("val", val_tokens))}
         cache = {k: budget * n / sum(n_tok.values()) for k, n in n_tok.items()}
         if budget:

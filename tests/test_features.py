@@ -109,6 +109,18 @@ def test_online_feature_cache_returns_first_computation(tiny):
     assert OnlineFeatures(tiny, tokens, cache_bytes=1 << 30).warm([0, 1, 2, 3], 64) == 4
 
 
+def test_feature_cache_budget_leaves_room_for_training():
+    from eyas.features import feature_cache_budget, train_step_bytes
+
+    step = train_step_bytes(8192, 3, 32000)
+    assert 9.5e9 < step < 10.5e9  # 10.4 GB measured on an H200 (BENCHMARKS.md)
+    assert feature_cache_budget(-1, "cuda", step, free=int(138e9)) == int(69e9)  # an H200: half of it
+    small = feature_cache_budget(-1, "cuda", step, free=int(23e9))  # a 24 GB card: the step's peak still fits
+    assert 0 < small and small + step * 1.25 + 2e9 <= 23e9
+    assert feature_cache_budget(-1, "cuda", train_step_bytes(32768, 3, 32000), free=int(30e9)) == 0
+    assert feature_cache_budget(-1, "cpu", step) == 0 and feature_cache_budget(2.5, "cpu") == int(2.5e9)
+
+
 def test_fp8_round_trip_bound():
     """Per token and layer: |x - deq(q(x))| <= 2^-4·|x| + 2^-10·scale (3 mantissa bits; half the
     subnormal step), so the relative error of a whole state stays near 2-3%."""
