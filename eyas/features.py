@@ -89,26 +89,33 @@ class OnlineFeatures:
         return {"limit_bytes": self.cache_bytes, "bytes": self.cached_bytes, "sequences": len(self.cache),
                 "of": len(self.tokens), "hits": self.hits, "misses": self.misses}
 
-    def _keep(self, i: int, aux: torch.Tensor, final: torch.Tensor, top: torch.Tensor) -> None:
+    def _keep(self, i: int, aux: torch.Tensor, final: torch.Tensor, top: torch.Tensor) -> bool:
         n = aux.numel() * aux.element_size() + final.numel() * final.element_size() + top.numel() * top.element_size()
-        if self.cached_bytes + n <= self.cache_bytes:
-            # copies, so the padded batch they were cut from can be freed
-            self.cache[i] = (aux.clone(), final.clone(), top.clone())
-            self.cached_bytes += n
+        if self.cached_bytes + n > self.cache_bytes:
+            return False
+        # copies, so the padded batch they were cut from can be freed
+        self.cache[i] = (aux.clone(), final.clone(), top.clone())
+        self.cached_bytes += n
+        return True
+
+    def _forwards(self, seqs: list[torch.Tensor], batch_tokens: int):
+        """The target over `seqs` (1-D token tensors) longest first (stable), in forwards of at most
+        `batch_tokens` padded tokens (`plan_batches`): yields each forward's positions in `seqs` and
+        their (aux, final, top)."""
+        order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k]))
+        for a, b in plan_batches([len(seqs[k]) for k in order], batch_tokens):
+            group = order[a:b]
+            yield group, compute_features(self.target, [seqs[k] for k in group])
 
     def warm(self, indices: list[int], batch_tokens: int) -> int:
         """Compute and keep the features of `indices` before training, longest first in forwards of up to
         `batch_tokens` padded tokens (an extraction's batches: on an H200 its capture ran at 640k tok/s,
         where a training batch's own small forwards ran at about 136k); stops once the cache is full.
         Returns the number of sequences kept."""
-        todo = sorted((i for i in dict.fromkeys(indices) if i not in self.cache), key=lambda i: -len(self.tokens[i][0]))
+        todo = [i for i in dict.fromkeys(indices) if i not in self.cache]
         kept = 0
-        for a, b in plan_batches([len(self.tokens[i][0]) for i in todo], batch_tokens):
-            group = todo[a:b]
-            for i, (aux, final, top) in zip(group, compute_features(self.target, [self.tokens[i][0] for i in group])):
-                before = len(self.cache)
-                self._keep(i, aux, final, top)
-                kept += len(self.cache) - before
+        for group, feats in self._forwards([self.tokens[i][0] for i in todo], batch_tokens):
+            kept += sum(self._keep(todo[j], *f) for j, f in zip(group, feats))
             self.misses += len(group)
             if self.cached_bytes >= self.cache_bytes * 0.999:
                 break
@@ -131,12 +138,10 @@ class OnlineFeatures:
                 out[k] = Sample(pairs[k][0], pairs[k][1], *hit)
         self.hits += len(indices) - len(todo)
         self.misses += len(todo)
-        order = sorted(todo, key=lambda k: -len(pairs[k][0]))  # stable: ties keep their order
-        for a, b in plan_batches([len(pairs[k][0]) for k in order], self.max_batch_tokens):
-            group = order[a:b]
-            for k, (aux, final, top) in zip(group, compute_features(self.target, [pairs[k][0] for k in group])):
-                ids, mask = pairs[k]
-                out[k] = Sample(ids, mask, aux, final, top)
+        for group, feats in self._forwards([pairs[k][0] for k in todo], self.max_batch_tokens):
+            for j, (aux, final, top) in zip(group, feats):
+                k = todo[j]
+                out[k] = Sample(pairs[k][0], pairs[k][1], aux, final, top)
                 if self.cache_bytes:
                     self._keep(indices[k], aux, final, top)
         return out

@@ -157,11 +157,6 @@ class Data:
         return batch
 
 
-def group_slots(d: Dist, tc) -> int:
-    """Micro-batch slots per optimizer step (processes x grad_accum); slot j belongs to rank j // grad_accum."""
-    return d.world * tc.grad_accum
-
-
 def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0):
     if cfg.train.online:
         from .features import OnlineFeatures
@@ -538,6 +533,7 @@ def run_train(cfg: Config, target=None) -> dict:
     max_len = min(tc.max_seq_len, tc.batch_tokens)
     multiple = 128 if d.device.type == "cuda" else 1
     fp32 = tc.precision == "fp32"
+    group = d.world * tc.grad_accum  # micro-batch slots per optimizer step; slot j belongs to rank j // grad_accum
     train_tokens, val_tokens = load_tokens(run, "train"), load_tokens(run, "val")
     cache = {"train": 0, "val": 0}
     if tc.online:  # the budget split between the splits by their tokens
@@ -559,11 +555,11 @@ def run_train(cfg: Config, target=None) -> dict:
 
     warm = None
     if cache["train"]:  # this process's sequences through the target ahead, in extraction-sized forwards
-        mine_seqs = [i for i in range(len(train_tokens)) if i % group_slots(d, tc) // tc.grad_accum == d.rank]
+        mine_seqs = [i for i in range(len(train_tokens)) if i % group // tc.grad_accum == d.rank]
         t_w = time.perf_counter()
         n_kept = train.features.warm(mine_seqs, cfg.features.batch_tokens)
         dt = time.perf_counter() - t_w
-        n_tok = int(sum(len(train_tokens[i][0]) for i in mine_seqs))
+        n_tok = int(train_tokens.lengths()[mine_seqs].sum())
         warm = {"sequences": n_kept, "of": len(mine_seqs), "seconds": round(dt, 2), "tok_s": round(n_tok / dt, 1)}
         log(f"train: target features of {n_kept} of {len(mine_seqs)} sequences computed ahead and kept, "
             f"{dt:.1f} s ({n_tok / dt:,.0f} tok/s)")
@@ -572,7 +568,7 @@ def run_train(cfg: Config, target=None) -> dict:
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
     drafter.float()
     if not tc.finetune_from and tc.fc_init == "scaled":  # same batches on every rank (DDP also broadcasts)
-        first = train.slot_bins(tc.seed, group_slots(d, tc))[0][:2]  # slot 0 (rank 0) owns these sequences
+        first = train.slot_bins(tc.seed, group)[0][:2]  # slot 0 (rank 0) owns these sequences
         rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in first])
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")
     drafter.embed_tokens.weight.requires_grad_(False)
@@ -588,7 +584,6 @@ def run_train(cfg: Config, target=None) -> dict:
 
         model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
 
-    group = group_slots(d, tc)
     spe = min(len(b) for e in range(tc.epochs) for b in train.slot_bins(tc.seed + e, group))
     n_bins = sum(len(b) for b in train.slot_bins(tc.seed, group))
     if spe == 0:
