@@ -6,7 +6,9 @@
 Measures, over the same length-sorted token-budget batches:
   forward_tok_s    model(input_ids).logits (what a user's plain prefill costs)
   capture_tok_s    the aux+final capture alone (no copy to the host, no disk)
-  extract_tok_s    the whole extraction (bf16 and fp8): capture, quantize, copy to host, write shards
+  extract_tok_s    the whole extraction (bf16 and fp8): capture, quantize, copy to host, write shards, with
+                   where its time went (`timing`: pinning buffers, the main thread waiting for a free
+                   buffer, the final drain, and the writer threads' summed GPU-wait, write and hash seconds)
   disk             the same number of bytes as the bf16 shards written by plain 256 MiB writes (GB/s into
                    the page cache, and with an fsync at the end): the disk's own bound
 and bytes/token on disk for bf16 and fp8, and the draft-vocabulary coverage at --vocab-size over
@@ -133,6 +135,7 @@ def main():
             res[f"extract_{dtype}_s"] = round(dt, 2)
             res[f"bytes_per_token_{dtype}"] = round(man["bytes_per_token_measured"], 1)
             res[f"shards_{dtype}"] = man["shards"]
+            res[f"timing_{dtype}"] = info.get("timing")
             shutil.rmtree(run, ignore_errors=True)
         res["disk"] = disk_write(work, res["tokens"] * res["bytes_per_token_bf16"])
     finally:
@@ -159,6 +162,8 @@ def main():
     for name, v, r in rows:
         print(f"{name:28}{v:14,.0f}{100 * r:11.1f}%")
     print(f"bytes/token: bf16 {res['bytes_per_token_bf16']}, fp8 {res['bytes_per_token_fp8']}")
+    for dtype in ("bf16", "fp8"):
+        print(f"extract {dtype}, seconds: {res[f'extract_{dtype}_s']} in all; {res[f'timing_{dtype}']}")
     dk = res["disk"]
     print(f"the disk alone: {dk['gb']:.1f} GB in {dk['seconds']:.1f} s = {dk['gb_per_s']:.2f} GB/s with fsync, "
           f"{dk['before_fsync_gb_per_s']:.2f} GB/s into the page cache; bf16 extraction needs {res['forward_tok_s'] * res['bytes_per_token_bf16'] / 1e9:.2f} GB/s "

@@ -191,7 +191,12 @@ def train_step_bytes(batch_tokens: int, ttt_steps: int, draft_vocab: int) -> int
 FORMAT = "eyas-features-1"
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-MAX_SHARD_BYTES = 512 << 20  # a shard stays under ~512 MiB whatever shard_tokens says (short tail, small buffers)
+MAX_SHARD_BYTES = 256 << 20  # a shard stays under ~256 MiB whatever shard_tokens says (short tail, small buffers)
+
+
+def writer_threads() -> int:
+    """Threads that save shards: half the cores, 2 to 4 (each writes and hashes one shard at a time)."""
+    return max(2, min(4, (os.cpu_count() or 2) // 2))
 
 
 def quantize_fp8(x: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,10 +306,12 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn:
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                      times: dict | None = None) -> tuple[int, str]:
     """Write a safetensors file straight from the (pinned) host buffers, hashing as it goes:
     no serialized copy, and file writes and hashing release the GIL, so several writer threads
-    run in parallel. Tensors are laid out in the order given; returns (bytes, sha256)."""
+    run in parallel. Tensors are laid out in the order given; returns (bytes, sha256). `times`, when
+    given, gains the seconds spent writing ("write_s") and hashing ("hash_s")."""
     header: dict = {}
     off = 0
     for name, t in tensors.items():
@@ -316,23 +323,35 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     hb += b" " * (-len(hb) % 8)
     h = hashlib.sha256()
     size = 0
+    t_write = t_hash = 0.0
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             for chunk in [struct.pack("<Q", len(hb)), hb,
                           *(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values())]:
+                t0 = time.perf_counter()
                 f.write(chunk)
+                t1 = time.perf_counter()
                 h.update(chunk)
+                t_hash += time.perf_counter() - t1
+                t_write += t1 - t0
                 size += len(chunk)
+    if times is not None:
+        times["write_s"] = times.get("write_s", 0.0) + t_write
+        times["hash_s"] = times.get("hash_s", 0.0) + t_hash
     return size, h.hexdigest()
 
 
 class _Writer:
-    """Saves shards on background threads (atomic rename), then reports each finished shard."""
+    """Saves shards on background threads (atomic rename), then reports each finished shard.
+    `times` sums, over all threads, the seconds spent waiting for the GPU's copies ("gpu_wait_s"),
+    writing ("write_s") and hashing ("hash_s")."""
 
     def __init__(self, on_done, threads: int = 2):
         self.q: queue.Queue = queue.Queue(maxsize=threads)
         self.on_done = on_done
         self.error: BaseException | None = None
+        self.times: dict[str, float] = {"gpu_wait_s": 0.0, "write_s": 0.0, "hash_s": 0.0}
+        self._lock = threading.Lock()
         self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads)]
         for t in self.threads:
             t.start()
@@ -342,9 +361,15 @@ class _Writer:
             path, tensors, meta, event, release, entry = item
             try:
                 if self.error is None:
+                    mine: dict[str, float] = {}
                     if event is not None:
+                        t0 = time.perf_counter()
                         event.synchronize()
-                    size, digest = write_safetensors(path, tensors, meta)
+                        mine["gpu_wait_s"] = time.perf_counter() - t0
+                    size, digest = write_safetensors(path, tensors, meta, mine)
+                    with self._lock:
+                        for k, v in mine.items():
+                            self.times[k] += v
                     entry.update(bytes=size, sha256=digest)
                     self.on_done(entry)
             except BaseException as e:  # reported on the main thread
@@ -528,10 +553,17 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                                       "shards": sorted(done.values(), key=lambda e: e["shard"])})
     my_tokens = sum(lengths[i] for seqs in my for i in seqs)
     todo_tokens = sum(lengths[i] for k in todo for i in my[k])
+    # where the time went (seconds): pinning the host buffers, the main thread waiting for a free buffer
+    # (the writers are behind) or queueing a shard, and the wait for the last writes at the end
+    timing = {"buffers_s": 0.0, "wait_buffer_s": 0.0, "drain_s": 0.0}
     if todo:
         pin = target.device.type == "cuda"
-        bufs = _ShardBuffers(max(sum(lengths[i] for i in my[k]) for k in todo), H, dtype, pin)
-        writer = _Writer(record)
+        threads = writer_threads()
+        t0 = time.perf_counter()
+        bufs = _ShardBuffers(max(sum(lengths[i] for i in my[k]) for k in todo), H, dtype, pin, count=threads + 1)
+        timing["buffers_s"] = time.perf_counter() - t0
+        writer = _Writer(record, threads)
+        timing["writer_threads"] = threads
         written = [0]
         bar = progress(total=todo_tokens, desc=f"extract {split}" + (f" rank {rank}" if world > 1 else ""),
                        unit="tok", unit_scale=True, **({} if rank == 0 else {"disable": True}))
@@ -540,7 +572,9 @@ def extract_split(cfg: Config, target, split: str) -> dict:
             with torch.inference_mode():
                 for k in todo:
                     seqs = my[k]
+                    t0 = time.perf_counter()
                     buf = bufs.free.get()
+                    timing["wait_buffer_s"] += time.perf_counter() - t0
                     n = _extract_shard(target, tokens, seqs, cfg.features.batch_tokens, dtype, buf, bar.update)
                     tok = _token_tensors(tokens, seqs)
                     tensors = {"offsets": tok["offsets"], "seq_index": tok["seq_index"],
@@ -552,15 +586,20 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                         event.record()
                     written[0] += n * bpt
                     bar.set_postfix_str(f"{written[0] / 1e9:.2f} GB", refresh=False)
+                    t0 = time.perf_counter()
                     writer.submit(d / _shard_name(rank, k), tensors,
                                   _shard_meta(plan_key, rank, k), event,
                                   lambda b=buf: bufs.free.put(b), _entry(rank, k, seqs, lengths))
+                    timing["wait_buffer_s"] += time.perf_counter() - t0
                     if sleep:
                         time.sleep(sleep)
         finally:
+            t0 = time.perf_counter()
             try:
                 writer.close()
             finally:
+                timing["drain_s"] = time.perf_counter() - t0
+                timing.update(writer.times)
                 bar.close()
     _barrier()
     if rank == 0:
@@ -568,7 +607,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
     _barrier()
     return {"split": split, "sequences": sum(len(s) for s in my), "tokens": my_tokens,
             "extracted_tokens": todo_tokens, "reused_shards": len(my) - len(todo), "shards": len(my),
-            "dtype": dtype, "bytes_per_token": bpt, "dir": str(d)}
+            "dtype": dtype, "bytes_per_token": bpt, "dir": str(d),
+            "timing": {k: round(v, 6) if isinstance(v, float) else v for k, v in timing.items()}}
 
 
 def _entry(rank: int, k: int, seqs: list[int], lengths: list[int]) -> dict:
