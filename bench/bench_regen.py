@@ -87,13 +87,29 @@ def regen_config(users: list[str], args, engine: str):
     return cfg
 
 
-def bench_eyas(target, users: list[str], args, engine: str) -> dict:
-    from eyas.data.regen import run_regen
+VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_prompt"}
 
-    cfg = regen_config(users, args, engine)
+
+def bench_eyas(target, users: list[str], args, engine: str) -> dict:
+    """One engine, optionally with StaticEngine settings changed for this run: `static:groups=0:check=16`
+    (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold)."""
+    from eyas.data.regen import StaticEngine, run_regen
+
+    name, *opts = engine.split(":")
+    saved = {}
+    for o in opts:
+        k, _, v = o.partition("=")
+        attr = VARIANT_KEYS[k]
+        saved[attr] = getattr(StaticEngine, attr)
+        setattr(StaticEngine, attr, type(saved[attr])(int(v)))
+    cfg = regen_config(users, args, name)
     sync()
     t0 = time.perf_counter()
-    rep = run_regen(cfg, target=target)
+    try:
+        rep = run_regen(cfg, target=target)
+    finally:
+        for attr, v in saved.items():
+            setattr(StaticEngine, attr, v)
     sync()
     dt = time.perf_counter() - t0
     gen = rep["completion_tokens"].get("total", 0) + (rep["assistant_turns"] - rep["truncated_turns"])  # + eot
@@ -158,8 +174,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results.json")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
-    if not engines or set(engines) - {"auto", "static", "continuous", "generate"}:
-        p.error(f"--engine: {args.engine!r} is not a comma-separated list of auto, static, continuous, generate")
+    bad = [e for e in engines if e.split(":")[0] not in ("auto", "static", "continuous", "generate")
+           or any(o.partition("=")[0] not in VARIANT_KEYS or not o.partition("=")[2].isdigit() for o in e.split(":")[1:])]
+    if not engines or bad:
+        p.error(f"--engine: {bad or args.engine!r}: not a comma-separated list of auto, static, continuous, generate "
+                f"(static may add :groups=0|1, :check=N, :long=N)")
 
     import torch
     import transformers

@@ -140,7 +140,8 @@ def main(argv=None) -> int:
     steps = sum(spans.values())
     greedy = res["step_ms"]["greedy"]
 
-    def step_cost(span):  # nearest measured span at or above
+    def step_cost(span):  # nearest measured span at or above (row groups: the longest group's, an upper bound)
+        span = max(span) if isinstance(span, tuple) else span
         keys = sorted(int(k) for k in greedy)
         return greedy[str(next((k for k in keys if k >= span), keys[-1]))]
 

@@ -13,6 +13,10 @@ is no length pointer: rolling a row back is free (later slots are masked by posi
 overwritten), and the right padding of a batched prefill is harmless (its slots lie past the row's
 true length, where nothing looks before they are overwritten). Callers keep pos[b] + T <= max_len.
 
+Row groups: a batch whose rows hold contexts of very different lengths can split its rows into
+groups (`FastLM.groups`, contiguous row ranges); a forward over all rows then takes one `upto` per
+group and each group attends only to its own bound, so short rows do not pay for the longest one.
+
 Aux states follow eyas.target: aux id i < N is the residual stream entering decoder layer i, id N the
 stream after the last layer, before the final norm.
 """
@@ -105,6 +109,18 @@ class FastLM:
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.slots = torch.arange(max_len, device=self.device)
+        self.groups: list[tuple[int, int]] | None = None  # see set_groups
+
+    def set_groups(self, bounds: list[int] | None) -> None:
+        """Split the rows into contiguous groups starting at `bounds` (e.g. [0, 64] for rows 0-63 and
+        64-B); None: one group. A forward over all rows may then pass one `upto` per group."""
+        if bounds is None:
+            self.groups = None
+            return
+        edges = list(bounds) + [self.batch_size]
+        if edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise EyasError(f"FastLM.set_groups: {bounds} does not start at 0 and rise within {self.batch_size} rows")
+        self.groups = list(zip(edges, edges[1:]))
 
     def _rows(self, rows, b: int) -> torch.Tensor:
         """Row indices [b] (long, on the device) for rows=None (all), a contiguous slice or an index tensor."""
@@ -127,7 +143,8 @@ class FastLM:
         a slice; or a LongTensor [b] of row indices). Returns (logits, aux): logits [b, T, V], or [b, 1, V]
         at the last token (last_only) or at per-row token index last_idx [b] (a right-padded prefill);
         aux [b, T, len(aux_layers)*H] (want_aux) or None. upto: attend to the first `upto` slots only, a host-side bound
-        that must exceed every position in this call (default max_len, the one shape for CUDA graphs).
+        that must exceed every position in this call (default max_len, the one shape for CUDA graphs); with row
+        groups (set_groups) and rows=None, a tuple of one such bound per group.
         one_off: the shape of this call is unlikely to come again (a prompt prefill): on a GPU, attention
         avoids kernels that build a plan per shape."""
         with _one_off_kernels() if one_off and self.device.type == "cuda" else contextlib.nullcontext():
@@ -136,15 +153,22 @@ class FastLM:
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx):
         b, T = ids.shape
         idx = self._rows(rows, b)
-        upto = self.max_len if upto is None else min(int(upto), self.max_len)
         qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
-        # additive mask, shared by all layers: slot s is visible to the query at position p iff s <= p.
+        # additive masks, shared by all layers: slot s is visible to the query at position p iff s <= p.
         # Query heads of one KV head are folded into the query length (no repeated keys/values):
-        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D].
+        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]. One mask per row group (a, z, upto).
         rep = self.n_heads // self.n_kv
-        vis = self.slots[None, None, :upto] <= qpos[:, :, None]  # [b, T, upto]
-        mask = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
-        mask = mask[:, None].expand(b, rep, T, upto).reshape(b, 1, rep * T, upto)
+        if isinstance(upto, (tuple, list)):
+            if rows is not None or self.groups is None or len(upto) != len(self.groups):
+                raise EyasError("FastLM.forward: one bound per row group needs set_groups and rows=None")
+            parts = [(a, z, min(int(u), self.max_len)) for (a, z), u in zip(self.groups, upto)]
+        else:
+            parts = [(0, b, self.max_len if upto is None else min(int(upto), self.max_len))]
+        masks = []
+        for a, z, u in parts:
+            vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
+            m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
+            masks.append(m[:, None].expand(z - a, rep, T, u).reshape(z - a, 1, rep * T, u))
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
         cos, sin = cos[:, None], sin[:, None]
@@ -163,13 +187,16 @@ class FastLM:
             kc, vc = self.k[i], self.v[i]
             kc[write_at] = k.transpose(1, 2)
             vc[write_at] = v.transpose(1, 2)
-            if rows is None or isinstance(rows, slice):  # a view, no copy
-                sel = slice(None) if rows is None else rows
-                ks, vs = kc[sel, :, :upto], vc[sel, :, :upto]
-            else:
-                ks, vs = kc[:, :, :upto].index_select(0, idx), vc[:, :, :upto].index_select(0, idx)
             q = q.reshape(b, self.n_kv, rep * T, self.head_dim)
-            o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=self.scaling)
+            outs = []
+            for (a, z, u), m in zip(parts, masks):
+                if rows is None or isinstance(rows, slice):  # a view, no copy
+                    sel = slice(a, z) if rows is None else rows
+                    ks, vs = kc[sel, :, :u], vc[sel, :, :u]
+                else:
+                    ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
+                outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling))
+            o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
             o = o.reshape(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -205,9 +232,9 @@ class DecodeGraph:
     """One decode step for all B rows of `lm`: tok = pick(logits of ids [B, 1] at positions pos [B]).
     `ids`, `pos` and `tok` are static buffers owned here: write ids/pos in place, call, read tok [B].
 
-    A call names `upto`, a bound on the positions it covers; the step attends to that bound rounded up
-    to a multiple of `span` slots (all max_len slots when None), so a short context does not pay for
-    the whole cache. On CUDA each span is captured once as a CUDA graph on first use (after a warm-up on
+    A call names `upto`, a bound on the positions it covers (one per row group when `lm` has groups, set
+    before this is built); the step attends to that bound rounded up to a multiple of `span` slots (all
+    max_len slots when None), so a short context does not pay for the whole cache. On CUDA each span is captured once as a CUDA graph on first use (after a warm-up on
     a side stream, which runs the step on the current buffers: it rewrites the cache slots at `pos`
     with what the replay writes again) and a call is one replay; `pick` must then be sync-free and use
     the default RNG. Elsewhere, or when a capture fails (logged), each call runs the same step eagerly."""
@@ -221,18 +248,22 @@ class DecodeGraph:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.use_graphs = lm.device.type == "cuda"
-        self._graph(lm.max_len)  # the full-cache shape now, so a stack that cannot capture says so at once
+        self._graph(self.slots(None))  # the full-cache shape now, so a stack that cannot capture says so at once
 
     @property
     def graph(self):
         """The graph of the full-cache step (None when steps run eagerly)."""
-        return self.graphs.get(self.lm.max_len)
+        return self.graphs.get(self.slots(None))
 
-    def slots(self, upto: int | None) -> int:
-        """Cache slots a step bounded by `upto` attends to."""
-        return self.lm.max_len if upto is None else attended_slots(upto, self.lm.max_len, self.span)
+    def slots(self, upto):
+        """Cache slots a step bounded by `upto` attends to (a tuple, one per row group, with groups)."""
+        if isinstance(upto, (tuple, list)):
+            return tuple(attended_slots(u, self.lm.max_len, self.span) for u in upto)
+        if upto is None:
+            return (self.lm.max_len,) * len(self.lm.groups) if self.lm.groups else self.lm.max_len
+        return attended_slots(upto, self.lm.max_len, self.span)
 
-    def _graph(self, slots: int):
+    def _graph(self, slots):
         g = self.graphs.get(slots)
         if g is None and self.use_graphs:
             try:
@@ -247,11 +278,11 @@ class DecodeGraph:
                 g = None
         return g
 
-    def _step(self, upto: int | None) -> None:
+    def _step(self, upto) -> None:
         logits, _ = self.lm.forward(self.ids, self.pos, last_only=True, upto=upto)
         self.tok.copy_(self.pick(logits[:, -1]))
 
-    def __call__(self, upto: int | None = None) -> torch.Tensor:
+    def __call__(self, upto=None) -> torch.Tensor:
         slots = self.slots(upto)
         g = self._graph(slots)
         if g is not None:

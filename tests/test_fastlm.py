@@ -142,6 +142,30 @@ def test_bad_rows_are_refused(tiny):
         lm.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long), rows=slice(0, 4, 2))
 
 
+def test_row_groups_attend_to_their_own_bounds(tiny):
+    """Rows split into groups, each attending only up to its own bound, give what one group attending to
+    the longest row gives; a bound per group needs groups; bad groups are refused."""
+    torch.manual_seed(0)
+    one, two = FastLM(tiny.model, 4, 48), FastLM(tiny.model, 4, 48)
+    two.set_groups([0, 1])  # row 0 long, rows 1-3 short
+    lens = torch.tensor([30, 4, 7, 2])
+    ids = torch.randint(0, tiny.vocab_size, (4, 30))
+    for lm in (one, two):
+        lm.forward(ids, torch.zeros(4, dtype=torch.long), upto=30)
+    tok, pos = ids.gather(1, (lens - 1)[:, None]), lens.clone()
+    for _ in range(3):
+        want, _ = one.forward(tok, pos, last_only=True, upto=int(pos.max()) + 1)
+        got, _ = two.forward(tok, pos, last_only=True, upto=(int(pos[0]) + 1, int(pos[1:].max()) + 1))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        tok, pos = want[:, -1].argmax(-1)[:, None], pos + 1
+    step = DecodeGraph(two, lambda logits: logits.argmax(-1), span=8)  # eager on a CPU; spans per group
+    assert step.slots((33, 9)) == (40, 16) and step.slots(None) == (48, 48)
+    with pytest.raises(EyasError, match="one bound per row group"):
+        one.forward(tok, pos, upto=(40, 16))
+    with pytest.raises(EyasError, match="does not start at 0"):
+        one.set_groups([1, 3])
+
+
 @pytest.mark.gpu
 def test_decode_graph_replays_the_eager_step():
     from eyas.config import TargetConfig
@@ -162,6 +186,18 @@ def test_decode_graph_replays_the_eager_step():
         assert torch.equal(step(upto=int(pos.max()) + 1), want)  # a graph per 8-slot span: 8 and 16
         tok, pos = want[:, None], pos + 1
     assert sorted(step.graphs) == [8, 16, 64]
+    # with row groups: a graph per pair of spans
+    graphed.set_groups([0, 2])
+    eager.set_groups([0, 2])
+    step = DecodeGraph(graphed, lambda logits: logits.argmax(-1), span=8)
+    for _ in range(4):
+        step.ids.copy_(tok)
+        step.pos.copy_(pos)
+        bounds = (int(pos[:2].max()) + 1, 3)  # rows 2-3 attend to 3 slots only: their answer changes
+        want = eager.forward(tok, pos, last_only=True, upto=bounds)[0][:, -1].argmax(-1)
+        assert torch.equal(step(upto=bounds), want)
+        tok, pos = want[:, None], pos + 1
+    assert (16, 8) in step.graphs
 
 
 @pytest.mark.gpu

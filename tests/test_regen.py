@@ -417,6 +417,35 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     assert all(len(runs[0][r]) <= len(tokens[r]) for r in tokens)
 
 
+def test_static_engine_row_groups(tiny, monkeypatch):
+    """8 rows in two groups (rows 0-1 for long prompts): long prompts land in the long rows while they
+    have room, and every answer equals the generate engine's, greedy, with rows refilled."""
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
+
+    monkeypatch.setattr(StaticEngine, "long_prompt", 36)  # the short prompts render to 32-33 tokens
+    prompts = [("a long question " * (3 + i % 4)) if i % 3 == 0 else f"q{i}" for i in range(14)]
+    lens = [len(_render_prompt(tiny.tokenizer, [{"role": "user", "content": p}], "keep")) for p in prompts]
+    assert sum(n > 36 for n in lens) == 5
+    rc = RegenConfig(temperature=0.0, max_new_tokens=6, batch_size=8)
+    eng = StaticEngine(tiny, rc, "keep", 0)
+    assert eng.lm.groups == [(0, 2), (2, 8)]
+    placed = {}
+    admit = eng._prefill
+
+    def spy(rows, items):
+        placed.update({rid: row for row, (rid, _, _) in zip(rows, items)})
+        return admit(rows, items)
+
+    eng._prefill = spy
+    got, tokens = drain(eng, prompts)
+    ref, ref_tokens = drain(GenerateEngine(tiny, rc, "keep", 0), prompts)
+    assert got == ref and tokens == ref_tokens
+    first = sorted(range(8), key=lambda i: -lens[i])[:2]  # of the first 8 admitted, the two longest
+    assert {placed[f"r{i}"] for i in first} == {0, 1}
+    assert all(placed[f"r{i}"] >= 2 for i in range(8) if lens[i] <= 36)
+
+
 def test_engine_choice(tiny, monkeypatch):
     import eyas.fastlm
     from eyas.config import RegenConfig
