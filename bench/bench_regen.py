@@ -87,29 +87,32 @@ def regen_config(users: list[str], args, engine: str):
     return cfg
 
 
-VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_prompt"}
+VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_prompt", "fuse": "fuse"}
 
 
 def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     """One engine, optionally with StaticEngine settings changed for this run: `static:groups=0:check=16`
-    (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold)."""
+    (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold, `fuse=0`
+    runs q/k/v and gate/up as separate products)."""
     from eyas.data.regen import StaticEngine, run_regen
+    from eyas.fastlm import FastLM
 
     name, *opts = engine.split(":")
     saved = {}
     for o in opts:
         k, _, v = o.partition("=")
         attr = VARIANT_KEYS[k]
-        saved[attr] = getattr(StaticEngine, attr)
-        setattr(StaticEngine, attr, type(saved[attr])(int(v)))
+        cls = FastLM if attr == "fuse" else StaticEngine
+        saved[(cls, attr)] = getattr(cls, attr)
+        setattr(cls, attr, type(saved[(cls, attr)])(int(v)))
     cfg = regen_config(users, args, name)
     sync()
     t0 = time.perf_counter()
     try:
         rep = run_regen(cfg, target=target)
     finally:
-        for attr, v in saved.items():
-            setattr(StaticEngine, attr, v)
+        for (cls, attr), v in saved.items():
+            setattr(cls, attr, v)
     sync()
     dt = time.perf_counter() - t0
     gen = rep["completion_tokens"].get("total", 0) + (rep["assistant_turns"] - rep["truncated_turns"])  # + eot
@@ -168,7 +171,9 @@ def main(argv=None) -> int:
     p.add_argument("--baseline-seconds", type=float, default=120, help="stop the baseline after this long")
     p.add_argument("--static-baseline", action="store_true", help="also time generate with a static cache")
     p.add_argument("--engine", default="static,generate",
-                   help="eyas regen engines to time, comma-separated (auto, static, continuous, generate)")
+                   help="eyas regen engines to time, comma-separated (auto, static, continuous, generate); static "
+                        "variants change engine settings for one run: static:groups=0, static:check=16, "
+                        "static:long=512, static:fuse=0 (combine with more colons)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--random-init", action="store_true", help="random weights with --target's architecture")
     p.add_argument("--out", default="results.json")
@@ -178,7 +183,7 @@ def main(argv=None) -> int:
            or any(o.partition("=")[0] not in VARIANT_KEYS or not o.partition("=")[2].isdigit() for o in e.split(":")[1:])]
     if not engines or bad:
         p.error(f"--engine: {bad or args.engine!r}: not a comma-separated list of auto, static, continuous, generate "
-                f"(static may add :groups=0|1, :check=N, :long=N)")
+                f"(static may add :groups=0|1, :check=N, :long=N, :fuse=0|1)")
 
     import torch
     import transformers

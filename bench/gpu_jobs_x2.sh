@@ -4,6 +4,8 @@
 #   JOBS="bench/gpu_jobs_x2.sh big" bash bench/gpu_queue.sh S    (SmolLM2 with BIG_ARGS, e.g. every turn:
 #     BIG_ARGS="--set regen.limit=6000 --set regen.turns=0"; default: every first turn)
 #   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
+#   JOBS="bench/gpu_jobs_x2.sh bench" and JOBS="bench/gpu_jobs_x2.sh variants" (fifth session): with the 16,194
+#     regenerated conversations of the fourth session carried as .carry/big_regen.tgz
 # smol: alone on the machine (with ALSO_BENCH=1 the regen and extraction benchmarks first), training throughput on
 #   one GPU and on both under torchrun (the scaling), with the feature cache (computed ahead) and without it;
 #   then the default pipeline and the decoding benchmarks on GPU 1.
@@ -22,7 +24,7 @@ keep() {  # keep RUN PREFIX: the run's results into $S
   cp $1/vocab/coverage.json $S/$2_coverage.json 2>/dev/null
   grep -v '"step": [0-9]*[1-9], "epoch"' $1/train/metrics.jsonl > $S/$2_train_metrics_sparse.jsonl 2>/dev/null
   du -sb $1/* > $S/$2_run_bytes.txt 2>/dev/null
-  [ -d $1/data/regen ] && tar czf $S/$2_regen.tgz -C $1/data regen
+  [ -z "${NO_REGEN_TGZ:-}" ] && [ -d $1/data/regen ] && tar czf $S/$2_regen.tgz -C $1/data regen
 }
 if [ $mode = smol ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -53,6 +55,40 @@ if [ $mode = smol ]; then
     CUDA_VISIBLE_DEVICES=1 job decode_humaneval python3 bench/bench_decode.py --draft $run/draft --prompts humaneval \
       --limit 40 --k 3,7 --max-new-tokens 256 --budget 40 --skip-hf --out $S/decode_humaneval.json
   fi
+elif [ $mode = bench ]; then
+  # alone on the machine, one after another: GPU tests, regeneration (row groups, host-check interval and
+  # fused projections side by side), extraction (with its time split), training on 1 and 2 GPUs
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
+  } > $S/gpu.txt 2>&1
+  job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py
+  CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
+    --max-new-tokens 256 --baseline-batches 2 --out $S/regen_bench.json \
+    --engine static,static:groups=0,static:check=16,static:groups=0:fuse=0
+  CUDA_VISIBLE_DEVICES=0 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
+    --out $S/smol_extract.json
+  bt="--conversations 1500 --steps 120 --batch-tokens 8192"
+  CUDA_VISIBLE_DEVICES=1 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
+  mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
+  job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 --out $S/train_2gpu.json
+  touch $S/gpus_free
+elif [ $mode = variants ]; then
+  # two drafters on the same 16,194 regenerated conversations, one per GPU, against the fourth session's
+  # default-settings run (val step-0 0.687, tau 2.85): a 4x wider MLP, and 32K-token batches at lr 2e-3
+  export NO_REGEN_TGZ=1  # the data came with the call (unpacked at once: later calls do not carry it)
+  for v in wide b32k; do mkdir -p /tmp/$v/data && tar xzf .carry/big_regen.tgz -C /tmp/$v/data; done
+  while [ ! -f $S/gpus_free ]; do sleep 5; done
+  ( CUDA_VISIBLE_DEVICES=0 job wide_pipeline python3 -m eyas run --out /tmp/wide --set regen.limit=20000 \
+      --set train.draft_intermediate_size=6144; keep /tmp/wide wide
+    [ -d /tmp/wide/draft ] && CUDA_VISIBLE_DEVICES=0 job wide_decode_sharegpt python3 bench/bench_decode.py \
+      --draft /tmp/wide/draft --prompts sharegpt --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 --skip-hf \
+      --out $S/wide_decode_sharegpt.json ) &
+  ( CUDA_VISIBLE_DEVICES=1 job b32k_pipeline python3 -m eyas run --out /tmp/b32k --set regen.limit=20000 \
+      --set train.batch_tokens=32768 --set train.lr=2e-3; keep /tmp/b32k b32k
+    [ -d /tmp/b32k/draft ] && CUDA_VISIBLE_DEVICES=1 job b32k_decode_sharegpt python3 bench/bench_decode.py \
+      --draft /tmp/b32k/draft --prompts sharegpt --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 \
+      --hf-budget 15 --out $S/b32k_decode_sharegpt.json ) &
+  wait
 elif [ $mode = big ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done
   b=/tmp/bigrun

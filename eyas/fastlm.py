@@ -75,15 +75,56 @@ def attended_slots(end: int, max_len: int, span: int = SPAN) -> int:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rope on x [b, h, T, D] with cos/sin [b, 1, T, D] (halves layout, as HF Llama)."""
+    """Rope on x [b, T, h, D] with cos/sin [b, T, 1, D] (halves layout, as HF Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for Linear layers that read the same input, e.g. q/k/v: the rows of each
+    layer's weight one after another, with each module's own weight (and bias) turned into a view of its
+    rows, so the model keeps working and no memory is added. Returns (weight, bias or None), the same
+    tensors when called again, or None when the layers cannot share storage (not plain nn.Linear tensors
+    of one device and dtype, or biases on some only)."""
+    if not all(type(m) is torch.nn.Linear for m in mods):
+        return None
+    ws = [m.weight.data for m in mods]
+    if any(type(w) is not torch.Tensor or w.device != ws[0].device or w.dtype != ws[0].dtype or w.is_meta
+           or w.shape[1] != ws[0].shape[1] for w in ws):
+        return None
+    has_b = [m.bias is not None for m in mods]
+    if any(has_b) and not all(has_b):
+        return None
+    held = getattr(mods[0], "_eyas_fused", None)
+    if held is not None:  # fused before: still the storage of these modules?
+        W, B = held
+        off = 0
+        ok = True
+        for m in mods:
+            n = m.weight.shape[0]
+            ok &= m.weight.data.data_ptr() == W[off:off + n].data_ptr() and m.weight.dtype == W.dtype
+            off += n
+        if ok and off == W.shape[0]:
+            return W, B
+    with torch.no_grad():
+        W = torch.cat(ws)
+        B = torch.cat([m.bias.data for m in mods]) if all(has_b) else None
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight.data = W[off:off + n]
+            if B is not None:
+                m.bias.data = B[off:off + n]
+            off += n
+    mods[0]._eyas_fused = (W, B)
+    return W, B
 
 
 class FastLM:
     """`model` (an HF Llama/Mistral/Qwen2 causal LM, already on its device) with a static KV cache of
     `batch_size` rows x `max_len` slots in the model's dtype. aux_layers: ids whose states
     `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
+    fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
 
     def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
         ok, why = supported(model)
@@ -109,6 +150,16 @@ class FastLM:
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.slots = torch.arange(max_len, device=self.device)
+        # q/k/v and gate/up as one matrix product each (fewer kernels per layer; the model's own modules
+        # become views of the fused weights, so nothing is copied); None where they cannot be fused
+        self.qkv, self.gate_up = [], []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(fuse_linears([a.q_proj, a.k_proj, a.v_proj]) if self.fuse else None)
+            gu = None
+            if self.fuse and all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+                gu = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            self.gate_up.append(gu)
         self.groups: list[tuple[int, int]] | None = None  # see set_groups
 
     def set_groups(self, bounds: list[int] | None) -> None:
@@ -171,8 +222,9 @@ class FastLM:
             masks.append(m[:, None].expand(z - a, rep, T, u).reshape(z - a, 1, rep * T, u))
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [b, T, 1, D]
         n = len(self.layers)
+        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         grab: dict[int, torch.Tensor] = {}
         write_at = (idx[:, None], slice(None), qpos)  # cache[idx, :, qpos] is [b, T, Hkv, D]
         for i, layer in enumerate(self.layers):
@@ -180,14 +232,18 @@ class FastLM:
                 grab[i] = h
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, T, self.n_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(b, T, self.n_kv, self.head_dim).transpose(1, 2)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            if self.qkv[i] is not None:
+                qkv = F.linear(x, *self.qkv[i]).view(b, T, nh + 2 * nkv, D)
+                qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
+                q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv:]
+            else:
+                q = _rotate(attn.q_proj(x).view(b, T, nh, D), cos, sin)
+                k = _rotate(attn.k_proj(x).view(b, T, nkv, D), cos, sin)
+                v = attn.v_proj(x).view(b, T, nkv, D)
             kc, vc = self.k[i], self.v[i]
-            kc[write_at] = k.transpose(1, 2)
-            vc[write_at] = v.transpose(1, 2)
-            q = q.reshape(b, self.n_kv, rep * T, self.head_dim)
+            kc[write_at] = k
+            vc[write_at] = v
+            q = q.transpose(1, 2).reshape(b, nkv, rep * T, D)
             outs = []
             for (a, z, u), m in zip(parts, masks):
                 if rows is None or isinstance(rows, slice):  # a view, no copy
@@ -199,7 +255,12 @@ class FastLM:
             o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
             o = o.reshape(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if self.gate_up[i] is not None:
+                gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
+                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                h = h + layer.mlp(x)
         if want_aux and n in self.aux_layers:
             grab[n] = h
         final = self.base.norm(h)

@@ -142,6 +142,33 @@ def test_bad_rows_are_refused(tiny):
         lm.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long), rows=slice(0, 4, 2))
 
 
+def test_fused_projections_share_the_model_storage():
+    """q/k/v and gate/up run as one product each: the model's own modules become views of the fused
+    weights (its forward is unchanged and nothing is copied), a second FastLM reuses them, and after the
+    model is cast the stale fusion is not used."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    conf = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(conf).eval()
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        want = model(ids).logits
+    before = sum(p.numel() for p in model.parameters())
+    lm = FastLM(model, 2, 16)
+    a = model.model.layers[0].self_attn
+    W, B = lm.qkv[0]
+    assert a.q_proj.weight.data_ptr() == W.data_ptr() and a.v_proj.bias.data_ptr() == B[-a.v_proj.bias.numel():].data_ptr()
+    assert lm.gate_up[1][0].data_ptr() == model.model.layers[1].mlp.gate_proj.weight.data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, atol=0, rtol=0)
+    assert sum(p.numel() for p in model.parameters()) == before
+    assert FastLM(model, 2, 16).qkv[0][0] is W  # fused once
+    model.double()
+    assert FastLM(model, 2, 16).qkv[0][0].dtype == torch.float64
+
+
 def test_row_groups_attend_to_their_own_bounds(tiny):
     """Rows split into groups, each attending only up to its own bound, give what one group attending to
     the longest row gives; a bound per group needs groups; bad groups are refused."""
