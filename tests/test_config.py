@@ -86,7 +86,10 @@ def test_machine_sizing_leaves_given_settings_alone():
     qwen = autosize(C.resolve(None, "qwen-coder-0.5b", {"regen.limit": "2000"}), "cuda")
     assert qwen == {"regen.turns": 1, "train.epochs": 8}  # the given limit is kept
     assert autosize(C.resolve(None, "qwen-coder-0.5b", {"data.source": "humaneval"}), "cuda") == {}
-    assert autosize(C.resolve(None, "smollm2", {}), "cuda")["regen.limit"] == 20000  # every ShareGPT first turn
+    smol_gpu = autosize(C.resolve(None, "smollm2", {}), "cuda")
+    assert smol_gpu["regen.limit"] == 20000  # every ShareGPT first turn
+    assert smol_gpu["train.draft_intermediate_size"] == 6144  # a wider drafter MLP, on a GPU only
+    assert "train.draft_intermediate_size" not in autosize(C.resolve(None, "smollm2", {}), "cpu")
     assert autosize(C.resolve(None, "qwen-coder-0.5b", {}), "cuda")["regen.limit"] == 10000  # its own size
 
 

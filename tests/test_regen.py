@@ -423,6 +423,7 @@ def test_static_engine_row_groups(tiny, monkeypatch):
     from eyas.config import RegenConfig
     from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
 
+    monkeypatch.setattr(StaticEngine, "row_groups", True)
     monkeypatch.setattr(StaticEngine, "long_prompt", 36)  # the short prompts render to 32-33 tokens
     prompts = [("a long question " * (3 + i % 4)) if i % 3 == 0 else f"q{i}" for i in range(14)]
     lens = [len(_render_prompt(tiny.tokenizer, [{"role": "user", "content": p}], "keep")) for p in prompts]

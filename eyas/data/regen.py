@@ -298,14 +298,18 @@ class StaticEngine(_Embedded):
     A decode step advances all rows at a fixed shape (one CUDA graph replay on GPU) and samples on the
     device; a finished row keeps its position and writes its tokens to a spare column until refilled.
 
-    Row groups: the first quarter of the rows takes prompts longer than `long_prompt` tokens (and others
-    when it has room), the rest the shorter ones, and each group's attention spans only its own longest
-    context (FastLM row groups). Most ShareGPT prompts are short (median 56 tokens; 16% over 256), and
-    with one group every row attended to the longest row's context."""
+    Row groups (off by default): the first quarter of the rows takes prompts longer than `long_prompt`
+    tokens (and others when it has room), the rest the shorter ones, and each group's attention spans only
+    its own longest context (FastLM row groups). On an H200 (BENCHMARKS.md, fifth session) they gave no
+    gain on ShareGPT prompts: long prompts spill into the short rows, whose span then grows too.
+
+    `check_every` (None: 16 on a GPU, 8 elsewhere): on an H200, 16 gave 2-5% more tokens/s than 8 in the
+    same runs; a host sync there leaves the GPU waiting, while on a CPU it costs nothing and a finished
+    row's idle steps cost as much as busy ones."""
     name = "static"
-    check_every = 8
+    check_every: int | None = None
     long_prompt = 256
-    row_groups = True
+    row_groups = False
 
     def __init__(self, target, rc, reasoning, ctx_limit):
         super().__init__(target, rc, reasoning, ctx_limit)
@@ -321,6 +325,7 @@ class StaticEngine(_Embedded):
         max_len = min(self.model_max, self.ctx_limit + rc.max_new_tokens)
         self.batch = self._rows_that_fit(target, max_len)
         self.prefill_tokens = 16384 if dev.type == "cuda" else 2048
+        self.check_every = self.check_every or (16 if dev.type == "cuda" else 8)
         torch.manual_seed(rc.seed)
         self.lm = FastLM(target.model, self.batch, max_len)
         self.long_rows = self.batch // 4 if self.row_groups and self.batch >= 8 else 0
