@@ -9,6 +9,10 @@ Measures, over the same length-sorted token-budget batches:
   extract_tok_s    the whole extraction (bf16 and fp8): capture, quantize, copy to host, write shards, with
                    where its time went (`timing`: pinning buffers, the main thread waiting for a free
                    buffer, the final drain, and the writer threads' summed GPU-wait, write and hash seconds)
+  steps_tok_s      the extraction's GPU loop built up one step at a time, each timed over all batches:
+                   capture; + the real tokens picked out (index_select); + the target's top id (lm_head and
+                   argmax); + fp8 quantization; + the copies into pinned host memory (no writing): where the
+                   gap between capture and extract_fp8 lies
   disk             the same number of bytes as the bf16 shards written by plain 256 MiB writes (GB/s into
                    the page cache, and with an fsync at the end): the disk's own bound
 and bytes/token on disk for bf16 and fp8, and the draft-vocabulary coverage at --vocab-size over
@@ -29,7 +33,7 @@ from eyas.config import PRESETS, TargetConfig, preset
 from eyas.data import read_dataset
 from eyas.data.prepare import TokenSet, tokens_dir
 from eyas.data.tokenize import tokenize_conversation
-from eyas.features import _pad_batch, extract_split, plan_batches, plan_shards
+from eyas.features import _pad_batch, extract_split, plan_batches, plan_shards, quantize_fp8, target_top
 from eyas.target import load_target
 from eyas.util import atomic_write_json
 from eyas.vocab import choose_vocab, count_tokens, required_token_ids
@@ -113,6 +117,8 @@ def main():
         cap.append(timed(capture, batches, tokens, dev))
     res["forward_tok_s"], res["capture_tok_s"] = max(fw), max(cap)
 
+    res["steps_tok_s"] = loop_steps(target, batches, tokens, dev)
+
     work = Path(args.workdir or tempfile.mkdtemp(prefix="eyas-bench-"))
     try:
         for dtype in ("bf16", "fp8"):
@@ -161,6 +167,7 @@ def main():
     print(f"{'':28}{'tok/s':>14}{'vs forward':>12}")
     for name, v, r in rows:
         print(f"{name:28}{v:14,.0f}{100 * r:11.1f}%")
+    print("the extraction loop step by step (tok/s): " + ", ".join(f"{k} {v:,.0f}" for k, v in res["steps_tok_s"].items()))
     print(f"bytes/token: bf16 {res['bytes_per_token_bf16']}, fp8 {res['bytes_per_token_fp8']}")
     for dtype in ("bf16", "fp8"):
         print(f"extract {dtype}, seconds: {res[f'extract_{dtype}_s']} in all; {res[f'timing_{dtype}']}")
@@ -171,6 +178,51 @@ def main():
     print(f"draft vocab {size:,} of {target.vocab_size:,}: coverage {100 * res['vocab']['coverage']:.2f}% "
           f"of {res['vocab']['loss_tokens']:,} trained-on tokens")
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+def loop_steps(target, batches, tokens: TokenSet, dev) -> dict:
+    """The extraction loop (features._extract_shard) built up step by step, tok/s of each prefix."""
+    lm_head = target.model.get_output_embeddings()
+    H = target.hidden_size
+    pin = dev.type == "cuda"
+    most = max(sum(int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in b) for b in batches)
+    host = {"aux": torch.empty(most, 3 * H, dtype=torch.float8_e4m3fn, pin_memory=pin),
+            "final": torch.empty(most, H, dtype=torch.float8_e4m3fn, pin_memory=pin),
+            "aux_s": torch.empty(most, 3, pin_memory=pin), "final_s": torch.empty(most, 1, pin_memory=pin),
+            "top": torch.empty(most, dtype=torch.int32, pin_memory=pin)}
+    lens_of = {id(b): [int(tokens.offsets[i + 1] - tokens.offsets[i]) for i in b] for b in batches}
+    order = iter([])
+
+    def make(upto: int):
+        def fn(x):
+            aux, final = target.capture(x)
+            if upto < 2:
+                return
+            lens = next(order)
+            T = x.shape[1]
+            rows = torch.cat([torch.arange(L) + r * T for r, L in enumerate(lens)]).to(dev, non_blocking=True)
+            aux = aux.reshape(-1, aux.shape[-1]).index_select(0, rows)
+            final = final.reshape(-1, final.shape[-1]).index_select(0, rows)
+            if upto < 3:
+                return
+            top = target_top(final, lm_head)
+            if upto < 4:
+                return
+            aux, aux_s = quantize_fp8(aux, 3)
+            final, final_s = quantize_fp8(final, 1)
+            if upto < 5:
+                return
+            n = aux.shape[0]
+            for k, v in (("aux", aux), ("final", final), ("aux_s", aux_s), ("final_s", final_s), ("top", top)):
+                host[k][:n].copy_(v, non_blocking=True)
+        return fn
+
+    out = {}
+    for upto, name in enumerate(("capture", "+index_select", "+top_id", "+fp8", "+copy_to_host"), 1):
+        # timed() runs batches[0] once as a warm-up, then every batch: the lengths follow that order
+        order = iter([lens_of[id(batches[0])]] + [lens_of[id(b)] for b in batches])
+        out[name] = timed(make(upto), batches, tokens, dev)
+    return out
 
 
 def disk_write(folder: Path, nbytes: float, chunk: int = 256 << 20) -> dict:
