@@ -6,6 +6,8 @@
 #   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
 #   JOBS="bench/gpu_jobs_x2.sh bench" and JOBS="bench/gpu_jobs_x2.sh variants" (fifth session): with the 16,194
 #     regenerated conversations of the fourth session carried as .carry/big_regen.tgz
+#   JOBS="bench/gpu_jobs_x2.sh multiturn" bash bench/gpu_queue.sh S   (next): the first MT_TURNS (default 2) user
+#     turns of every conversation, regenerated on both GPUs under torchrun, then the default pipeline on them
 # smol: alone on the machine (with ALSO_BENCH=1 the regen and extraction benchmarks first), training throughput on
 #   one GPU and on both under torchrun (the scaling), with the feature cache (computed ahead) and without it;
 #   then the default pipeline and the decoding benchmarks on GPU 1.
@@ -89,6 +91,16 @@ elif [ $mode = variants ]; then
       --draft /tmp/b32k/draft --prompts sharegpt --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 \
       --hf-budget 15 --out $S/b32k_decode_sharegpt.json ) &
   wait
+elif [ $mode = multiturn ]; then
+  m=/tmp/mt; mt="--set regen.limit=20000 --set regen.turns=${MT_TURNS:-2}"
+  job mt_regen torchrun --standalone --nproc_per_node 2 -m eyas regen --out $m $mt
+  touch $S/gpus_free
+  CUDA_VISIBLE_DEVICES=0 job mt_pipeline python3 -m eyas run --out $m $mt
+  keep $m mt
+  if [ -d $m/draft ]; then
+    CUDA_VISIBLE_DEVICES=0 job mt_decode_sharegpt python3 bench/bench_decode.py --draft $m/draft --prompts sharegpt \
+      --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 --skip-hf --out $S/mt_decode_sharegpt.json
+  fi
 elif [ $mode = big ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done
   b=/tmp/bigrun

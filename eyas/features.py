@@ -26,8 +26,8 @@ import torch
 
 from .config import Config
 from .data.prepare import TokenSet
-from .util import (EyasError, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, sha256_file,
-                   sha256_json, to_device)
+from .util import (EyasError, atomic_path, atomic_write_json, dist_env, human_bytes, log, progress, read_json,
+                   sha256_file, sha256_json, to_device)
 
 
 @dataclass
@@ -224,12 +224,6 @@ def bytes_per_token(hidden_size: int, dtype: str) -> int:
 
 def features_dir(run_dir: str | Path, split: str = "train") -> Path:
     return Path(run_dir) / "features" / split
-
-
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment (0, 1, 0 without it)."""
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-            int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def plan_shards(lengths: list[int], world: int, shard_tokens: int) -> list[list[list[int]]]:

@@ -99,6 +99,12 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment (0, 1, 0 without it)."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def progress(iterable: Iterable | None = None, **kw):
     """A tqdm progress bar on stderr that stays quiet when stderr is not a terminal and
     EYAS_PROGRESS is not set (so logs and CI output stay readable)."""

@@ -294,6 +294,35 @@ def test_embedded_tiny_kill9_resume(tmp_path, tiny, engine):
     assert sorted(a) == sorted(b)
 
 
+def test_torchrun_two_processes_split_the_shards(tmp_path, tiny):
+    """Two gloo processes with torchrun's environment each regenerate every other shard; together they give
+    the single-process run's records (greedy), and the report counts all of them."""
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(10)])
+    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=8, engine="static"), target=tiny)
+    out = tmp_path / "two"
+    args = ["--target", "tiny", "--device", "cpu", "--dtype", "float32", "--source", str(src), "--split", "all",
+            "--engine", "static", "--max-new-tokens", "8", "--temperature", "0", "--batch-size", "4",
+            "--shard-size", "3", "--out", str(out)]
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(31500 + os.getpid() % 1000))
+        procs.append(subprocess.Popen([sys.executable, "-m", "eyas", "regen", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    for r, (_, err) in enumerate(outs):
+        assert f"rank {r} of 2 regenerates 2 of its 2 shards" in err
+    rep = json.loads(outs[0][0])
+    assert rep["records"] == ref["records"] == 10 and rep["complete"] and rep["duplicates"] == 0
+    shards = sorted(f.name for f in regen_dir(out).glob("shard-*.jsonl"))
+    assert len(shards) == 4  # 10 conversations, 3 per shard: rank 0 wrote 0 and 2, rank 1 wrote 1 and 3
+    a = {c.id: [t.content for t in c.turns] for c in read_dataset(str(regen_dir(out)))[0]}
+    b = {c.id: [t.content for t in c.turns] for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
+    assert a == b
+
+
 def test_embedded_engines_agree(tmp_path, tiny):
     src = write_jsonl(tmp_path / "d.jsonl", [["hi"], ["a much longer question about many things"], ["x"]])
     runs = {}

@@ -20,16 +20,18 @@ rest is generated again. Conversations that failed are listed in `shard-NNNNN.er
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config, RegenConfig
-from ..util import (EyasError, atomic_write_json, atomic_write_text, human_bytes, log, progress, read_json,
+from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_env, human_bytes, log, progress, read_json,
                     stable_hash, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
@@ -563,46 +565,89 @@ def run_regen(cfg: Config, target=None) -> dict:
         raise EyasError(f"no conversations to regenerate in split '{rc.split}' of {cfg.data.source}")
     d = regen_dir(cfg.out)
     d.mkdir(parents=True, exist_ok=True)
+    rank, world, local = dist_env()
+    own_pg = False
+    if world > 1:  # torchrun: each process regenerates the shards k with k % world == rank
+        import datetime
 
-    if rc.backend == "server":
-        backend = ServerBackend(rc)
-    else:
-        from ..target import load_target
+        import torch.distributed as dist
 
-        target = target or load_target(cfg.target)
-        if not target.has_chat_template:
-            raise EyasError(f"target '{target.name}' has no chat template; regeneration needs one")
-        backend = make_embedded(target, rc, cfg.data.reasoning, cfg.data.max_seq_len)
-    ident = backend.describe()
-    identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
+        if not dist.is_initialized():  # gloo: barriers only; a rank may wait long for the slowest
+            dist.init_process_group("gloo", timeout=datetime.timedelta(days=2))
+            own_pg = True
     try:
-        plan = _plan(d, cfg, [c.id for c in convs], identity)
-        _drive(backend, convs, plan, d, rc, sampling_settings(cfg), ident)
+        if rc.backend == "server":
+            backend = ServerBackend(rc)
+        else:
+            from ..target import load_target
+
+            if target is None:
+                tcfg = cfg.target
+                if world > 1 and tcfg.device in ("auto", "cuda"):
+                    import torch
+
+                    if torch.cuda.is_available():
+                        torch.cuda.set_device(local)
+                        tcfg = dataclasses.replace(tcfg, device=f"cuda:{local}")
+                target = load_target(tcfg)
+            if not target.has_chat_template:
+                raise EyasError(f"target '{target.name}' has no chat template; regeneration needs one")
+            backend = make_embedded(target, rc, cfg.data.reasoning, cfg.data.max_seq_len)
+        ident = backend.describe()
+        identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
+        try:
+            if rank == 0:  # rank 0 writes the plan (or checks the one there); the others then check it
+                plan = _plan(d, cfg, [c.id for c in convs], identity)
+            _barrier()
+            if rank != 0:
+                plan = _plan(d, cfg, [c.id for c in convs], identity)
+            _drive(backend, convs, plan, d, rc, sampling_settings(cfg), ident, rank, world)
+        finally:
+            backend.close()
+        _barrier()  # every rank's shards written
+        report = validation_report(d)
+        if rank == 0:
+            atomic_write_json(d / "report.json", report)
+            log(f"regen: {report['records']} conversations in {d} ({report['errors_total']} errors, "
+                f"{report['truncated_turns']} truncated turns, reasoning in "
+                f"{report['reasoning_capture_rate']:.0%} of turns)")
+        return report
     finally:
-        backend.close()
-    report = validation_report(d)
-    atomic_write_json(d / "report.json", report)
-    log(f"regen: {report['records']} conversations in {d} ({report['errors_total']} errors, "
-        f"{report['truncated_turns']} truncated turns, reasoning in {report['reasoning_capture_rate']:.0%} of turns)")
-    return report
+        if own_pg:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenConfig, settings: dict,
-           ident: dict) -> None:
+           ident: dict, rank: int = 0, world: int = 1) -> None:
     size = plan["shard_size"]
     n_shards = math.ceil(len(convs) / size)
-    todo = [k for k in range(n_shards) if not shard_path(d, k).exists()]
+    mine = [k for k in range(n_shards) if k % world == rank]
+    todo = [k for k in mine if not shard_path(d, k).exists()]
     work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
     backend_meta = {k: v for k, v in ident.items() if k != "endpoints"}
+    if world > 1:  # every process says what it takes (log() speaks for rank 0 only)
+        print(f"regen: rank {rank} of {world} regenerates {len(todo)} of its {len(mine)} shards "
+              f"({len(work)} conversations)", file=sys.stderr, flush=True)
     if not work:
         return
-    if len(todo) < n_shards:
-        log(f"regen: resuming, {n_shards - len(todo)} of {n_shards} shards already done")
+    if len(todo) < len(mine):
+        log(f"regen: resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
+            + (f" (rank {rank} of {world})" if world > 1 else ""))
     done_by_shard: dict[int, dict[int, ConvState]] = {k: {} for k in todo}
     active: dict[str, ConvState] = {}
     nxt = 0
     t0, toks = time.time(), 0
-    bar = progress(total=len(work), desc="regen", unit="conv")
+    bar = progress(total=len(work), desc="regen" + (f" rank {rank}" if world > 1 else ""), unit="conv",
+                   **({} if rank == 0 else {"disable": True}))
 
     def finish(st: ConvState) -> None:
         k = st.index // size
