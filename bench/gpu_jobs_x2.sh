@@ -63,10 +63,11 @@ elif [ $mode = bench ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
   } > $S/gpu.txt 2>&1
-  job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py
+  job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py tests/test_regen.py
+  # (the fifth session ran --baseline-batches 2 --engine static,static:groups=0,static:check=16,static:groups=0:fuse=0)
   CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
-    --max-new-tokens 256 --baseline-batches 2 --out $S/regen_bench.json \
-    --engine static,static:groups=0,static:check=16,static:groups=0:fuse=0
+    --max-new-tokens 256 --baseline-batches 3 --out $S/regen_bench.json \
+    --engine static,static:overlap=1,static:overlap=1:check=8,static
   CUDA_VISIBLE_DEVICES=0 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
     --out $S/smol_extract.json
   bt="--conversations 1500 --steps 120 --batch-tokens 8192"

@@ -446,6 +446,41 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     assert all(len(runs[0][r]) <= len(tokens[r]) for r in tokens)
 
 
+def test_static_engine_overlapped_checks(tiny, monkeypatch):
+    """With the next steps queued before the finished rows are read (from a host copy of the row state taken
+    after the previous steps), every answer still equals the generate engine's, with rows refilled, and a
+    refilled row is never read from a copy taken before its prefill."""
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, StaticEngine
+
+    monkeypatch.setattr(StaticEngine, "overlap", True)
+    monkeypatch.setattr(StaticEngine, "check_every", 3)  # answers of 2-9 tokens end between checks
+    prompts = [f"question number {i} " * (1 + i % 3) for i in range(9)]
+    for max_new in (2, 9):
+        rc = RegenConfig(temperature=0.0, max_new_tokens=max_new, batch_size=3)
+        got, tokens = drain(StaticEngine(tiny, rc, "keep", 0), prompts)
+        ref, ref_tokens = drain(GenerateEngine(tiny, rc, "keep", 0), prompts)
+        assert got == ref and tokens == ref_tokens
+        assert all(len(t) == max_new for t in tokens.values())  # random weights never stop early
+
+
+@pytest.mark.gpu
+def test_static_engine_overlapped_checks_on_cuda(monkeypatch):
+    """On a GPU (CUDA graphs, pinned host copies, events): overlapped checks give the plain engine's tokens."""
+    from eyas.config import RegenConfig, TargetConfig
+    from eyas.data.regen import StaticEngine
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    prompts = [f"question number {i} " * (1 + i % 3) for i in range(40)]
+    rc = RegenConfig(temperature=0.0, max_new_tokens=11, batch_size=8)
+    runs = []
+    for overlap in (False, True):
+        monkeypatch.setattr(StaticEngine, "overlap", overlap)
+        runs.append(drain(StaticEngine(t, rc, "keep", 0), prompts)[1])
+    assert runs[0] == runs[1] and len(runs[0]) == 40
+
+
 def test_static_engine_row_groups(tiny, monkeypatch):
     """8 rows in two groups (rows 0-1 for long prompts): long prompts land in the long rows while they
     have room, and every answer equals the generate engine's, greedy, with rows refilled."""
