@@ -89,13 +89,14 @@ def regen_config(users: list[str], args, engine: str):
 
 
 VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_prompt", "fuse": "fuse",
-                "overlap": "overlap"}
+                "overlap": "overlap", "norm": "fused_norm"}
 
 
 def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     """One engine, optionally with StaticEngine settings changed for this run: `static:groups=0:check=16`
     (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold, `fuse=0`
-    runs q/k/v and gate/up as separate products, `overlap=1` queues the next steps before each check)."""
+    runs q/k/v and gate/up as separate products, `overlap=1` queues the next steps before each check, `norm=1`
+    runs RMSNorm through torch's fused kernel)."""
     from eyas.data.regen import StaticEngine, run_regen
     from eyas.fastlm import FastLM
 
@@ -104,9 +105,9 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     for o in opts:
         k, _, v = o.partition("=")
         attr = VARIANT_KEYS[k]
-        cls = FastLM if attr == "fuse" else StaticEngine
+        cls = FastLM if attr in ("fuse", "fused_norm") else StaticEngine
         saved[(cls, attr)] = getattr(cls, attr)
-        setattr(cls, attr, bool(int(v)) if attr in ("row_groups", "fuse", "overlap") else int(v))
+        setattr(cls, attr, bool(int(v)) if attr in ("row_groups", "fuse", "overlap", "fused_norm") else int(v))
     cfg = regen_config(users, args, name)
     sync()
     t0 = time.perf_counter()
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine", default="static,generate",
                    help="eyas regen engines to time, comma-separated (auto, static, continuous, generate); static "
                         "variants change engine settings for one run: static:groups=0, static:check=16, "
-                        "static:long=512, static:fuse=0, static:overlap=1 (combine with more colons)")
+                        "static:long=512, static:fuse=0, static:overlap=1, static:norm=1 (combine with more colons)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--random-init", action="store_true", help="random weights with --target's architecture")
     p.add_argument("--out", default="results.json")
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
            or any(o.partition("=")[0] not in VARIANT_KEYS or not o.partition("=")[2].isdigit() for o in e.split(":")[1:])]
     if not engines or bad:
         p.error(f"--engine: {bad or args.engine!r}: not a comma-separated list of auto, static, continuous, generate "
-                f"(static may add :groups=0|1, :check=N, :long=N, :fuse=0|1, :overlap=0|1)")
+                f"(static may add :groups=0|1, :check=N, :long=N, :fuse=0|1, :overlap=0|1, :norm=0|1)")
 
     import torch
     import transformers

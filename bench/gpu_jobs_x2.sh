@@ -67,7 +67,7 @@ elif [ $mode = bench ]; then
   # (the fifth session ran --baseline-batches 2 --engine static,static:groups=0,static:check=16,static:groups=0:fuse=0)
   CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
     --max-new-tokens 256 --baseline-batches 3 --out $S/regen_bench.json \
-    --engine static,static:overlap=1,static:overlap=1:check=8,static
+    --engine static,static:overlap=1,static:overlap=1:check=8,static:norm=1,static:norm=1:overlap=1,static
   CUDA_VISIBLE_DEVICES=0 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
     --out $S/smol_extract.json
   bt="--conversations 1500 --steps 120 --batch-tokens 8192"

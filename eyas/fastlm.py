@@ -125,6 +125,9 @@ class FastLM:
     `batch_size` rows x `max_len` slots in the model's dtype. aux_layers: ids whose states
     `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
     fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
+    # RMSNorm through torch's fused kernel (normalize in fp32, round, times the weight: HF's rounding steps) in
+    # ~4 kernels instead of ~8; off until timed on a GPU (bench variant norm=1)
+    fused_norm = False
 
     def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
         ok, why = supported(model)
@@ -172,6 +175,13 @@ class FastLM:
         if edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
             raise EyasError(f"FastLM.set_groups: {bounds} does not start at 0 and rise within {self.batch_size} rows")
         self.groups = list(zip(edges, edges[1:]))
+
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        """An HF Llama-style RMSNorm module applied to x, through the fused kernel when fused_norm is on."""
+        eps = getattr(module, "variance_epsilon", None)
+        if not self.fused_norm or eps is None or getattr(module, "weight", None) is None:
+            return module(x)
+        return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
     def _rows(self, rows, b: int) -> torch.Tensor:
         """Row indices [b] (long, on the device) for rows=None (all), a contiguous slice or an index tensor."""
@@ -231,7 +241,7 @@ class FastLM:
             if want_aux and i in self.aux_layers:
                 grab[i] = h
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = self._norm(layer.input_layernorm, h)
             if self.qkv[i] is not None:
                 qkv = F.linear(x, *self.qkv[i]).view(b, T, nh + 2 * nkv, D)
                 qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
@@ -255,7 +265,7 @@ class FastLM:
             o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
             o = o.reshape(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
             h = h + attn.o_proj(o)
-            x = layer.post_attention_layernorm(h)
+            x = self._norm(layer.post_attention_layernorm, h)
             if self.gate_up[i] is not None:
                 gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
                 h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
@@ -263,7 +273,7 @@ class FastLM:
                 h = h + layer.mlp(x)
         if want_aux and n in self.aux_layers:
             grab[n] = h
-        final = self.base.norm(h)
+        final = self._norm(self.base.norm, h)
         if last_idx is not None:
             final = final.gather(1, last_idx.to(self.device, torch.long).view(b, 1, 1).expand(b, 1, final.shape[-1]))
         elif last_only:

@@ -96,6 +96,13 @@ def test_matches_hf_smollm2(smol):
     run_checks(smol.model, smol.aux_layers, smol.vocab_size)
 
 
+def test_fused_norm_matches_hf(smol, monkeypatch):
+    """RMSNorm through torch's fused kernel keeps HF's rounding steps: the same checks hold (SmolLM2's norm
+    weights are trained, not ones)."""
+    monkeypatch.setattr(FastLM, "fused_norm", True)
+    run_checks(smol.model, smol.aux_layers, smol.vocab_size)
+
+
 def test_matches_hf_qwen2_with_biases():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
