@@ -26,8 +26,8 @@ import torch
 
 from .config import Config
 from .data.prepare import TokenSet
-from .util import (EyasError, atomic_path, atomic_write_json, dist_env, human_bytes, log, progress, read_json,
-                   sha256_file, sha256_json, to_device)
+from .util import (EyasError, atomic_path, atomic_write_json, dist_barrier, dist_env, human_bytes, log, progress,
+                   read_json, sha256_file, sha256_json, to_device)
 
 
 @dataclass
@@ -263,13 +263,6 @@ def tokens_sha256(tokens: TokenSet) -> str:
     return h.hexdigest()
 
 
-def _barrier():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def _broadcast(obj):
     """Rank 0's `obj` on every process (the others pass None)."""
     import torch.distributed as dist
@@ -486,14 +479,14 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                                           "tokens": tokens.n_tokens, "bytes_per_token": bpt,
                                           "estimated_bytes": tokens.n_tokens * bpt,
                                           **({"tensor_parallel": tp_world} if tp_world else {})})
-    _barrier()
+    dist_barrier()
     if not writes:  # a tensor-parallel process: rank 0 says which shards to compute
         todo = _broadcast(None)
         with torch.inference_mode():
             for k in todo:
                 _extract_shard(target, tokens, plans[0][k], cfg.features.batch_tokens, dtype, None, lambda n: None)
-        _barrier()  # rank 0 merges the index between these two
-        _barrier()
+        dist_barrier()  # rank 0 merges the index between these two
+        dist_barrier()
         return {"split": split, "sequences": 0, "tokens": 0, "shards": 0, "reused_shards": 0, "dtype": dtype,
                 "extracted_tokens": sum(lengths[i] for k in todo for i in plans[0][k]), "bytes_per_token": bpt,
                 "dir": str(d), "writes": False}
@@ -595,10 +588,10 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                 timing["drain_s"] = time.perf_counter() - t0
                 timing.update(writer.times)
                 bar.close()
-    _barrier()
+    dist_barrier()
     if rank == 0:
         _merge_index(d, world, plan_key, len(plans), manifest_path)
-    _barrier()
+    dist_barrier()
     return {"split": split, "sequences": sum(len(s) for s in my), "tokens": my_tokens,
             "extracted_tokens": todo_tokens, "reused_shards": len(my) - len(todo), "shards": len(my),
             "dtype": dtype, "bytes_per_token": bpt, "dir": str(d),
@@ -685,7 +678,7 @@ def run_extract(cfg: Config, target=None) -> dict:
         if not (tokens_dir(Path(cfg.out)) / "meta.json").exists():
             if rank == 0:
                 run_tokenize(cfg, target)
-            _barrier()
+            dist_barrier()
         t0 = time.perf_counter()
         splits = [extract_split(cfg, target, s) for s in ("train", "val")]
         dt = time.perf_counter() - t0

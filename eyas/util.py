@@ -105,6 +105,14 @@ def dist_env() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def dist_barrier() -> None:
+    """torch.distributed's barrier when a process group is up (torchrun); nothing otherwise."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def progress(iterable: Iterable | None = None, **kw):
     """A tqdm progress bar on stderr that stays quiet when stderr is not a terminal and
     EYAS_PROGRESS is not set (so logs and CI output stay readable)."""

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config, RegenConfig
-from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_env, human_bytes, log, progress, read_json,
-                    stable_hash, to_device)
+from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrier, dist_env, human_bytes, log,
+                    progress, read_json, stable_hash, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
 from .readers import read_dataset, select_split
@@ -649,13 +649,13 @@ def run_regen(cfg: Config, target=None) -> dict:
         try:
             if rank == 0:  # rank 0 writes the plan (or checks the one there); the others then check it
                 plan = _plan(d, cfg, [c.id for c in convs], identity)
-            _barrier()
+            dist_barrier()
             if rank != 0:
                 plan = _plan(d, cfg, [c.id for c in convs], identity)
             _drive(backend, convs, plan, d, rc, sampling_settings(cfg), ident, rank, world)
         finally:
             backend.close()
-        _barrier()  # every rank's shards written
+        dist_barrier()  # every rank's shards written
         report = validation_report(d)
         if rank == 0:
             atomic_write_json(d / "report.json", report)
@@ -668,13 +668,6 @@ def run_regen(cfg: Config, target=None) -> dict:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenConfig, settings: dict,
