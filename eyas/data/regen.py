@@ -598,7 +598,8 @@ def _check_cfg(rc: RegenConfig) -> None:
 
 
 def run_regen(cfg: Config, target=None) -> dict:
-    """Regenerate the assistant turns of cfg.data.source's cfg.regen.split; returns the validation report."""
+    """Regenerate the assistant turns of cfg.data.source's cfg.regen.split; returns the validation report
+    (under torchrun, on rank 0; the other ranks return where rank 0 wrote it)."""
     rc = cfg.regen
     _check_cfg(rc)
     convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=cfg.data.limit)
@@ -656,12 +657,13 @@ def run_regen(cfg: Config, target=None) -> dict:
         finally:
             backend.close()
         dist_barrier()  # every rank's shards written
+        if rank != 0:  # rank 0 reads every shard for the report; the others need not read them again
+            return {"rank": rank, "world_size": world, "report": str(d / "report.json")}
         report = validation_report(d)
-        if rank == 0:
-            atomic_write_json(d / "report.json", report)
-            log(f"regen: {report['records']} conversations in {d} ({report['errors_total']} errors, "
-                f"{report['truncated_turns']} truncated turns, reasoning in "
-                f"{report['reasoning_capture_rate']:.0%} of turns)")
+        atomic_write_json(d / "report.json", report)
+        log(f"regen: {report['records']} conversations in {d} ({report['errors_total']} errors, "
+            f"{report['truncated_turns']} truncated turns, reasoning in "
+            f"{report['reasoning_capture_rate']:.0%} of turns)")
         return report
     finally:
         if own_pg:
