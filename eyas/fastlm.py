@@ -305,10 +305,11 @@ class DecodeGraph:
 
     A call names `upto`, a bound on the positions it covers (one per row group when `lm` has groups, set
     before this is built); the step attends to that bound rounded up to a multiple of `span` slots (all
-    max_len slots when None), so a short context does not pay for the whole cache. On CUDA each span is captured once as a CUDA graph on first use (after a warm-up on
-    a side stream, which runs the step on the current buffers: it rewrites the cache slots at `pos`
-    with what the replay writes again) and a call is one replay; `pick` must then be sync-free and use
-    the default RNG. Elsewhere, or when a capture fails (logged), each call runs the same step eagerly."""
+    max_len slots when None), so a short context does not pay for the whole cache. On CUDA each span (or
+    tuple of spans) is captured once as a CUDA graph on first use (after a warm-up on a side stream,
+    which runs the step on the current buffers: it rewrites the cache slots at `pos` with what the
+    replay writes again) and a call is one replay; `pick` must then be sync-free and use the default RNG.
+    Elsewhere, or when a capture fails (logged), each call runs the same step eagerly."""
 
     def __init__(self, lm: FastLM, pick, warmup: int = 2, span: int = SPAN):
         self.lm, self.pick, self.warmup, self.span = lm, pick, warmup, span
