@@ -111,6 +111,9 @@ def main(argv=None) -> int:
                          "step, one CUDA graph per round), stepwise (each part its own step; methods named "
                          "eyas_spec_kK) or both")
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
+    ap.add_argument("--norm", default="0",
+                    help="target RMSNorm through torch's fused kernel (FastLM.fused_norm): 0, 1, or 0,1 to time both "
+                         "(the norm=1 methods get a _norm1 suffix)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -151,17 +154,24 @@ def main(argv=None) -> int:
     def engine_facts(dec) -> dict:
         return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays)}
 
-    plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
-    run_engine(plain, warm, 32, stop, False, 1e9)
-    record("eyas_plain", {**run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget), **engine_facts(plain)})
-    plain.close()
-    for k in ks:
-        for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
-            dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
-            run_engine(dec, warm, 32, stop, True, 1e9)
-            record(f"eyas_spec_k{k}" + ("_fused" if fused else ""),
-                   {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
-            dec.close()
+    from eyas.fastlm import FastLM
+
+    for norm in [int(n) for n in a.norm.split(",")]:
+        FastLM.fused_norm = bool(norm)
+        sfx = "_norm1" if norm else ""
+        plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
+        run_engine(plain, warm, 32, stop, False, 1e9)
+        record("eyas_plain" + sfx,
+               {**run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget), **engine_facts(plain)})
+        plain.close()
+        for k in ks:
+            for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
+                dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
+                run_engine(dec, warm, 32, stop, True, 1e9)
+                record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + sfx,
+                       {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
+                dec.close()
+    FastLM.fused_norm = False
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),
@@ -172,10 +182,11 @@ def main(argv=None) -> int:
             except Exception as e:  # a baseline that does not run here is reported, not fatal
                 results["methods"][name] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{name}: failed ({e})", flush=True)
-    base = results["methods"]["eyas_plain"]["tokens_per_s"]
+    plain_of = {n: r["tokens_per_s"] for n, r in results["methods"].items() if n.startswith("eyas_plain")}
     hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
     for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
         r = results["methods"][name]
+        base = plain_of.get("eyas_plain" + ("_norm1" if name.endswith("_norm1") else ""))  # the same target forward
         r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
         r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None
     atomic_write_json(a.out, results)

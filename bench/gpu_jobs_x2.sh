@@ -6,8 +6,10 @@
 #   JOBS="bench/gpu_jobs_x2.sh qwen" bash bench/gpu_queue.sh S   (once Qwen2.5-Coder-0.5B is staged)
 #   JOBS="bench/gpu_jobs_x2.sh bench" and JOBS="bench/gpu_jobs_x2.sh variants" (fifth session): with the 16,194
 #     regenerated conversations of the fourth session carried as .carry/big_regen.tgz
-#   JOBS="bench/gpu_jobs_x2.sh multiturn" bash bench/gpu_queue.sh S   (next): the first MT_TURNS (default 2) user
-#     turns of every conversation, regenerated on both GPUs under torchrun, then the default pipeline on them
+#   JOBS="bench/gpu_jobs_x2.sh multiturn" bash bench/gpu_queue.sh S   (sixth session): the first MT_TURNS (default
+#     2) user turns of every conversation, regenerated on both GPUs under torchrun, then the default pipeline on
+#     them on GPU 0, with decoding (the target's norms fused and not); beside it
+#     QGPU=1 TAIL_BENCH=1 JOBS="bench/gpu_jobs_x2.sh qwen" ...: the Qwen pipeline on GPU 1, then the benchmarks
 # smol: alone on the machine (with ALSO_BENCH=1 the regen and extraction benchmarks first), training throughput on
 #   one GPU and on both under torchrun (the scaling), with the feature cache (computed ahead) and without it;
 #   then the default pipeline and the decoding benchmarks on GPU 1.
@@ -98,9 +100,11 @@ elif [ $mode = multiturn ]; then
   touch $S/gpus_free
   CUDA_VISIBLE_DEVICES=0 job mt_pipeline python3 -m eyas run --out $m $mt
   keep $m mt
-  if [ -d $m/draft ]; then
+  if [ -d $m/draft ]; then  # the target's norms unfused and fused (FastLM.fused_norm), side by side
     CUDA_VISIBLE_DEVICES=0 job mt_decode_sharegpt python3 bench/bench_decode.py --draft $m/draft --prompts sharegpt \
-      --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 --skip-hf --out $S/mt_decode_sharegpt.json
+      --limit 80 --k 3,7 --max-new-tokens 256 --budget 40 --skip-hf --norm 0,1 --out $S/mt_decode_sharegpt.json
+    CUDA_VISIBLE_DEVICES=0 job mt_decode_humaneval python3 bench/bench_decode.py --draft $m/draft --prompts humaneval \
+      --limit 40 --k 3,7 --max-new-tokens 256 --budget 30 --skip-hf --out $S/mt_decode_humaneval.json
   fi
 elif [ $mode = big ]; then
   while [ ! -f $S/gpus_free ]; do sleep 5; done
@@ -112,20 +116,33 @@ elif [ $mode = big ]; then
       --limit 80 --k 3,7 --max-new-tokens 256 --budget 60 --skip-hf --out $S/big_decode_sharegpt.json
   fi
 elif [ $mode = qwen ]; then
+  # QGPU (default 0): the GPU it runs on; QWEN_EXTRACT=1 adds the extraction benchmark; TAIL_BENCH=1 then runs,
+  # on the same GPU, the GPU tests, regen with overlap=1 / norm=1 against the default, and the extraction steps
+  g=${QGPU:-0}
   while [ ! -f $S/gpus_free ]; do sleep 5; done
+  while [ ! -f ~/eyas-stage/qwen2.5-coder-0.5b-instruct.gguf ]; do sleep 5; done  # its pieces may still arrive
   q=/tmp/qrun
-  CUDA_VISIBLE_DEVICES=0 job qwen_pipeline python3 -m eyas run --preset qwen-coder-0.5b --out $q \
+  CUDA_VISIBLE_DEVICES=$g job qwen_pipeline python3 -m eyas run --preset qwen-coder-0.5b --out $q \
     --set regen.limit=${QWEN_LIMIT:-10000} --set regen.turns=1 --set train.epochs=${QWEN_EPOCHS:-8}
   keep $q qwen
-  CUDA_VISIBLE_DEVICES=0 job qwen_extract python3 bench/bench_extract.py --target qwen-coder-0.5b --sequences 2000 \
-    --out $S/qwen_extract.json
+  [ -n "${QWEN_EXTRACT:-}" ] && CUDA_VISIBLE_DEVICES=$g job qwen_extract python3 bench/bench_extract.py \
+    --target qwen-coder-0.5b --sequences 2000 --out $S/qwen_extract.json
   if [ -d $q/draft ]; then
-    CUDA_VISIBLE_DEVICES=0 job qwen_decode_humaneval python3 bench/bench_decode.py --target qwen-coder-0.5b \
-      --draft $q/draft --prompts humaneval --limit 40 --k 3,7 --round both --max-new-tokens 256 --budget 40 --hf-budget 15 \
+    CUDA_VISIBLE_DEVICES=$g job qwen_decode_humaneval python3 bench/bench_decode.py --target qwen-coder-0.5b \
+      --draft $q/draft --prompts humaneval --limit 40 --k 3,7 --max-new-tokens 256 --budget 30 --hf-budget 15 \
       --out $S/qwen_decode_humaneval.json
-    CUDA_VISIBLE_DEVICES=0 job qwen_decode_sharegpt python3 bench/bench_decode.py --target qwen-coder-0.5b \
-      --draft $q/draft --prompts sharegpt --limit 40 --k 3,7 --round both --max-new-tokens 256 --budget 40 --skip-hf \
+    CUDA_VISIBLE_DEVICES=$g job qwen_decode_sharegpt python3 bench/bench_decode.py --target qwen-coder-0.5b \
+      --draft $q/draft --prompts sharegpt --limit 40 --k 3,7 --max-new-tokens 256 --budget 30 --skip-hf \
       --out $S/qwen_decode_sharegpt.json
+  fi
+  if [ -n "${TAIL_BENCH:-}" ]; then
+    CUDA_VISIBLE_DEVICES=$g job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py \
+      tests/test_ttt.py tests/test_regen.py
+    CUDA_VISIBLE_DEVICES=$g job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \
+      --max-new-tokens 256 --baseline-batches 2 --out $S/regen_bench.json \
+      --engine static,static:overlap=1,static:norm=1,static:norm=1:overlap=1,static
+    CUDA_VISIBLE_DEVICES=$g job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
+      --out $S/smol_extract.json
   fi
 fi
 touch $S/finished_$tag
