@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .config import TargetConfig
-from .util import EyasError, atomic_path, atomic_write_json, installed_file, log, sha256_file
+from .util import EyasError, atomic_path, atomic_write_json, file_lock, installed_file, log, sha256_file
 
 # preset name -> (package(s), file(s) inside them, cache name, env var holding a path to the GGUF)
 PRESET_GGUF = {
@@ -79,13 +79,14 @@ def find_preset_gguf(name: str, cfg: TargetConfig | None = None) -> Path:
         return parts[0]
     if parts and all(parts):
         joined = cache_root(cfg) / "gguf" / info["file"]
-        if not (joined.exists() and joined.stat().st_size == info.get("size", joined.stat().st_size)):
-            log(f"joining {len(parts)} parts of {name} into {joined}")
-            with atomic_path(joined) as tmp, open(tmp, "wb") as out:
-                for p in parts:
-                    with open(p, "rb") as f:
-                        while block := f.read(1 << 24):
-                            out.write(block)
+        with file_lock(joined.with_name(joined.name + ".lock")):  # torchrun ranks: one joins, the others wait
+            if not (joined.exists() and joined.stat().st_size == info.get("size", joined.stat().st_size)):
+                log(f"joining {len(parts)} parts of {name} into {joined}")
+                with atomic_path(joined) as tmp, open(tmp, "wb") as out:
+                    for p in parts:
+                        with open(p, "rb") as f:
+                            while block := f.read(1 << 24):
+                                out.write(block)
         return joined
     raise EyasError(f"target '{name}': its GGUF is not installed. Install it with `{info['pip']}`, "
                     f"or point {info['env']} (or --gguf-file) at the file")
@@ -227,8 +228,6 @@ def gguf_to_hf(gguf: Path, cfg: TargetConfig | None = None) -> tuple[Path, str]:
     """Dequantize a GGUF file once into a cached HF folder (safetensors + tokenizer); return it
     and the GGUF's sha256. Later loads read the cache in seconds."""
     _quiet_transformers()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = gguf.resolve()
     st = gguf.stat()
     index_path = cache_root(cfg) / "hf" / "index.json"
@@ -236,32 +235,49 @@ def gguf_to_hf(gguf: Path, cfg: TargetConfig | None = None) -> tuple[Path, str]:
     key = f"{gguf}:{st.st_size}:{int(st.st_mtime)}"
     digest = index.get(key) or sha256_file(gguf)
     out = cache_root(cfg) / "hf" / digest[:16]
-    if not (out / "done.json").exists():
-        if importlib.util.find_spec("gguf") is None:
-            raise EyasError("reading a GGUF target needs the 'gguf' package: pip install gguf")
-        log(f"dequantizing {gguf.name} once into {out} (later loads use this cache)")
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        conf = model.config
-        if hasattr(conf, "quantization_config"):
-            del conf.quantization_config
-        with torch.device("meta"):
-            clean = AutoModelForCausalLM.from_config(conf)
-        clean.load_state_dict(model.state_dict(), assign=True)
-        clean.tie_weights()
-        clean.generation_config = model.generation_config
-        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-        clean.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        atomic_write_json(tmp / "done.json", {"gguf": str(gguf), "sha256": digest})
-        if out.exists():
-            import shutil
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+    # one process builds the cache while the others (torchrun ranks) wait, then find it done
+    with file_lock(out.with_name(out.name + ".lock")):
+        if not (out / "done.json").exists():
+            _dequantize_into(gguf, out, digest)
     if index.get(key) != digest:
         index[key] = digest
         atomic_write_json(index_path, index)
     return out, digest
+
+
+def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise EyasError("reading a GGUF target needs the 'gguf' package: pip install gguf")
+    log(f"dequantizing {gguf.name} once into {out} (later loads use this cache)")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    conf = model.config
+    if hasattr(conf, "quantization_config"):
+        del conf.quantization_config
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(conf)
+    clean.load_state_dict(model.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.generation_config = model.generation_config
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    clean.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    atomic_write_json(tmp / "done.json", {"gguf": str(gguf), "sha256": digest})
+    _replace_dir(tmp, out)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished folder `tmp` at `out`; an unfinished `out` (no done.json: a run killed before
+    this rename existed) is moved aside first, so `out` is never half there."""
+    if out.exists():
+        import shutil
+
+        stale = out.with_name(out.name + f".{os.getpid()}.stale")
+        os.replace(out, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(tmp, out)
 
 
 def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
@@ -270,17 +286,18 @@ def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
 
     smol_dir, _ = gguf_to_hf(find_preset_gguf("smollm2", None if cfg.gguf_file else cfg), cfg)
     out = cache_root(cfg) / "hf" / "tiny-llama-v1"
-    if not (out / "done.json").exists():
-        tok = AutoTokenizer.from_pretrained(str(smol_dir))
-        conf = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=2, pad_token_id=2,
-                           **TINY_CONFIG)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(conf)
-        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        atomic_write_json(tmp / "done.json", {"tiny": TINY_CONFIG})
-        os.replace(tmp, out)
+    with file_lock(out.with_name(out.name + ".lock")):
+        if not (out / "done.json").exists():
+            tok = AutoTokenizer.from_pretrained(str(smol_dir))
+            conf = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=2, pad_token_id=2,
+                               **TINY_CONFIG)
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(conf)
+            tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            atomic_write_json(tmp / "done.json", {"tiny": TINY_CONFIG})
+            _replace_dir(tmp, out)
     return out, "tiny-llama-v1"
 
 

@@ -61,6 +61,26 @@ def atomic_path(path: str | os.PathLike):
             os.unlink(tmp)
 
 
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """Hold an exclusive lock on `path` (created if missing) for the block: processes that build the same
+    cached thing (torchrun ranks loading one target) take turns, so the first builds it and the others
+    find it done. Advisory (fcntl); where fcntl is missing the block runs unlocked."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def installed_file(package: str, rel: str) -> Path | None:
     """A file shipped inside an installed package (model and data packages), or None."""
     import importlib.util

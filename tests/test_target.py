@@ -77,3 +77,21 @@ def test_target_command_prints_facts(smol):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["layers"] == 30 and info["default_aux_layers"] == [2, 15, 27] and info["device"] == "cpu"
+
+
+def test_two_processes_dequantize_the_gguf_once(tmp_path):
+    """torchrun ranks load the target at the same moment: one builds the safetensors cache, the other waits
+    for it (before the lock, the second deleted the first's finished folder while it was being read)."""
+    code = ("import sys; from eyas.target import find_preset_gguf, gguf_to_hf; "
+            "out, _ = gguf_to_hf(find_preset_gguf('smollm2')); "
+            "from transformers import AutoConfig; print(AutoConfig.from_pretrained(str(out)).model_type)")
+    env = {**__import__("os").environ, "EYAS_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip() == "llama"
+    assert sum(err.count("dequantizing") for _, err in outs) == 1
+    built = [d.name for d in (tmp_path / "hf").iterdir() if d.is_dir()]
+    assert len(built) == 1 and (tmp_path / "hf" / built[0] / "done.json").exists(), built
