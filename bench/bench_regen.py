@@ -95,8 +95,8 @@ VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_pr
 def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     """One engine, optionally with StaticEngine settings changed for this run: `static:groups=0:check=16`
     (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold, `fuse=0`
-    runs q/k/v and gate/up as separate products, `overlap=1` queues the next steps before each check, `norm=1`
-    runs RMSNorm through torch's fused kernel)."""
+    runs q/k/v and gate/up as separate products, `overlap=0` waits for each check before queueing the next steps,
+    `norm=0` runs the model's own RMSNorm modules instead of torch's fused kernel)."""
     from eyas.data.regen import StaticEngine, run_regen
     from eyas.fastlm import FastLM
 

@@ -126,8 +126,9 @@ class FastLM:
     `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
     fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
     # RMSNorm through torch's fused kernel (normalize in fp32, round, times the weight: HF's rounding steps) in
-    # ~4 kernels instead of ~8; off until timed on a GPU (bench variant norm=1)
-    fused_norm = False
+    # ~4 kernels instead of ~8. On an H200 (BENCHMARKS.md, sixth session) plain SmolLM2 decoding went from 362
+    # to 429 tok/s and regeneration from 25.0k to 25.8k; False runs the model's own norm modules
+    fused_norm = True
 
     def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
         ok, why = supported(model)

@@ -96,10 +96,11 @@ def test_matches_hf_smollm2(smol):
     run_checks(smol.model, smol.aux_layers, smol.vocab_size)
 
 
-def test_fused_norm_matches_hf(smol, monkeypatch):
-    """RMSNorm through torch's fused kernel keeps HF's rounding steps: the same checks hold (SmolLM2's norm
-    weights are trained, not ones)."""
-    monkeypatch.setattr(FastLM, "fused_norm", True)
+def test_unfused_norm_matches_hf(smol, monkeypatch):
+    """The default runs RMSNorm through torch's fused kernel (HF's rounding steps kept; SmolLM2's norm weights
+    are trained, not ones); the model's own norm modules, the other path, pass the same checks."""
+    assert FastLM.fused_norm
+    monkeypatch.setattr(FastLM, "fused_norm", False)
     run_checks(smol.model, smol.aux_layers, smol.vocab_size)
 
 

@@ -446,14 +446,15 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     assert all(len(runs[0][r]) <= len(tokens[r]) for r in tokens)
 
 
-def test_static_engine_overlapped_checks(tiny, monkeypatch):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_static_engine_overlapped_checks(tiny, monkeypatch, overlap):
     """With the next steps queued before the finished rows are read (from a host copy of the row state taken
-    after the previous steps), every answer still equals the generate engine's, with rows refilled, and a
-    refilled row is never read from a copy taken before its prefill."""
+    after the previous steps; the default), every answer still equals the generate engine's, with rows
+    refilled, and a refilled row is never read from a copy taken before its prefill; and so without overlap."""
     from eyas.config import RegenConfig
     from eyas.data.regen import GenerateEngine, StaticEngine
 
-    monkeypatch.setattr(StaticEngine, "overlap", True)
+    monkeypatch.setattr(StaticEngine, "overlap", overlap)
     monkeypatch.setattr(StaticEngine, "check_every", 3)  # answers of 2-9 tokens end between checks
     prompts = [f"question number {i} " * (1 + i % 3) for i in range(9)]
     for max_new in (2, 9):

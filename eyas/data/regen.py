@@ -312,10 +312,11 @@ class StaticEngine(_Embedded):
     check_every: int | None = None
     long_prompt = 256
     row_groups = False
-    # overlap (off by default, not yet timed on a GPU): queue the next decode steps before reading which rows
-    # finished, from a copy of the row state taken after the previous steps, so the GPU need not wait for
-    # the host at each check (the fifth session's profile: 9.9 s of wall time for 7.5 s of GPU work)
-    overlap = False
+    # overlap: queue the next decode steps before reading which rows finished, from a copy of the row state
+    # taken after the previous steps, so the GPU need not wait for the host at each check (the fifth session's
+    # profile: 9.9 s of wall time for 7.5 s of GPU work). On an H200 (sixth session) 25.3k vs 25.0k tok/s
+    # alone and 27.3k vs 25.8k with the fused norm
+    overlap = True
 
     def __init__(self, target, rc, reasoning, ctx_limit):
         super().__init__(target, rc, reasoning, ctx_limit)
