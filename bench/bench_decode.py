@@ -114,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--norm", default="1",
                     help="target RMSNorm through torch's fused kernel (FastLM.fused_norm, the default): 1, 0 (the "
                          "model's own norm modules), or 0,1 to time both (the norm=0 methods get a _norm0 suffix)")
+    ap.add_argument("--draft-fuse", default="1",
+                    help="the drafter's q/k/v and gate/up as one product each and rope from a table (Decoder."
+                         "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -167,11 +170,14 @@ def main(argv=None) -> int:
         plain.close()
         for k in ks:
             for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
-                dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
-                run_engine(dec, warm, 32, stop, True, 1e9)
-                record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + sfx,
-                       {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
-                dec.close()
+                for dfuse in [int(x) for x in a.draft_fuse.split(",")]:
+                    Decoder.fuse_drafter = bool(dfuse)
+                    dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
+                    run_engine(dec, warm, 32, stop, True, 1e9)
+                    record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
+                           {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
+                    dec.close()
+                Decoder.fuse_drafter = True
     FastLM.fused_norm = default_norm
     if not a.skip_hf:
         m = target.model

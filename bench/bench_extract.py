@@ -87,6 +87,11 @@ def main():
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--batch-tokens", type=int, default=32768)
     ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--writer-variants", default="",
+                    help="more bf16/fp8 extractions with the shard writers changed, comma-separated: e.g. "
+                         "bf16:hash=0,bf16:write=0,bf16:hash=0:write=0,bf16:threads=8 (see extract_once)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also run one bf16 extraction under the torch profiler and print its top ops")
     ap.add_argument("--workdir", default="", help="where shards are written (default: a temp folder, removed)")
     ap.add_argument("--out", default="results.json")
     args = ap.parse_args()
@@ -122,27 +127,28 @@ def main():
     work = Path(args.workdir or tempfile.mkdtemp(prefix="eyas-bench-"))
     try:
         for dtype in ("bf16", "fp8"):
-            run = work / dtype
-            shutil.rmtree(run, ignore_errors=True)
-            d = tokens_dir(run)
-            tokens.save(d / "train.safetensors")
-            atomic_write_json(d / "meta.json", {"train_ids": tokens.ids, "val_ids": []})
-            cfg = preset(args.target if args.target in PRESETS else "smollm2")
-            cfg.out = str(run)
-            cfg.features.dtype = dtype
-            cfg.features.batch_tokens = args.batch_tokens
-            sync(dev)
-            t0 = time.perf_counter()
-            info = extract_split(cfg, target, "train")
-            sync(dev)
-            dt = time.perf_counter() - t0
-            man = json.loads((Path(info["dir"]) / "manifest.json").read_text())
+            dt, info, man = extract_once(args, target, tokens, work / dtype, dtype)
             res[f"extract_{dtype}_tok_s"] = tokens.n_tokens / dt
             res[f"extract_{dtype}_s"] = round(dt, 2)
             res[f"bytes_per_token_{dtype}"] = round(man["bytes_per_token_measured"], 1)
             res[f"shards_{dtype}"] = man["shards"]
             res[f"timing_{dtype}"] = info.get("timing")
-            shutil.rmtree(run, ignore_errors=True)
+        res["writer_variants"] = {}
+        for v in [v for v in args.writer_variants.split(",") if v]:
+            dtype, *opts = v.split(":")
+            dt, info, _ = extract_once(args, target, tokens, work / "variant", dtype, dict(o.split("=") for o in opts))
+            res["writer_variants"][v] = {"tok_s": round(tokens.n_tokens / dt, 1), "seconds": round(dt, 2),
+                                         "vs_forward": round(tokens.n_tokens / dt / res["forward_tok_s"], 3),
+                                         "timing": info.get("timing")}
+            print(f"extract {v}: {tokens.n_tokens / dt:,.0f} tok/s ({dt:.2f} s) {info.get('timing')}", flush=True)
+        if args.profile:  # one more bf16 extraction under the torch profiler: where the host's time goes
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                extract_once(args, target, tokens, work / "profiled", "bf16")
+            for key in ("self_cpu_time_total", "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
         res["disk"] = disk_write(work, res["tokens"] * res["bytes_per_token_bf16"])
     finally:
         if not args.workdir:
@@ -178,6 +184,66 @@ def main():
     print(f"draft vocab {size:,} of {target.vocab_size:,}: coverage {100 * res['vocab']['coverage']:.2f}% "
           f"of {res['vocab']['loss_tokens']:,} trained-on tokens")
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+
+
+def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: dict | None = None):
+    """One timed extract_split into a fresh `run` folder (removed after); opts change the shard writers for
+    this run only: threads=N writer threads, hash=0 no sha256, write=0 nothing written to the files (empty
+    shards: the rest of the work, including the wait for the GPU's copies, is the same)."""
+    import eyas.features as F
+
+    opts = opts or {}
+    shutil.rmtree(run, ignore_errors=True)
+    d = tokens_dir(run)
+    tokens.save(d / "train.safetensors")
+    atomic_write_json(d / "meta.json", {"train_ids": tokens.ids, "val_ids": []})
+    cfg = preset(args.target if args.target in PRESETS else "smollm2")
+    cfg.out = str(run)
+    cfg.features.dtype = dtype
+    cfg.features.batch_tokens = args.batch_tokens
+    saved = F.writer_threads, F.write_safetensors
+    if "threads" in opts:
+        F.writer_threads = lambda: int(opts["threads"])
+    if opts.get("hash", "1") == "0" or opts.get("write", "1") == "0":
+        F.write_safetensors = lambda path, tensors, meta, times=None: writer_variant(
+            path, tensors, meta, times, opts.get("hash", "1") != "0", opts.get("write", "1") != "0")
+    dev = target.device
+    try:
+        sync(dev)
+        t0 = time.perf_counter()
+        info = extract_split(cfg, target, "train")
+        sync(dev)
+        dt = time.perf_counter() - t0
+    finally:
+        F.writer_threads, F.write_safetensors = saved
+    man = json.loads((Path(info["dir"]) / "manifest.json").read_text())
+    shutil.rmtree(run, ignore_errors=True)
+    return dt, info, man
+
+
+def writer_variant(path, tensors, meta, times, do_hash: bool, do_write: bool):
+    """features.write_safetensors' loop with the hashing and/or the file writes left out (same chunks)."""
+    import hashlib
+
+    from eyas.util import atomic_path
+
+    h, size, t_write, t_hash = hashlib.sha256(), 8, 0.0, 0.0
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for t in tensors.values():
+            chunk = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            t0 = time.perf_counter()
+            if do_write:
+                f.write(chunk)
+            t1 = time.perf_counter()
+            if do_hash:
+                h.update(chunk)
+            t_hash += time.perf_counter() - t1
+            t_write += t1 - t0
+            size += len(chunk)
+    if times is not None:
+        times["write_s"] = times.get("write_s", 0.0) + t_write
+        times["hash_s"] = times.get("hash_s", 0.0) + t_hash
+    return size, h.hexdigest()
 
 
 def loop_steps(target, batches, tokens: TokenSet, dev) -> dict:

@@ -22,14 +22,6 @@
 # back as $S/<chain>_regen.tgz, so a later session can carry it instead of regenerating.
 mode=$1; S=$2; tag=$3
 source bench/gpu_lib.sh
-keep() {  # keep RUN PREFIX: the run's results into $S
-  cp $1/manifest.json $S/$2_manifest.json 2>/dev/null; cp $1/eval/report.json $S/$2_report.json 2>/dev/null
-  cp $1/report.md $S/$2_report.md 2>/dev/null; cp $1/train/summary.json $S/$2_train_summary.json 2>/dev/null
-  cp $1/vocab/coverage.json $S/$2_coverage.json 2>/dev/null
-  grep -v '"step": [0-9]*[1-9], "epoch"' $1/train/metrics.jsonl > $S/$2_train_metrics_sparse.jsonl 2>/dev/null
-  du -sb $1/* > $S/$2_run_bytes.txt 2>/dev/null
-  [ -z "${NO_REGEN_TGZ:-}" ] && [ -d $1/data/regen ] && tar czf $S/$2_regen.tgz -C $1/data regen
-}
 if [ $mode = smol ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"

@@ -286,6 +286,7 @@ class Decoder:
     target: eyas Target (any transformers causal LM); drafter: Eagle3Drafter or None (plain only).
     The drafter is moved to the target's device and dtype. temperature 0 = greedy verification.
     max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
+    fuse_drafter = True  # Eagle3Drafter.fuse (bench/bench_decode.py --draft-fuse 0 turns it off to compare)
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -324,6 +325,10 @@ class Decoder:
 
             check_fits(drafter.config, target, "given to the decoder")
             self.drafter = drafter.to(device=self.device, dtype=self.dtype).eval()
+            if self.fuse_drafter:  # fused projections and a rope table: fewer kernels per drafter step
+                self.drafter.fuse(max_len)
+            else:
+                self.drafter.unfuse()
             self.dcache = DraftCache(self.drafter, max_len, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -352,7 +357,7 @@ class Decoder:
         """Drafter over ids [1, T] at positions pos [T], attending to cache slots < upto."""
         self.dcache.pos = pos
         self.dcache.upto = upto
-        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend)
+        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend, rope_table=True)
 
     def _upto(self, end: int) -> int:
         """Cache slots a call whose positions end before `end` attends to (fastlm.attended_slots)."""

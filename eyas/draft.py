@@ -77,10 +77,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dt = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        # normalize in fp32, round to x's dtype, then the weight (Llama's steps), through torch's fused kernel:
+        # fewer kernels per decoding step than the spelled-out formula
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -116,10 +115,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attend: Attend):
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        nh, nkv = c.num_attention_heads, c.num_key_value_heads
+        qkv = _fused(self, ("q_proj", "k_proj", "v_proj"))
+        if qkv is not None:  # one product, and rope on q and k at once (Eagle3Drafter.fuse)
+            y = F.linear(x, qkv).view(B, T, nh + 2 * nkv, c.head_dim).transpose(1, 2)
+            qk = apply_rope(y[:, :nh + nkv], cos, sin)
+            q, k, v = qk[:, :nh], qk[:, nh:], y[:, nh + nkv:]
+        else:
+            q = self.q_proj(x).view(B, T, nh, c.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attend(q, k, v)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
@@ -132,7 +138,27 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x):
+        gu = _fused(self, ("gate_proj", "up_proj"))
+        if gu is not None:
+            gate, up = F.linear(x, gu).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fused(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
+    """The fused weight Eagle3Drafter.fuse gave these projections, while each projection's weight is still
+    a view of it (a later .to() or load_state_dict makes new tensors: then None, and the projections run
+    apart)."""
+    W = module.__dict__.get("_fused_" + "_".join(names))
+    if W is None:
+        return None
+    off = 0
+    for n in names:
+        w = getattr(module, n).weight
+        if w.dtype != W.dtype or w.device != W.device or w.data_ptr() != W[off].data_ptr():
+            return None
+        off += w.shape[0]
+    return W
 
 
 class MidLayer(nn.Module):
@@ -193,19 +219,47 @@ class Eagle3Drafter(nn.Module):
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
 
+    def fuse(self, max_len: int) -> None:
+        """For decoding, after the drafter has its device and dtype: q/k/v and gate/up each as one product
+        (the modules' weights become views of the fused ones: no memory added), and cos/sin for positions
+        0..max_len-1 as a table that forward(rope_table=True) indexes, instead of computing them per step."""
+        from .fastlm import fuse_linears
+
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+            fused = fuse_linears([getattr(mod, n) for n in names])
+            if fused is not None and fused[1] is None:
+                mod.__dict__["_fused_" + "_".join(names)] = fused[0]
+        pos = torch.arange(max_len, device=self.lm_head.weight.device)[None]
+        cos, sin = self.rope(pos, self.lm_head.weight.dtype)  # [1, 1, max_len, hd]
+        self.__dict__["_rope_table"] = (cos[0, 0], sin[0, 0])
+
+    def unfuse(self) -> None:
+        """Undo fuse(): the projections run apart and cos/sin are computed per step (the weights stay views
+        of the fused tensors, which is harmless)."""
+        for mod in (self.midlayer.self_attn, self.midlayer.mlp):
+            for k in [k for k in mod.__dict__ if k.startswith("_fused_")]:
+                del mod.__dict__[k]
+        self.__dict__.pop("_rope_table", None)
+
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attend: Attend = causal_attend) -> tuple[torch.Tensor, torch.Tensor]:
+                attend: Attend = causal_attend, rope_table: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step over a sequence.
 
         input_ids [B,T]: the token at t+1 (the one after the position `hidden` describes);
         hidden [B,T,3·H_t] (target aux states: fc is applied) or [B,T,H] (fed-back drafter state);
+        rope_table: look cos/sin up in the table fuse() built (positions must be below its max_len);
         returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-        cos, sin = self.rope(position_ids, hidden.dtype)
+        table = self.__dict__.get("_rope_table") if rope_table else None
+        if table is not None and table[0].dtype == hidden.dtype and table[0].device == hidden.device:
+            cos, sin = table[0][position_ids][:, None], table[1][position_ids][:, None]
+        else:
+            cos, sin = self.rope(position_ids, hidden.dtype)
         h = self.midlayer(embeds, hidden, cos, sin, attend)
         return h, self.lm_head(self.norm(h))
 

@@ -541,7 +541,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
     my_tokens = sum(lengths[i] for seqs in my for i in seqs)
     todo_tokens = sum(lengths[i] for k in todo for i in my[k])
     # where the time went (seconds): pinning the host buffers, the main thread waiting for a free buffer
-    # (the writers are behind) or queueing a shard, and the wait for the last writes at the end
+    # (the writers are behind) or queueing a shard, its whole loop over the shards, and the wait for the
+    # last writes at the end
     timing = {"buffers_s": 0.0, "wait_buffer_s": 0.0, "drain_s": 0.0}
     if todo:
         pin = target.device.type == "cuda"
@@ -555,6 +556,7 @@ def extract_split(cfg: Config, target, split: str) -> dict:
         bar = progress(total=todo_tokens, desc=f"extract {split}" + (f" rank {rank}" if world > 1 else ""),
                        unit="tok", unit_scale=True, **({} if rank == 0 else {"disable": True}))
         sleep = float(os.environ.get("EYAS_DEBUG_SHARD_SLEEP", "0"))  # tests: make a run slow enough to kill
+        t_loop = time.perf_counter()
         try:
             with torch.inference_mode():
                 for k in todo:
@@ -582,6 +584,7 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                         time.sleep(sleep)
         finally:
             t0 = time.perf_counter()
+            timing["loop_s"] = t0 - t_loop  # queueing every shard (the GPU may still be busy with the last)
             try:
                 writer.close()
             finally:

@@ -196,6 +196,33 @@ def trained(smol, prompt_set, plain_outputs):
     return d.eval()
 
 
+def test_fused_drafter_step_equals_the_plain_one(tiny):
+    """Eagle3Drafter.fuse (q/k/v and gate/up as one product each, rope from a table) gives the same step as
+    the separate modules, keeps the state dict, and stands aside once .to() gives the modules new weights."""
+    from eyas.draft import _fused
+
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512, intermediate_size=96).eval()
+    keys = sorted(d.state_dict())
+    ids = torch.randint(0, tiny.vocab_size, (1, 6))
+    aux = torch.randn(1, 6, 3 * d.config.hidden_size)
+    pos = (torch.arange(6) + 9)[None]
+    with torch.no_grad():
+        ref = d(ids, aux, pos)
+        d.fuse(64)
+        attn, mlp = d.midlayer.self_attn, d.midlayer.mlp
+        assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is not None
+        assert _fused(mlp, ("gate_proj", "up_proj")) is not None
+        got = d(ids, aux, pos, rope_table=True)
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert sorted(d.state_dict()) == keys
+        d.to(torch.float64)
+        assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is None and _fused(mlp, ("gate_proj", "up_proj")) is None
+        again = d(ids, aux.double(), pos, rope_table=True)  # the fp32 table is not used for fp64 states
+        torch.testing.assert_close(again[1].float(), ref[1], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
 @pytest.mark.parametrize("which", ["untrained", "trained"])
 def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which, fused, request):
