@@ -196,10 +196,11 @@ def trained(smol, prompt_set, plain_outputs):
     return d.eval()
 
 
-def test_fused_drafter_step_equals_the_plain_one(tiny):
+def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
     """Eagle3Drafter.fuse (q/k/v and gate/up as one product each, rope from a table) gives the same step as
-    the separate modules, keeps the state dict, and stands aside once .to() gives the modules new weights."""
-    from eyas.draft import _fused
+    the separate modules, keeps the state dict (and a fused drafter still saves and loads), and stands aside
+    once .to() gives the modules new weights."""
+    from eyas.draft import _fused, load_drafter, save_drafter
 
     torch.manual_seed(0)
     d = build_drafter(tiny, 512, intermediate_size=96).eval()
@@ -217,6 +218,9 @@ def test_fused_drafter_step_equals_the_plain_one(tiny):
         for a, b in zip(ref, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert sorted(d.state_dict()) == keys
+        save_drafter(d, tmp_path / "d")
+        back = load_drafter(tmp_path / "d", tiny).eval()
+        torch.testing.assert_close(back(ids, aux, pos)[1], ref[1], rtol=1e-5, atol=1e-5)
         d.to(torch.float64)
         assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is None and _fused(mlp, ("gate_proj", "up_proj")) is None
         again = d(ids, aux.double(), pos, rope_table=True)  # the fp32 table is not used for fp64 states
