@@ -189,7 +189,7 @@ def main():
 def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: dict | None = None):
     """One timed extract_split into a fresh `run` folder (removed after); opts change the shard writers for
     this run only: threads=N writer threads, hash=0 no sha256, write=0 nothing written to the files (empty
-    shards: the rest of the work, including the wait for the GPU's copies, is the same)."""
+    files: the rest of the work, including the wait for the GPU's copies, is the same)."""
     import eyas.features as F
 
     opts = opts or {}
@@ -205,8 +205,8 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     if "threads" in opts:
         F.writer_threads = lambda: int(opts["threads"])
     if opts.get("hash", "1") == "0" or opts.get("write", "1") == "0":
-        F.write_safetensors = lambda path, tensors, meta, times=None: writer_variant(
-            path, tensors, meta, times, opts.get("hash", "1") != "0", opts.get("write", "1") != "0")
+        F.write_safetensors = lambda path, tensors, meta, times=None: saved[1](
+            path, tensors, meta, times, hash_data=opts.get("hash", "1") != "0", write_data=opts.get("write", "1") != "0")
     dev = target.device
     try:
         sync(dev)
@@ -219,31 +219,6 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     man = json.loads((Path(info["dir"]) / "manifest.json").read_text())
     shutil.rmtree(run, ignore_errors=True)
     return dt, info, man
-
-
-def writer_variant(path, tensors, meta, times, do_hash: bool, do_write: bool):
-    """features.write_safetensors' loop with the hashing and/or the file writes left out (same chunks)."""
-    import hashlib
-
-    from eyas.util import atomic_path
-
-    h, size, t_write, t_hash = hashlib.sha256(), 8, 0.0, 0.0
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        for t in tensors.values():
-            chunk = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-            t0 = time.perf_counter()
-            if do_write:
-                f.write(chunk)
-            t1 = time.perf_counter()
-            if do_hash:
-                h.update(chunk)
-            t_hash += time.perf_counter() - t1
-            t_write += t1 - t0
-            size += len(chunk)
-    if times is not None:
-        times["write_s"] = times.get("write_s", 0.0) + t_write
-        times["hash_s"] = times.get("hash_s", 0.0) + t_hash
-    return size, h.hexdigest()
 
 
 def loop_steps(target, batches, tokens: TokenSet, dev) -> dict:

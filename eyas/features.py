@@ -294,11 +294,13 @@ _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                      times: dict | None = None) -> tuple[int, str]:
+                      times: dict | None = None, hash_data: bool = True, write_data: bool = True) -> tuple[int, str]:
     """Write a safetensors file straight from the (pinned) host buffers, hashing as it goes:
     no serialized copy, and file writes and hashing release the GIL, so several writer threads
     run in parallel. Tensors are laid out in the order given; returns (bytes, sha256). `times`, when
-    given, gains the seconds spent writing ("write_s") and hashing ("hash_s")."""
+    given, gains the seconds spent writing ("write_s") and hashing ("hash_s"). hash_data / write_data
+    False leave the hashing / the writes out (bench/bench_extract.py, to see what each costs: the file
+    is then not a valid shard)."""
     header: dict = {}
     off = 0
     for name, t in tensors.items():
@@ -316,9 +318,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             for chunk in [struct.pack("<Q", len(hb)), hb,
                           *(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values())]:
                 t0 = time.perf_counter()
-                f.write(chunk)
+                if write_data:
+                    f.write(chunk)
                 t1 = time.perf_counter()
-                h.update(chunk)
+                if hash_data:
+                    h.update(chunk)
                 t_hash += time.perf_counter() - t1
                 t_write += t1 - t0
                 size += len(chunk)
