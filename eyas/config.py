@@ -130,6 +130,10 @@ class TrainConfig:
     draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
     precision: str = opt("auto", "autocast for the drafter's forward: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32 "
                          "(bf16 on a CPU with AVX512-BF16 trains 1.6x faster; README)", choices=("auto", "bf16", "fp32"))
+    parallel: str = opt("ddp", "with several processes (torchrun): ddp (each process holds the whole drafter and its "
+                        "optimizer state; gradients averaged) or fsdp (FSDP2: the drafter's weights, gradients and "
+                        "optimizer state sharded across the processes, for a drafter too big for DDP; the frozen "
+                        "embedding stays whole on each)", choices=("ddp", "fsdp"))
 
 
 @dataclass

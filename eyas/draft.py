@@ -279,15 +279,17 @@ def build_drafter(target, draft_vocab_size: int, draft_ids: torch.Tensor | None 
     return d
 
 
-def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
-    """eyas' own drafter folder: config.json (DraftConfig + `extra`) and model.safetensors."""
+def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None,
+                 tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """eyas' own drafter folder: config.json (DraftConfig + `extra`) and model.safetensors (the drafter's
+    trainable_state_dict, or `tensors` in its place: the full weights gathered from sharded processes)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    sd = tensors if tensors is not None else drafter.trainable_state_dict()
     with atomic_path(out / "model.safetensors") as tmp:
-        save_file({k: v.cpu() for k, v in drafter.trainable_state_dict().items()}, str(tmp),
-                  metadata={"format": "eyas-eagle3"})
+        save_file({k: v.cpu().contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "eyas-eagle3"})
     atomic_write_json(out / "config.json", {"eyas_format": 1, "architecture": "Eagle3Drafter",
                                             **drafter.config.to_dict(), **(extra or {})})
     return out

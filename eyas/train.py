@@ -292,26 +292,92 @@ def ckpt_dir(run: Path) -> Path:
     return run / "ckpt"
 
 
-def save_checkpoint(run: Path, drafter: Eagle3Drafter, opt: torch.optim.Optimizer, state: dict, keep: int = 1) -> Path:
-    """ckpt/step-N/{model,optim}.safetensors + state.json, renamed into place, then latest.json."""
+class TrainState:
+    """The drafter's weights and optimizer state by parameter name, whole, however the processes hold them:
+    one process or DDP read them directly; under FSDP2 weights() and optimizer() are collectives (every process
+    calls them) that leave the whole tensors on rank 0 (the others get empty ones), and load() puts whole
+    tensors, read by every process, back into the shards."""
+
+    PREFIX = "drafter."  # the FSDP root is the TTTModule: its names carry this prefix
+
+    def __init__(self, drafter: Eagle3Drafter, opt: torch.optim.Optimizer, root: torch.nn.Module | None = None):
+        self.drafter, self.opt, self.root = drafter, opt, root  # root: the fully_shard'ed module, or None
+
+    def names(self) -> set[str]:
+        """The names trainable_state_dict saves (weights and vocabulary buffers; not the frozen embedding)."""
+        return set(self.drafter.state_dict()) - {"embed_tokens.weight"}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """trainable_state_dict's tensors (every process must call it under FSDP)."""
+        if self.root is None:
+            return self.drafter.trainable_state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        keep = self.names()
+        return {k[len(self.PREFIX):]: v for k, v in sd.items() if k[len(self.PREFIX):] in keep}
+
+    def optimizer(self) -> tuple[dict[str, dict], list[dict]]:
+        """({param name: {state key: tensor}}, param groups with names for params)."""
+        if self.root is None:
+            names = {id(p): n for n, p in self.drafter.named_parameters()}
+            osd = self.opt.state_dict()
+            params = [p for g in self.opt.param_groups for p in g["params"]]
+            st = {names[id(params[i])]: dict(v) for i, v in osd["state"].items()}
+            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(params[i])] for i in g["params"]]}
+                      for g in osd["param_groups"]]
+            return st, groups
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(self.root, self.opt,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        n = len(self.PREFIX)
+        if "state" not in osd:  # with cpu_offload the whole state lands on rank 0 only
+            return {}, []
+        st = {k[n:]: dict(v) for k, v in osd["state"].items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [q[n:] for q in g["params"]]}
+                  for g in osd["param_groups"]]
+        return st, groups
+
+    def load(self, weights: dict[str, torch.Tensor], st: dict[str, dict], groups: list[dict]) -> None:
+        if self.root is None:
+            self.drafter.load_state_dict(weights, strict=False)
+            by_name = dict(self.drafter.named_parameters())
+            params = [p for g in self.opt.param_groups for p in g["params"]]
+            index = {id(p): i for i, p in enumerate(params)}
+            osd = {"state": {index[id(by_name[n])]: {k: v.to(by_name[n].device) if k != "step" or v.dim() else v
+                                                     for k, v in kv.items()} for n, kv in st.items()},
+                   "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                    | {"params": [index[id(by_name[n])] for n in g["params"]]} for g in groups]}
+            self.opt.load_state_dict(osd)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        P = self.PREFIX
+        set_state_dict(self.root, self.opt, model_state_dict={P + k: v for k, v in weights.items()},
+                       optim_state_dict={"state": {P + n: kv for n, kv in st.items()},
+                                         "param_groups": [g | {"params": [P + q for q in g["params"]]} for g in groups]},
+                       options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def save_checkpoint(run: Path, ts: TrainState, state: dict, keep: int = 1, main: bool = True) -> Path | None:
+    """ckpt/step-N/{model,optim}.safetensors + state.json, renamed into place, then latest.json. Every
+    process calls it (under FSDP the state is gathered from all of them); `main` writes."""
     from safetensors.torch import save_file
 
+    weights = ts.weights()
+    st, groups = ts.optimizer()
+    if not main:
+        return None
     root = ckpt_dir(run)
     name = f"step-{state['step']:07d}"
     tmp = root / f".{name}.{os.getpid()}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file({k: v.cpu() for k, v in drafter.trainable_state_dict().items()}, str(tmp / "model.safetensors"))
-    names = {id(p): n for n, p in drafter.named_parameters()}
-    osd = opt.state_dict()
-    tensors, groups = {}, []
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for i, p in enumerate(params):
-        for k, v in osd["state"].get(i, {}).items():
-            tensors[f"{names[id(p)]}::{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
-    for g in osd["param_groups"]:
-        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[id(params[i])] for i in g["params"]]})
+    save_file({k: v.cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    tensors = {f"{n}::{k}": torch.as_tensor(v).detach().cpu().contiguous() for n, kv in st.items() for k, v in kv.items()}
+    drafter = ts.drafter
     rng = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["rng.cuda"] = torch.cuda.get_rng_state()
@@ -329,7 +395,7 @@ def save_checkpoint(run: Path, drafter: Eagle3Drafter, opt: torch.optim.Optimize
     return final
 
 
-def load_checkpoint(run: Path, drafter: Eagle3Drafter, opt: torch.optim.Optimizer) -> dict | None:
+def load_checkpoint(run: Path, ts: TrainState) -> dict | None:
     from safetensors.torch import load_file
 
     latest = ckpt_dir(run) / "latest.json"
@@ -343,22 +409,16 @@ def load_checkpoint(run: Path, drafter: Eagle3Drafter, opt: torch.optim.Optimize
         ot = load_file(str(d / "optim.safetensors"))
     except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing problem
         raise EyasError(f"{d}: unreadable checkpoint ({e}); delete {ckpt_dir(run)} to start over") from None
-    missing, unexpected = drafter.load_state_dict(sd, strict=False)
-    if [m for m in missing if m != "embed_tokens.weight"] or unexpected:
+    want = ts.names()
+    missing, unexpected = sorted(want - set(sd)), sorted(set(sd) - want)
+    if missing or unexpected:
         raise EyasError(f"{d}/model.safetensors does not match the drafter (missing {missing}, unexpected {unexpected})")
-    by_name = dict(drafter.named_parameters())
-    params = [p for g in opt.param_groups for p in g["params"]]
-    index = {id(p): i for i, p in enumerate(params)}
     st: dict = {}
     for key, v in ot.items():
-        if key.startswith("rng."):
-            continue
-        n, k = key.split("::")
-        p = by_name[n]
-        st.setdefault(index[id(p)], {})[k] = v.to(p.device) if k != "step" or v.dim() else v
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [index[id(by_name[n])] for n in g["params"]]}
-              for g in state["param_groups"]]
-    opt.load_state_dict({"state": st, "param_groups": groups})
+        if not key.startswith("rng."):
+            n, k = key.split("::")
+            st.setdefault(n, {})[k] = v
+    ts.load(sd, st, state["param_groups"])
     torch.set_rng_state(ot["rng.torch"])
     if "rng.cuda" in ot and torch.cuda.is_available():
         torch.cuda.set_rng_state(ot["rng.cuda"])
@@ -476,18 +536,25 @@ def time_shares(totals: dict[str, float]) -> dict:
 
 
 @torch.no_grad()
-def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int, precision: str = "auto") -> dict:
-    """Per-position accuracy, simulated acceptance length and loss on a split, all ranks together."""
+def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int, precision: str = "auto",
+             sharded: bool = False) -> dict:
+    """Per-position accuracy, simulated acceptance length and loss on a split, all ranks together. sharded:
+    `module` is the FSDP root, whose forward gathers the weights, a collective: every process then runs as
+    many forwards as the busiest one (the extra ones are not counted)."""
     module.eval()
-    bins = data.bins(0)[d.rank::d.world]
+    every = data.bins(0)
+    bins = every[d.rank::d.world]
+    n = -(-len(every) // d.world) if sharded else len(bins)
     loss = torch.zeros(steps, dtype=torch.float64, device=d.device)
     cnt = torch.zeros_like(loss)
     cor = torch.zeros_like(loss)
-    for b in bins:
-        batch = data.batch(b, d.device, multiple)
+    for i in range(n):
+        batch = data.batch(bins[i] if i < len(bins) else every[0], d.device, multiple)
         with autocast(d.device, precision):
             labels = target_labels(batch.final, lm_head, drafter.draft_ids, top=batch.top)
-            st = ttt_unroll(drafter, batch, labels, steps)
+            st = module(batch, labels, steps, 0.0, None) if sharded else ttt_unroll(drafter, batch, labels, steps)
+        if i >= len(bins):
+            continue
         loss += torch.stack(st.loss_sum).double()
         cnt += torch.stack(st.count).double()
         cor += torch.stack(st.correct).double()
@@ -574,15 +641,21 @@ def run_train(cfg: Config, target=None) -> dict:
     drafter.embed_tokens.weight.requires_grad_(False)
     draft_ids = drafter.draft_ids
     lm_head = target.model.get_output_embeddings()
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
-                            **({"fused": True} if d.device.type == "cuda" else {}))
     module = TTTModule(drafter)
     model = module
-    if d.world > 1:
+    sharded = d.world > 1 and tc.parallel == "fsdp"
+    if sharded:  # FSDP2: one group, the frozen embedding left whole on every process
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, ignored_params={drafter.embed_tokens.weight})
+    elif d.world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
+    params = [p for p in drafter.parameters() if p.requires_grad]  # sharded ones under FSDP
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
+                            **({"fused": True} if d.device.type == "cuda" and not sharded else {}))
+    ts = TrainState(drafter, opt, module if sharded else None)
 
     spe = min(len(b) for e in range(tc.epochs) for b in train.slot_bins(tc.seed + e, group))
     n_bins = sum(len(b) for b in train.slot_bins(tc.seed, group))
@@ -595,7 +668,7 @@ def run_train(cfg: Config, target=None) -> dict:
         total = min(total, tc.max_steps)
     fp = fingerprint(cfg, target, draft_ids, d.world)
 
-    state = load_checkpoint(run, drafter, opt)
+    state = load_checkpoint(run, ts)
     step, best = 0, {"val_al": -1.0, "step": -1}
     if state is not None:
         if state.get("fingerprint") != fp:
@@ -619,19 +692,19 @@ def run_train(cfg: Config, target=None) -> dict:
         nonlocal best
         if val is None:
             return
-        r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision)
+        r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
         metrics.add({"step": s, **r})
         log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}")
         if r["val_al"] > best["val_al"]:
             best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "step": s}
+            weights = ts.weights() if sharded else None  # a collective under FSDP
             if d.main:
-                save_drafter(drafter, run / "draft", extra={"trained": {"step": s, **r}})
+                save_drafter(drafter, run / "draft", extra={"trained": {"step": s, **r}}, tensors=weights)
                 atomic_write_json(ckpt_dir(run) / "best.json", best)
 
     def do_save(s: int) -> None:
-        if d.main:
-            save_checkpoint(run, drafter, opt, {"step": s, "epoch": s // spe, "best": best, "fingerprint": fp,
-                                                "total": total})
+        save_checkpoint(run, ts, {"step": s, "epoch": s // spe, "best": best, "fingerprint": fp, "total": total},
+                        main=d.main)
         d.barrier()
 
     if d.device.type == "cuda":
@@ -643,6 +716,7 @@ def run_train(cfg: Config, target=None) -> dict:
     per_epoch: dict[int, list] = {}  # epoch -> [seconds, tokens] of its steady steps
     clock = PhaseClock(d.device)  # where each steady step's time goes
     module.train()
+    step_sleep = float(os.environ.get("EYAS_DEBUG_STEP_SLEEP", "0"))  # tests: make a run slow enough to kill
     while step < total:
         t_step = time.perf_counter()
         epoch, i = divmod(step, spe)
@@ -660,7 +734,10 @@ def run_train(cfg: Config, target=None) -> dict:
             clock.stop("features", t_ph)
             t_ph = clock.start()
             gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
-            sync = contextlib.nullcontext() if (d.world == 1 or a == len(mine) - 1) else model.no_sync()
+            last = a == len(mine) - 1
+            if sharded:  # gradients reduce-scattered after the last micro-batch only
+                model.set_requires_gradient_sync(last)
+            sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
             with sync:
                 with autocast(d.device, tc.precision):
                     labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top)
@@ -675,6 +752,8 @@ def run_train(cfg: Config, target=None) -> dict:
             acc_t[-1] += batch.n_real
         t_ph = clock.start()
         gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        if hasattr(gnorm, "full_tensor"):  # a DTensor under FSDP
+            gnorm = gnorm.full_tensor()
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.stop("optimizer", t_ph)
@@ -708,12 +787,16 @@ def run_train(cfg: Config, target=None) -> dict:
             do_eval(step)
         if saves_due(step) or step == total:
             do_save(step)
+        if step_sleep:
+            time.sleep(step_sleep)
     bar.close()
     t_end = time.perf_counter()
     wall = t_end - t0
     peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else 0
-    if best["step"] < 0 and d.main:  # no validation split: keep the last drafter
-        save_drafter(drafter, run / "draft", extra={"trained": {"step": step}})
+    if best["step"] < 0:  # no validation split: keep the last drafter
+        weights = ts.weights() if sharded else None
+        if d.main:
+            save_drafter(drafter, run / "draft", extra={"trained": {"step": step}}, tensors=weights)
     metrics.close(run / "train" / "curves.png")
     summary = {"steps": step, "total_steps": total, "processes": d.world, "device": str(d.device),
                "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,

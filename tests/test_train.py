@@ -1,5 +1,6 @@
 """`eyas train`: overfitting real SmolLM2 features, exact resume after kill -9, two gloo processes
 equal one, --finetune-from, packing and schedules."""
+import contextlib
 import json
 import math
 import os
@@ -194,17 +195,20 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     assert len(best["val_acc"]) == 3
 
 
-def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path, parallel):
     """2 processes x 1 micro-batch and 1 process x 2 micro-batches see the same global batches, so
-    after 3 AdamW steps the weights agree to float32 rounding (atol 1e-6, while they move ~1e-3)."""
+    after 3 AdamW steps the weights agree to float32 rounding (atol 1e-6, while they move ~1e-3), with the
+    drafter whole in each process (DDP) or sharded across them (FSDP2: the checkpoint and the saved drafter
+    are gathered from the shards)."""
     from safetensors.torch import load_file
 
     args = ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-3", "--warmup-ratio", "0"]
     one = clone_run(tiny_run, tmp_path / "one")
     two = clone_run(tiny_run, tmp_path / "two")
     subprocess.run(cli(one, *args, "--grad-accum", "2"), env=env(), check=True, capture_output=True, timeout=300)
-    r = subprocess.run(cli(two, *args, "--grad-accum", "1", torchrun=2), env=env(), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(cli(two, *args, "--grad-accum", "1", "--parallel", parallel, torchrun=2), env=env(),
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((two / "train" / "summary.json").read_text())["processes"] == 2
     a = load_file(str(one / "ckpt" / "step-0000003" / "model.safetensors"))
@@ -216,6 +220,68 @@ def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path):
     assert moved > 1e-3
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    assert sorted(a) == sorted(b)
+    oa = load_file(str(one / "ckpt" / "step-0000003" / "optim.safetensors"))
+    ob = load_file(str(two / "ckpt" / "step-0000003" / "optim.safetensors"))
+    assert sorted(k for k in oa if not k.startswith("rng.")) == sorted(k for k in ob if not k.startswith("rng."))
+    for k in [k for k in oa if k.endswith("::exp_avg")]:
+        torch.testing.assert_close(oa[k], ob[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    da = load_file(str(one / "draft" / "model.safetensors"))
+    db = load_file(str(two / "draft" / "model.safetensors"))
+    assert sorted(da) == sorted(db)
+    for k in da:
+        torch.testing.assert_close(da[k], db[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"draft {k}: {m}")
+
+
+def _pids_running(text: str) -> list[int]:
+    """Processes whose command line contains `text` (from /proc), zombies left out."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") \
+                        and ") Z " not in (d / "stat").read_text():
+                    out.append(int(d.name))
+    return out
+
+
+def test_fsdp_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
+    """Two gloo processes with the drafter sharded (FSDP2), killed (both, kill -9) after a checkpoint, then run
+    again: the checkpoint gathered from the shards loads back into them and the losses repeat exactly."""
+    args = ["--epochs", "3", "--max-steps", "12", "--save-every", "3", "--eval-every", "6", "--noise-std", "0.05",
+            "--parallel", "fsdp"]
+    full = clone_run(tiny_run, tmp_path / "full")
+    r = subprocess.run(cli(full, *args, torchrun=2), env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = losses(full)
+    assert [s for s, _ in ref] == list(range(1, 13))
+
+    cut = clone_run(tiny_run, tmp_path / "cut")
+    p = subprocess.Popen(cli(cut, *args, torchrun=2), env=dict(env(), EYAS_DEBUG_STEP_SLEEP="0.3"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = cut / "ckpt" / "latest.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if latest.exists() and json.loads(latest.read_text())["step"] >= 3:
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "the run finished before it could be killed"
+    for pid in [p.pid, *_pids_running(str(cut))]:  # torchrun and both of its processes (their own sessions)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 30
+    while _pids_running(str(cut)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _pids_running(str(cut))
+    killed_at = json.loads(latest.read_text())["step"]
+    assert 3 <= killed_at < 12
+    r = subprocess.run(cli(cut, *args, torchrun=2), env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from step {killed_at}" in r.stderr
+    got = losses(cut)
+    assert [s for s, _ in got] == [s for s, _ in ref]
+    assert [x for _, x in got] == pytest.approx([x for _, x in ref], rel=1e-6, abs=1e-7)
 
 
 def test_slot_bins_keep_each_sequence_with_one_slot(tiny_run):
