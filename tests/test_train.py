@@ -166,6 +166,16 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
+def wait_for_checkpoint(p: subprocess.Popen, latest: Path, step: int) -> None:
+    """Until the running training `p` has written a checkpoint of at least `step` (it must still run then)."""
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if latest.exists() and json.loads(latest.read_text())["step"] >= step:
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "the run finished before it could be killed"
+
+
 def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     args = ["--epochs", "3", "--max-steps", "24", "--save-every", "4", "--eval-every", "8", "--noise-std", "0.05"]
     full = clone_run(tiny_run, tmp_path / "full")
@@ -176,12 +186,7 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     cut = clone_run(tiny_run, tmp_path / "cut")
     p = subprocess.Popen(cli(cut, *args), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     latest = cut / "ckpt" / "latest.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None:
-        if latest.exists() and json.loads(latest.read_text())["step"] >= 8:
-            break
-        time.sleep(0.02)
-    assert p.poll() is None, "the run finished before it could be killed"
+    wait_for_checkpoint(p, latest, 8)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     killed_at = json.loads(latest.read_text())["step"]
@@ -260,12 +265,7 @@ def test_fsdp_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     p = subprocess.Popen(cli(cut, *args, torchrun=2), env=dict(env(), EYAS_DEBUG_STEP_SLEEP="0.3"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     latest = cut / "ckpt" / "latest.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None:
-        if latest.exists() and json.loads(latest.read_text())["step"] >= 3:
-            break
-        time.sleep(0.02)
-    assert p.poll() is None, "the run finished before it could be killed"
+    wait_for_checkpoint(p, latest, 3)
     for pid in [p.pid, *_pids_running(str(cut))]:  # torchrun and both of its processes (their own sessions)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
