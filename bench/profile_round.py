@@ -54,7 +54,7 @@ def main():
         drafter = build_drafter(target, 32000, intermediate_size=6144)
     prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": "Write a long story about a lighthouse "
                                                                        "keeper who finds a map in a bottle."}])
-    max_len = len(prompt) + a.tokens + 16
+    max_len = len(prompt) + max(a.tokens, 32) + 16  # the warm-up generates 32; K + 1 more at most
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained"}
 
