@@ -146,19 +146,15 @@ class MLP(nn.Module):
 
 
 def _fused(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
-    """The fused weight Eagle3Drafter.fuse gave these projections, while each projection's weight is still
-    a view of it (a later .to() or load_state_dict makes new tensors: then None, and the projections run
-    apart)."""
-    W = module.__dict__.get("_fused_" + "_".join(names))
-    if W is None:
+    """The fused weight of these projections while Eagle3Drafter.fuse has them on and each projection's
+    weight is still a view of it (a later .to() or load_state_dict makes new tensors: then None, and the
+    projections run apart)."""
+    if not module.__dict__.get("_eyas_fuse_on"):
         return None
-    off = 0
-    for n in names:
-        w = getattr(module, n).weight
-        if w.dtype != W.dtype or w.device != W.device or w.data_ptr() != W[off].data_ptr():
-            return None
-        off += w.shape[0]
-    return W
+    from .fastlm import held_fusion
+
+    held = held_fusion([getattr(module, n) for n in names])
+    return held[0] if held is not None and held[1] is None else None
 
 
 class MidLayer(nn.Module):
@@ -227,9 +223,8 @@ class Eagle3Drafter(nn.Module):
 
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-            fused = fuse_linears([getattr(mod, n) for n in names])
-            if fused is not None and fused[1] is None:
-                mod.__dict__["_fused_" + "_".join(names)] = fused[0]
+            if fuse_linears([getattr(mod, n) for n in names]) is not None:
+                mod.__dict__["_eyas_fuse_on"] = True
         pos = torch.arange(max_len, device=self.lm_head.weight.device)[None]
         cos, sin = self.rope(pos, self.lm_head.weight.dtype)  # [1, 1, max_len, hd]
         self.__dict__["_rope_table"] = (cos[0, 0], sin[0, 0])
@@ -238,8 +233,7 @@ class Eagle3Drafter(nn.Module):
         """Undo fuse(): the projections run apart and cos/sin are computed per step (the weights stay views
         of the fused tensors, which is harmless)."""
         for mod in (self.midlayer.self_attn, self.midlayer.mlp):
-            for k in [k for k in mod.__dict__ if k.startswith("_fused_")]:
-                del mod.__dict__[k]
+            mod.__dict__.pop("_eyas_fuse_on", None)
         self.__dict__.pop("_rope_table", None)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,

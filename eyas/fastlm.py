@@ -80,6 +80,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def held_fusion(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The (weight, bias) fuse_linears gave these layers, while every layer's weight is still a view of it;
+    None if they were never fused or have new weights since (a .to() or load_state_dict)."""
+    held = getattr(mods[0], "_eyas_fused", None)
+    if held is None:
+        return None
+    W, B = held
+    off = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        if m.weight.data.data_ptr() != W[off:off + n].data_ptr() or m.weight.dtype != W.dtype:
+            return None
+        off += n
+    return (W, B) if off == W.shape[0] else None
+
+
 def fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """One weight (and bias) for Linear layers that read the same input, e.g. q/k/v: the rows of each
     layer's weight one after another, with each module's own weight (and bias) turned into a view of its
@@ -95,17 +111,9 @@ def fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     has_b = [m.bias is not None for m in mods]
     if any(has_b) and not all(has_b):
         return None
-    held = getattr(mods[0], "_eyas_fused", None)
-    if held is not None:  # fused before: still the storage of these modules?
-        W, B = held
-        off = 0
-        ok = True
-        for m in mods:
-            n = m.weight.shape[0]
-            ok &= m.weight.data.data_ptr() == W[off:off + n].data_ptr() and m.weight.dtype == W.dtype
-            off += n
-        if ok and off == W.shape[0]:
-            return W, B
+    held = held_fusion(mods)
+    if held is not None:
+        return held
     with torch.no_grad():
         W = torch.cat(ws)
         B = torch.cat([m.bias.data for m in mods]) if all(has_b) else None

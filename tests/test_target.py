@@ -1,5 +1,6 @@
 """Targets: the real SmolLM2 GGUF from PyPI, the safetensors cache, greedy parity with generate."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def test_two_processes_dequantize_the_gguf_once(tmp_path):
     code = ("import sys; from eyas.target import find_preset_gguf, gguf_to_hf; "
             "out, _ = gguf_to_hf(find_preset_gguf('smollm2')); "
             "from transformers import AutoConfig; print(AutoConfig.from_pretrained(str(out)).model_type)")
-    env = {**__import__("os").environ, "EYAS_CACHE": str(tmp_path)}
+    env = {**os.environ, "EYAS_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
