@@ -8,7 +8,10 @@ eager drafter step and one eager verify pass launch.
 Without --draft the drafter is untrained (the default SmolLM2 GPU shape: MLP 6,144, 32,000-token head);
 its acceptance does not matter here, since a fused round always runs K drafter steps, one verify and one
 rebuild. Times: device-synchronised wall time per plain step (new tokens) and per round (Generation
-draft and verify seconds over rounds), after one warm-up generation, over --tokens new tokens.
+draft and verify seconds over rounds), after one warm-up generation, over --tokens new tokens; and each
+part of a round captured alone as a CUDA graph (`parts_ms`: the target's one-token forward, the verify
+pass over K+1 tokens, one drafter step, the drafter's rebuild over K+1 tokens, and their sum as a round
+runs them), with the top kernels of each eager call by device time.
 """
 from __future__ import annotations
 
@@ -28,7 +31,41 @@ def kernels(fn, dev) -> dict:
         fn()
         torch.cuda.synchronize(dev)
     evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return {"kernels": len(evs), "device_ms": round(sum(e.device_time for e in evs) / 1e3, 4)}
+    by_name: dict[str, list] = {}
+    for e in evs:
+        c = by_name.setdefault(e.name[:60], [0, 0.0])
+        c[0] += 1
+        c[1] += e.device_time / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
+    return {"kernels": len(evs), "device_ms": round(sum(e.device_time for e in evs) / 1e3, 4),
+            "top": [[n, c, round(ms, 4)] for n, (c, ms) in top]}
+
+
+REPLAYS = 200
+
+
+def graph_ms(fn, dev, n: int = 0) -> float:
+    """Milliseconds per replay of fn captured alone as a CUDA graph (n replays, device-synchronised):
+    one part of a round timed by itself, with the launch cost a replay has in the round."""
+    import time
+
+    from eyas.fastlm import capture_cuda_graph
+
+    n = n or REPLAYS
+    if dev.type != "cuda":  # eager calls (a dry run of this script on a CPU)
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return round(1e3 * (time.perf_counter() - t0) / n, 4)
+    g, _ = capture_cuda_graph(fn, dev, warmup=2)
+    g.replay()
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        g.replay()
+    torch.cuda.synchronize(dev)
+    return round(1e3 * (time.perf_counter() - t0) / n, 4)
 
 
 def main():
@@ -37,7 +74,11 @@ def main():
     ap.add_argument("--draft", default="", help="a drafter folder (default: an untrained one of the GPU shape)")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per timed generation")
     ap.add_argument("--out", default="round.json")
+    ap.add_argument("--parts", type=int, default=1, help="1: also time each part of a round alone (parts_ms)")
+    ap.add_argument("--replays", type=int, default=200, help="replays per timed part")
     a = ap.parse_args()
+    global REPLAYS
+    REPLAYS = a.replays
 
     from eyas.config import TargetConfig
     from eyas.decode import Decoder
@@ -63,6 +104,15 @@ def main():
     g = plain.generate(prompt, a.tokens, (), speculative=False)
     res["plain_step_ms"] = round(1e3 * g.seconds / len(g.tokens), 4)
     print(f"plain step: {res['plain_step_ms']:.3f} ms", flush=True)
+    L = len(prompt) + 8
+    pos1 = torch.tensor([L], device=dev)
+    ids1 = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        if dev.type == "cuda":
+            res["plain_step_eager"] = kernels(lambda: plain._target_fwd(ids1, pos1, plain._upto(L + 8)), dev)
+        # the target's one-token forward alone as a graph: the plain step without its host work (argmax,
+        # .item(), the next step's inputs)
+        res["parts_ms"] = {"plain_forward": graph_ms(lambda: plain._target_fwd(ids1, pos1, plain._upto(L + 8)), dev)}
     plain.close()
     for k in (3, 7):
         for fuse in (True, False):
@@ -75,9 +125,28 @@ def main():
             res[name + "_tau"] = round(g.acceptance_length, 3)
             print(f"{name}: {res[name + '_ms']:.3f} ms per round (tau {g.acceptance_length:.2f}, "
                   f"{res[name + '_ms'] / res['plain_step_ms']:.2f} plain steps)", flush=True)
-            if dev.type == "cuda" and k == 3:
-                L = len(prompt) + 8
+            if a.parts:  # each part of the round as its own graph: where the round's time goes
                 pos = torch.tensor([L], device=dev)
+                upto = dec._upto(L + k + 1)
+                h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
+                t = torch.zeros(1, 1, dtype=torch.long, device=dev)
+                idsk = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+                posk = pos + torch.arange(k + 1, device=dev)
+                auxk = torch.zeros(1, k + 1, 3 * drafter.config.hidden_size, device=dev, dtype=target.dtype)
+                lg = torch.zeros(1, drafter.config.draft_vocab_size, device=dev, dtype=target.dtype)
+                sfx = "" if fuse else "_unfused_drafter"
+                with torch.no_grad():
+                    parts = res["parts_ms"]
+                    if fuse:
+                        parts[f"verify_k{k}"] = graph_ms(lambda: dec._target_fwd(idsk, posk, upto), dev)
+                    parts[f"draft_step{sfx}"] = graph_ms(lambda: dec._drafter_fwd(t, h, pos, upto), dev)
+                    parts[f"draft_rebuild_k{k}{sfx}"] = graph_ms(lambda: dec._drafter_fwd(idsk, auxk, posk, upto), dev)
+                    parts[f"sum_k{k}{sfx}"] = round(parts[f"verify_k{k}"] + (k - 1) * parts[f"draft_step{sfx}"]
+                                                    + parts[f"draft_rebuild_k{k}{sfx}"], 4)
+                    # the whole round alone (as the decoder runs it, minus the host's read of its result)
+                    parts[f"round_k{k}{sfx}"] = graph_ms(lambda: dec._round_fwd(t[0], h, lg, pos, upto), dev)
+                print(f"parts k={k}{sfx}: {parts}", flush=True)
+            if dev.type == "cuda" and k == 3:
                 h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
                 t = torch.zeros(1, 1, dtype=torch.long, device=dev)
                 upto = dec._upto(L + k + 1)
@@ -90,7 +159,7 @@ def main():
                             lambda: dec._target_fwd(ids, pos + torch.arange(k + 1, device=dev), upto), dev)
             dec.close()
     Decoder.fuse_drafter = True
-    for key in ("draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
+    for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
         if key in res:
             print(f"{key}: {res[key]}", flush=True)
     with open(a.out, "w") as f:
