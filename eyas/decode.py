@@ -26,13 +26,14 @@ turns graphs off for the rest of the run (logged), so a graph can cost speed, ne
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .fastlm import attended_slots
+from .fastlm import attended_slots, one_off_kernels
 from .target import decoder_layers
 from .util import EyasError, PhaseClock, log
 
@@ -459,8 +460,10 @@ class Decoder:
         logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n), one_off=True)
         first = self._pick(logits[:, -1])  # [1]
         if speculative:
-            h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
-                                      self._upto(n))
+            # the drafter's prefill: a shape seen once, so attention without per-shape plans (as the target's)
+            with one_off_kernels() if self.device.type == "cuda" else contextlib.nullcontext():
+                h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
+                                          self._upto(n))
             h_last, logits_last = h[:, -1:], dl[:, -1]
         out = [int(first.item())]
         L = n + 1

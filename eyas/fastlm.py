@@ -59,7 +59,7 @@ def supported(model) -> tuple[bool, str]:
 # SmolLM2 prefill of a new shape took 370 ms with cuDNN and 56 ms with the memory-efficient kernel, and a
 # repeated one 60 against 51 ms. Fixed-shape steps (decode, verify: CUDA graphs) keep the default choice,
 # where cuDNN was the fastest (0.12 ms against 0.19 for one regen decode step's attention over 1,280 slots).
-def _one_off_kernels():
+def one_off_kernels():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -217,7 +217,7 @@ class FastLM:
         groups (set_groups) and rows=None, a tuple of one such bound per group.
         one_off: the shape of this call is unlikely to come again (a prompt prefill): on a GPU, attention
         avoids kernels that build a plan per shape."""
-        with _one_off_kernels() if one_off and self.device.type == "cuda" else contextlib.nullcontext():
+        with one_off_kernels() if one_off and self.device.type == "cuda" else contextlib.nullcontext():
             return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx)
 
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx):

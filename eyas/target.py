@@ -166,10 +166,28 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return base.layers
 
 
+# Captures (extraction, online features) run batches of ever new shapes (length-sorted, cut by a token budget).
+# On a GPU, cuDNN's attention builds a plan for each new shape: an H200 spent 2.7 s of host time in it over the 86
+# batches of a 2.7M-token SmolLM2 extraction (0.97 ms a call, against 0.06 ms once planned), which ran at 314k
+# tok/s where the same extraction repeated in the same process ran at 524k (BENCHMARKS.md, 2026-12-01, eighth
+# session). So captures take the attention kernels that need no plan (fastlm's one-off choice); False keeps
+# torch's default choice (bench/bench_extract.py compares the two).
+CAPTURE_WITHOUT_CUDNN = True
+
+
 def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None, position_ids=None):
     """The aux and final states in one forward pass, via pre-hooks on the aux layers (no need to
     keep every layer's output as `output_hidden_states` does). Aux id N (= the number of layers)
     is the stream after the last layer, before the norm."""
+    if CAPTURE_WITHOUT_CUDNN and input_ids.device.type == "cuda":
+        from .fastlm import one_off_kernels
+
+        with one_off_kernels():
+            return _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids)
+    return _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids)
+
+
+def _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids):
     layers = decoder_layers(model)
     n = len(layers)
     grabbed: dict[int, torch.Tensor] = {}

@@ -252,3 +252,26 @@ def test_one_off_prefill_matches_the_default_kernels():
     for i in range(len(a.k)):
         torch.testing.assert_close(a.k[i], b.k[i], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(a.v[i], b.v[i], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_capture_without_cudnn_matches_the_default_kernels(monkeypatch):
+    """Captures avoid cuDNN's attention on a GPU (eyas.target.CAPTURE_WITHOUT_CUDNN); the states they give
+    equal those of the default kernel choice (fp32: within kernel rounding) and an uncaptured forward's."""
+    import eyas.target as T
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    ids = torch.randint(0, t.vocab_size, (3, 45), device="cuda")
+    aux, final = t.capture(ids)
+    monkeypatch.setattr(T, "CAPTURE_WITHOUT_CUDNN", False)
+    aux0, final0 = t.capture(ids)
+    torch.testing.assert_close(aux, aux0, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, final0, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        hs = t.model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(final, hs[-1], atol=1e-4, rtol=1e-4)  # hs[-1]: the last normed state
+    H = t.hidden_size
+    for j, layer in enumerate(t.aux_layers):
+        torch.testing.assert_close(aux[..., j * H:(j + 1) * H], hs[layer], atol=1e-4, rtol=1e-4)
