@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--draft-intermediate-size", type=int, default=0,
+                   help="drafter MLP width (0: the target's, 1,536 for SmolLM2; `eyas run` on a GPU uses 6,144, and "
+                        "bench/speculators_train.py defaults to that)")
     p.add_argument("--feature-cache-gb", type=float, default=-1.0,
                    help="train.feature_cache_gb: GPU memory for online features kept after their first computation "
                         "(-1 = auto, 0 = recompute every epoch); run more steps than an epoch to see its effect")
@@ -60,7 +63,8 @@ def main(argv=None) -> int:
         "vocab.draft_vocab_size": a.draft_vocab_size, "train.max_seq_len": a.max_seq_len,
         "train.batch_tokens": a.batch_tokens, "train.ttt_steps": a.ttt_steps, "train.max_steps": a.steps,
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
-        "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name})
+        "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
+        "train.draft_intermediate_size": a.draft_intermediate_size})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -78,6 +82,7 @@ def main(argv=None) -> int:
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "processes": res["processes"], "conversations": a.conversations,
+        "draft_intermediate_size": a.draft_intermediate_size or "target's",
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
         "draft_vocab_size": a.draft_vocab_size, "tokens_trained": res["tokens_trained"],
         "tok_s_steady": res["tok_s_steady"], "tok_s_overall": res["tok_s"],
