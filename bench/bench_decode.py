@@ -49,7 +49,7 @@ def load_prompts(name: str, limit: int, tokenizer) -> list[list[int]]:
 
 def run_engine(dec, prompts, max_new, stop, speculative, budget):
     toks = secs = 0.0
-    acc, draft_s, verify_s, done = [], 0.0, 0.0, 0
+    acc, draft_s, verify_s, prefill_s, steps, done = [], 0.0, 0.0, 0.0, 0, 0
     t_end = time.perf_counter() + budget
     for ids in prompts:
         g = dec.generate(ids, max_new, stop, speculative=speculative)
@@ -58,10 +58,16 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget):
         acc += g.accepted
         draft_s += g.draft_seconds
         verify_s += g.verify_seconds
+        prefill_s += g.prefill_seconds
+        steps += g.target_forwards
         done += 1
         if time.perf_counter() > t_end:
             break
-    res = {"prompts": done, "new_tokens": int(toks), "seconds": secs, "tokens_per_s": toks / secs if secs else 0.0}
+    # where the wall time went: the prompts' prefills, and the rest (decode steps or rounds with the host's share)
+    # per target forward
+    res = {"prompts": done, "new_tokens": int(toks), "seconds": secs, "tokens_per_s": toks / secs if secs else 0.0,
+           "prefill_s": prefill_s, "target_forwards": steps,
+           "ms_per_forward_after_prefill": 1e3 * (secs - prefill_s) / steps if steps else None}
     if speculative:
         k = dec.k
         hist = [acc.count(i) for i in range(k + 1)]

@@ -203,6 +203,7 @@ class Generation:
     seconds: float = 0.0                                # wall time including prefill, device-synced
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0                        # the target's (and the drafter's) prompt prefill
     stopped: bool = False                               # ended on a stop token
 
     @property
@@ -457,6 +458,7 @@ class Decoder:
         t_start = time.perf_counter()
         gen = Generation(tokens=[], prompt_tokens=n)
 
+        t0 = clock.start()
         logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n), one_off=True)
         first = self._pick(logits[:, -1])  # [1]
         if speculative:
@@ -465,6 +467,7 @@ class Decoder:
                 h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
                                           self._upto(n))
             h_last, logits_last = h[:, -1:], dl[:, -1]
+        clock.stop("prefill", t0)
         out = [int(first.item())]
         L = n + 1
         last_dev = first.view(1)
@@ -514,6 +517,7 @@ class Decoder:
         gen.seconds = time.perf_counter() - t_start
         tot = clock.totals()
         gen.draft_seconds, gen.verify_seconds = tot.get("draft", 0.0), tot.get("verify", 0.0)
+        gen.prefill_seconds = tot.get("prefill", 0.0)
         gen.tokens = out
         gen.stopped = out[-1] in stop
         return gen

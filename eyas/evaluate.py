@@ -93,7 +93,7 @@ class Tally:
         self.k = k
         self.hist = [0] * (k + 1)
         self.tokens = 0
-        self.spec_s = self.plain_s = self.draft_s = self.verify_s = 0.0
+        self.spec_s = self.plain_s = self.draft_s = self.verify_s = self.prefill_s = self.plain_prefill_s = 0.0
         self.spec_tokens = self.plain_tokens = 0
         self.checked = self.matched = 0
         self.mismatches: list[str] = []
@@ -213,9 +213,11 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 t.spec_tokens += len(g.tokens)
                 t.draft_s += g.draft_seconds
                 t.verify_s += g.verify_seconds
+                t.prefill_s += g.prefill_seconds
                 if baseline:
                     b = dec.generate(ids, max_new_tokens, stop, speculative=False)
                     t.plain_s += b.seconds
+                    t.plain_prefill_s += b.prefill_seconds
                     t.plain_tokens += len(b.tokens)
                     if temperature == 0:
                         t.checked += 1
@@ -243,8 +245,10 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "speedup": (tps / base) if base else None,
         "lossless": (t.matched == t.checked) if (temperature == 0 and t.checked) else None,
         "lossless_checked": t.checked, "lossless_mismatches": t.mismatches,
-        "time_split": {"draft_s": t.draft_s, "verify_s": t.verify_s, "speculative_total_s": t.spec_s,
-                       "other_s": max(0.0, t.spec_s - t.draft_s - t.verify_s), "plain_total_s": t.plain_s},
+        "time_split": {"draft_s": t.draft_s, "verify_s": t.verify_s, "prefill_s": t.prefill_s,
+                       "speculative_total_s": t.spec_s,
+                       "other_s": max(0.0, t.spec_s - t.draft_s - t.verify_s - t.prefill_s), "plain_total_s": t.plain_s,
+                       "plain_prefill_s": t.plain_prefill_s},
         "peak_memory_bytes": _peak_memory(target.device), "device": _device_name(target.device),
         "engine": dec.engine,  # fast: eyas' own static-cache forward; hf: transformers' StaticCache
         "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),  # off also when a check failed
@@ -304,7 +308,7 @@ def report_markdown(r: dict) -> str:
         f"| plain decoding tokens/s (same engine) | {f(r['baseline_tokens_per_s'], '{:.1f}')} |",
         f"| speedup | {f(r['speedup'])}× |",
         f"| lossless (greedy output = plain greedy) | {r['lossless']} ({r['lossless_checked']} checked) |",
-        f"| draft / verify / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['other_s']:.2f} |",
+        f"| draft / verify / prefill / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['prefill_s']:.2f} / {ts['other_s']:.2f} |",
         f"| peak memory | {r['peak_memory_bytes'] / 1e6:.0f} MB |", "",
         "Per-position acceptance (draft i accepted given drafts 1..i-1 were): " +
         ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(r["per_position_acceptance"])), "",

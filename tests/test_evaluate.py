@@ -44,7 +44,10 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert 1.0 <= rep["acceptance_length"] <= 3.0
     assert rep["lossless"] is True and rep["lossless_checked"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
-    assert rep["peak_memory_bytes"] > 0 and set(rep["time_split"]) >= {"draft_s", "verify_s"}
+    assert rep["peak_memory_bytes"] > 0 and set(rep["time_split"]) >= {"draft_s", "verify_s", "prefill_s"}
+    ts = rep["time_split"]  # the phases are parts of each method's wall time
+    assert 0 < ts["prefill_s"] and ts["draft_s"] + ts["verify_s"] + ts["prefill_s"] <= ts["speculative_total_s"]
+    assert 0 < ts["plain_prefill_s"] < ts["plain_total_s"]
     for f in ("report.md", "per_position_acceptance.png", "accepted_length_histogram.png"):
         assert (tmp_path / "run" / "eval" / f).stat().st_size > 100, f
     assert "acceptance length" in (tmp_path / "run" / "eval" / "report.md").read_text()
