@@ -88,12 +88,17 @@ def timed(fn, batches, tokens: TokenSet, dev) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def data_args(ap: argparse.ArgumentParser) -> None:
+    """The target, the sequences and the batch budget (shared with bench/profile_extract_first.py)."""
+    ap.add_argument("--target", default="smollm2", help="an eyas target (smollm2, qwen-coder-0.5b, an HF folder)")
+    ap.add_argument("--sequences", type=int, default=2000, help="ShareGPT conversations to tokenize and extract")
+    ap.add_argument("--max-seq-len", type=int, default=2048, help="tokens per conversation at most")
+    ap.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per forward (features.batch_tokens)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--sequences", type=int, default=2000)
-    ap.add_argument("--max-seq-len", type=int, default=2048)
-    ap.add_argument("--batch-tokens", type=int, default=32768)
+    data_args(ap)
     ap.add_argument("--vocab-size", type=int, default=32000)
     ap.add_argument("--writer-variants", default="",
                     help="more bf16/fp8 extractions with the shard writers changed, comma-separated: e.g. "

@@ -16,17 +16,15 @@ from pathlib import Path
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--sequences", type=int, default=2000)
-    ap.add_argument("--max-seq-len", type=int, default=2048)
-    ap.add_argument("--batch-tokens", type=int, default=32768)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=12, help="host ops listed per run")
-    ap.add_argument("--workdir", default="/tmp/eyas-extract-first")
-    a = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_extract as B
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    B.data_args(ap)
+    ap.add_argument("--runs", type=int, default=3, help="extractions, one after another in this process")
+    ap.add_argument("--rows", type=int, default=12, help="host ops listed per run")
+    ap.add_argument("--workdir", default="/tmp/eyas-extract-first", help="where the shards go (removed after each run)")
+    a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from eyas.config import TargetConfig
