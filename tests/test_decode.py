@@ -334,3 +334,18 @@ def test_sampling_decoding_runs_and_is_seeded(tiny):
     assert outs[0] == outs[1]
     with pytest.raises(Exception, match="fit"):
         Decoder(tiny, d, k=3, max_len=16).generate(ids, 20)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_generation_times_its_phases(tiny, fused):
+    """A generation's prefill, draft and verify seconds are parts of its wall time, for plain and speculative
+    decoding; a fused round is all verify."""
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "Tell me about hawks."}])
+    dec = Decoder(tiny, d, k=3, max_len=128, fused=fused)
+    for speculative in (False, True):
+        g = dec.generate(ids, 12, (), speculative=speculative)
+        assert g.prefill_seconds > 0 and g.verify_seconds > 0
+        assert g.prefill_seconds + g.draft_seconds + g.verify_seconds <= g.seconds
+        assert (g.draft_seconds > 0) == (speculative and not fused)
