@@ -123,7 +123,7 @@ def main():
         return model(input_ids=x, use_cache=False).logits
 
     def forward_no_cudnn(x):
-        with one_off_kernels():
+        with one_off_kernels(dev):
             return forward(x)
 
     def capture(x):

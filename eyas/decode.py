@@ -26,7 +26,6 @@ turns graphs off for the rest of the run (logged), so a graph can cost speed, ne
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -463,7 +462,7 @@ class Decoder:
         first = self._pick(logits[:, -1])  # [1]
         if speculative:
             # the drafter's prefill: a shape seen once, so attention without per-shape plans (as the target's)
-            with one_off_kernels() if self.device.type == "cuda" else contextlib.nullcontext():
+            with one_off_kernels(self.device):
                 h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
                                           self._upto(n))
             h_last, logits_last = h[:, -1:], dl[:, -1]

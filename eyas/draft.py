@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fastlm import fuse_linears, held_fusion, llama_rms_norm
 from .util import EyasError, atomic_path, atomic_write_json
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,9 +78,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in fp32, round to x's dtype, then the weight (Llama's steps), through torch's fused kernel:
-        # fewer kernels per decoding step than the spelled-out formula
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return llama_rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -151,8 +150,6 @@ def _fused(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
     projections run apart)."""
     if not module.__dict__.get("_eyas_fuse_on"):
         return None
-    from .fastlm import held_fusion
-
     held = held_fusion([getattr(module, n) for n in names])
     return held[0] if held is not None and held[1] is None else None
 
@@ -219,8 +216,6 @@ class Eagle3Drafter(nn.Module):
         """For decoding, after the drafter has its device and dtype: q/k/v and gate/up each as one product
         (the modules' weights become views of the fused ones: no memory added), and cos/sin for positions
         0..max_len-1 as a table that forward(rope_table=True) indexes, instead of computing them per step."""
-        from .fastlm import fuse_linears
-
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
             if fuse_linears([getattr(mod, n) for n in names]) is not None:
@@ -257,10 +252,16 @@ class Eagle3Drafter(nn.Module):
         h = self.midlayer(embeds, hidden, cos, sin, attend)
         return h, self.lm_head(self.norm(h))
 
+    FROZEN = "embed_tokens.weight"  # the target's embedding: shared, never trained or saved with the drafter
+
+    def trainable_names(self) -> set[str]:
+        """The names trainable_state_dict saves (weights and vocabulary buffers; not the frozen embedding)."""
+        return set(self.state_dict()) - {self.FROZEN}
+
     def trainable_state_dict(self, include_embeddings: bool = False) -> dict[str, torch.Tensor]:
         sd = self.state_dict()
         if not include_embeddings:
-            sd.pop("embed_tokens.weight", None)
+            sd.pop(self.FROZEN, None)
         return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
@@ -307,7 +308,7 @@ def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
     d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float() if target is not None else None)
     sd = load_file(str(path / "model.safetensors"))
     missing, unexpected = d.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if m != "embed_tokens.weight"]
+    missing = [m for m in missing if m != d.FROZEN]
     if missing or unexpected:
         raise EyasError(f"{path}/model.safetensors: missing tensors {missing}, unexpected {unexpected}")
     return d.to(device) if device is not None else d

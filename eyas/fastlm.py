@@ -59,10 +59,20 @@ def supported(model) -> tuple[bool, str]:
 # SmolLM2 prefill of a new shape took 370 ms with cuDNN and 56 ms with the memory-efficient kernel, and a
 # repeated one 60 against 51 ms. Fixed-shape steps (decode, verify: CUDA graphs) keep the default choice,
 # where cuDNN was the fastest (0.12 ms against 0.19 for one regen decode step's attention over 1,280 slots).
-def one_off_kernels():
+def one_off_kernels(device: torch.device, on: bool = True):
+    """The attention-kernel choice for a call whose shape is seen once, as a context manager: on a GPU (and
+    when `on`), every kernel but cuDNN's; elsewhere, no change."""
+    if not on or device.type != "cuda":
+        return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm steps (normalize in fp32, round to x's dtype, times the weight) through torch's fused
+    kernel: fewer kernels than the spelled-out formula."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 SPAN = 256  # cache slots are attended in multiples of this (few distinct shapes to capture as graphs)
@@ -190,7 +200,7 @@ class FastLM:
         eps = getattr(module, "variance_epsilon", None)
         if not self.fused_norm or eps is None or getattr(module, "weight", None) is None:
             return module(x)
-        return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return llama_rms_norm(x, module.weight, eps)
 
     def _rows(self, rows, b: int) -> torch.Tensor:
         """Row indices [b] (long, on the device) for rows=None (all), a contiguous slice or an index tensor."""
@@ -217,7 +227,7 @@ class FastLM:
         groups (set_groups) and rows=None, a tuple of one such bound per group.
         one_off: the shape of this call is unlikely to come again (a prompt prefill): on a GPU, attention
         avoids kernels that build a plan per shape."""
-        with one_off_kernels() if one_off and self.device.type == "cuda" else contextlib.nullcontext():
+        with one_off_kernels(self.device, on=one_off):
             return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx)
 
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx):

@@ -179,15 +179,6 @@ def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None,
     """The aux and final states in one forward pass, via pre-hooks on the aux layers (no need to
     keep every layer's output as `output_hidden_states` does). Aux id N (= the number of layers)
     is the stream after the last layer, before the norm."""
-    if CAPTURE_WITHOUT_CUDNN and input_ids.device.type == "cuda":
-        from .fastlm import one_off_kernels
-
-        with one_off_kernels():
-            return _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids)
-    return _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids)
-
-
-def _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids):
     layers = decoder_layers(model)
     n = len(layers)
     grabbed: dict[int, torch.Tensor] = {}
@@ -206,9 +197,12 @@ def _capture_hidden(model, aux_layers, input_ids, attention_mask, position_ids):
     if want_prenorm:
         norm = model.get_decoder().norm
         handles.append(norm.register_forward_pre_hook(pre_hook(n), with_kwargs=True))
+    from .fastlm import one_off_kernels
+
     try:
-        out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids, use_cache=False)
+        with one_off_kernels(input_ids.device, on=CAPTURE_WITHOUT_CUDNN):
+            out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()
