@@ -303,10 +303,6 @@ class TrainState:
     def __init__(self, drafter: Eagle3Drafter, opt: torch.optim.Optimizer, root: torch.nn.Module | None = None):
         self.drafter, self.opt, self.root = drafter, opt, root  # root: the fully_shard'ed module, or None
 
-    def names(self) -> set[str]:
-        """The names trainable_state_dict saves (weights and vocabulary buffers; not the frozen embedding)."""
-        return set(self.drafter.state_dict()) - {"embed_tokens.weight"}
-
     def weights(self) -> dict[str, torch.Tensor]:
         """trainable_state_dict's tensors (every process must call it under FSDP)."""
         if self.root is None:
@@ -314,7 +310,7 @@ class TrainState:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        keep = self.names()
+        keep = self.drafter.trainable_names()
         return {k[len(self.PREFIX):]: v for k, v in sd.items() if k[len(self.PREFIX):] in keep}
 
     def optimizer(self) -> tuple[dict[str, dict], list[dict]]:
@@ -409,7 +405,7 @@ def load_checkpoint(run: Path, ts: TrainState) -> dict | None:
         ot = load_file(str(d / "optim.safetensors"))
     except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing problem
         raise EyasError(f"{d}: unreadable checkpoint ({e}); delete {ckpt_dir(run)} to start over") from None
-    want = ts.names()
+    want = ts.drafter.trainable_names()
     missing, unexpected = sorted(want - set(sd)), sorted(set(sd) - want)
     if missing or unexpected:
         raise EyasError(f"{d}/model.safetensors does not match the drafter (missing {missing}, unexpected {unexpected})")
@@ -688,6 +684,13 @@ def run_train(cfg: Config, target=None) -> dict:
         f"{spe} steps/epoch x {tc.epochs} epochs -> {total} steps on {d.world} x {d.device.type}; "
         f"drafter {n_params / 1e6:.1f}M trainable parameters, draft vocab {draft_ids.numel()}")
 
+    def save_draft(trained: dict) -> None:
+        """The drafter into run/draft: every process calls it (gathering the weights is a collective under
+        FSDP), rank 0 writes."""
+        weights = ts.weights() if sharded else None
+        if d.main:
+            save_drafter(drafter, run / "draft", extra={"trained": trained}, tensors=weights)
+
     def do_eval(s: int) -> None:
         nonlocal best
         if val is None:
@@ -697,9 +700,8 @@ def run_train(cfg: Config, target=None) -> dict:
         log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}")
         if r["val_al"] > best["val_al"]:
             best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "step": s}
-            weights = ts.weights() if sharded else None  # a collective under FSDP
+            save_draft({"step": s, **r})
             if d.main:
-                save_drafter(drafter, run / "draft", extra={"trained": {"step": s, **r}}, tensors=weights)
                 atomic_write_json(ckpt_dir(run) / "best.json", best)
 
     def do_save(s: int) -> None:
@@ -794,9 +796,7 @@ def run_train(cfg: Config, target=None) -> dict:
     wall = t_end - t0
     peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else 0
     if best["step"] < 0:  # no validation split: keep the last drafter
-        weights = ts.weights() if sharded else None
-        if d.main:
-            save_drafter(drafter, run / "draft", extra={"trained": {"step": step}}, tensors=weights)
+        save_draft({"step": step})
     metrics.close(run / "train" / "curves.png")
     summary = {"steps": step, "total_steps": total, "processes": d.world, "device": str(d.device),
                "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,
