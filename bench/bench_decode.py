@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    default_norm = FastLM.fused_norm
+    default_norm, default_dfuse = FastLM.fused_norm, Decoder.fuse_drafter
     for norm in [int(n) for n in a.norm.split(",")]:
         FastLM.fused_norm = bool(norm)
         sfx = "" if norm else "_norm0"
@@ -183,8 +183,7 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
                     dec.close()
-                Decoder.fuse_drafter = True
-    FastLM.fused_norm = default_norm
+    FastLM.fused_norm, Decoder.fuse_drafter = default_norm, default_dfuse
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

@@ -8,10 +8,7 @@
 # and with eyas' settings (trained lm_head, AdamW); then the default pipeline and decoding with its drafter.
 S=$1; tag=$2
 source bench/gpu_lib.sh
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
-  nproc
-} > $S/gpu.txt 2>&1
+machine_info
 job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py tests/test_regen.py
 job smol_extract python3 bench/bench_extract.py --target smollm2 --sequences 2000 --writer-variants bf16:cudnn=1,bf16 \
   --out $S/smol_extract.json

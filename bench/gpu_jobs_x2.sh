@@ -23,9 +23,7 @@
 mode=$1; S=$2; tag=$3
 source bench/gpu_lib.sh
 if [ $mode = smol ]; then
-  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
-  } > $S/gpu.txt 2>&1
+  machine_info
   bt="--conversations 1500 --steps 120 --batch-tokens 8192"
   # alone on the machine, one after another (host-bound work slows down next to other jobs)
   if [ -n "${ALSO_BENCH:-}" ]; then  # measured in the fourth session; ALSO_BENCH=1 runs them again
@@ -54,9 +52,7 @@ if [ $mode = smol ]; then
 elif [ $mode = bench ]; then
   # alone on the machine, one after another: GPU tests, regeneration (row groups, host-check interval and
   # fused projections side by side), extraction (with its time split), training on 1 and 2 GPUs
-  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
-  } > $S/gpu.txt 2>&1
+  machine_info
   job gputests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py tests/test_ttt.py tests/test_regen.py
   # (the fifth session ran --baseline-batches 2 --engine static,static:groups=0,static:check=16,static:groups=0:fuse=0)
   CUDA_VISIBLE_DEVICES=0 job regen_bench python3 bench/bench_regen.py --prompts 1024 --batch-size 256 \

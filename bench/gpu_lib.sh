@@ -17,3 +17,9 @@ keep() {  # keep RUN PREFIX: the run's results into $S
   du -sb $1/* > $S/$2_run_bytes.txt 2>/dev/null
   [ -z "${NO_REGEN_TGZ:-}" ] && [ -d $1/data/regen ] && tar czf $S/$2_regen.tgz -C $1/data regen
 }
+machine_info() {  # the GPUs, torch and transformers versions and the core count, into $S/gpu.txt
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
+    nproc
+  } > $S/gpu.txt 2>&1
+}

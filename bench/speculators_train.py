@@ -103,6 +103,7 @@ def write_features(target, tokens, out: Path, start: int, batch_tokens: int) -> 
     import torch
     from safetensors.torch import save_file
 
+    from eyas.features import _pad_batch, plan_batches
     from eyas.target import capture_hidden
     from eyas.util import to_device
 
@@ -110,13 +111,10 @@ def write_features(target, tokens, out: Path, start: int, batch_tokens: int) -> 
     layers, n, H = list(target.aux_layers) + [target.num_layers], 0, target.hidden_size
     lengths = tokens.lengths().tolist()
     order = sorted(range(len(tokens)), key=lambda i: -lengths[i])  # longest first, batches of similar lengths
-    while order:
-        T = lengths[order[0]]
-        take, order = order[:max(1, batch_tokens // T)], order[max(1, batch_tokens // T):]
-        batch = torch.zeros(len(take), T, dtype=torch.long)
-        for r, i in enumerate(take):
-            ids = tokens[i][0]
-            batch[r, :len(ids)] = ids
+    for a, b in plan_batches([lengths[i] for i in order], batch_tokens):  # eyas extraction's batches
+        take = order[a:b]
+        batch, _ = _pad_batch(tokens, take, pin=False)
+        T = batch.shape[1]
         with torch.no_grad():
             hs, _ = capture_hidden(target.model, layers, to_device(batch, target.device))
         hs = hs.view(len(take), T, len(layers), H).to(torch.bfloat16).cpu()
