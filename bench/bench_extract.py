@@ -23,6 +23,7 @@ the loss-masked tokens of the same sequences. Token counts are real (unpadded) t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import tempfile
@@ -214,7 +215,10 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     """One timed extract_split into a fresh `run` folder (removed after); opts change the shard writers for
     this run only: threads=N writer threads, hash=0 no sha256, write=0 nothing written to the files (empty
     files: the rest of the work, including the wait for the GPU's copies, is the same); and cudnn=1 lets
-    the captures use cuDNN's attention (after the baselines, whose plain forwards planned these shapes)."""
+    the captures use cuDNN's attention (after the baselines, whose plain forwards planned these shapes);
+    fresh=1 empties torch's cache of pinned host memory first, so this run pins its shard buffers anew as a
+    process's first extraction does (later runs otherwise reuse the first one's), and bg=0 pins them all on
+    the main thread before the loop, as eyas did before the background pinning (features._ShardBuffers)."""
     import eyas.features as F
 
     opts = opts or {}
@@ -228,7 +232,20 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     cfg.features.batch_tokens = args.batch_tokens
     import eyas.target as T
 
-    saved = F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN
+    saved = F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers
+    if opts.get("bg", "1") == "0":
+        class MainThreadBuffers(saved[3]):
+            def __init__(self, n_tokens, hidden, dtype, pin, count=3):
+                super().__init__(n_tokens, hidden, dtype, pin, count=1)
+                for _ in range(count - 1):
+                    self.put(self._new())
+        F._ShardBuffers = MainThreadBuffers
+    if opts.get("fresh", "0") == "1" and target.device.type == "cuda":  # nothing is pinned elsewhere
+        empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is None:
+            raise SystemExit("fresh=1: this torch has no way to empty its pinned-memory cache")
+        gc.collect()
+        empty()
     if opts.get("cudnn", "0") == "1":  # torch's default attention choice in the captures (cuDNN on an H200)
         T.CAPTURE_WITHOUT_CUDNN = False
     if "threads" in opts:
@@ -244,7 +261,7 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
         sync(dev)
         dt = time.perf_counter() - t0
     finally:
-        F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN = saved
+        F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers = saved
     man = json.loads((Path(info["dir"]) / "manifest.json").read_text())
     shutil.rmtree(run, ignore_errors=True)
     return dt, info, man

@@ -274,19 +274,59 @@ def _broadcast(obj):
 
 class _ShardBuffers:
     """Host buffers the GPU copies into (pinned on CUDA) and the writer threads save from; one
-    more than there are writer threads, so the target computes the next shard while others are written."""
+    more than there are writer threads, so the target computes the next shard while others are written.
+
+    The first buffer is made at once, the others on a background thread. Pinning is slow (0.59 s for
+    five SmolLM2 buffers of 266 MB on an H200 host, 10% of a 2.7M-token extraction's first run,
+    BENCHMARKS.md), and the first shard needs only one buffer, so the rest can be pinned while the target
+    computes. `get` hands out a free buffer, waiting for one if none is; `put` returns it."""
 
     def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 3):
         self.free: queue.Queue = queue.Queue()
+        self._spec = (n_tokens, hidden, dtype, pin)
+        self.error: BaseException | None = None
+        self.background_s = 0.0  # seconds the background thread spent making (pinning) buffers
+        self.free.put(self._new())
+        self._filler = None
+        if count > 1:
+            self._filler = threading.Thread(target=self._fill, args=(count - 1,), daemon=True)
+            self._filler.start()
+
+    def _new(self) -> dict:
+        n_tokens, hidden, dtype, pin = self._spec
         sd = STORE_DTYPES[dtype]
-        for _ in range(count):
-            b = {"aux": torch.empty(n_tokens, 3 * hidden, dtype=sd, pin_memory=pin),
-                 "final": torch.empty(n_tokens, hidden, dtype=sd, pin_memory=pin),
-                 "top": torch.empty(n_tokens, dtype=torch.int32, pin_memory=pin)}
-            if dtype == "fp8":
-                b["aux_scale"] = torch.empty(n_tokens, 3, dtype=torch.float32, pin_memory=pin)
-                b["final_scale"] = torch.empty(n_tokens, 1, dtype=torch.float32, pin_memory=pin)
-            self.free.put(b)
+        b = {"aux": torch.empty(n_tokens, 3 * hidden, dtype=sd, pin_memory=pin),
+             "final": torch.empty(n_tokens, hidden, dtype=sd, pin_memory=pin),
+             "top": torch.empty(n_tokens, dtype=torch.int32, pin_memory=pin)}
+        if dtype == "fp8":
+            b["aux_scale"] = torch.empty(n_tokens, 3, dtype=torch.float32, pin_memory=pin)
+            b["final_scale"] = torch.empty(n_tokens, 1, dtype=torch.float32, pin_memory=pin)
+        return b
+
+    def _fill(self, n: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            for _ in range(n):
+                self.free.put(self._new())
+        except BaseException as e:  # raised by get() on the main thread when it runs out of buffers
+            self.error = e
+        finally:
+            self.background_s = time.perf_counter() - t0
+
+    def get(self) -> dict:
+        while True:
+            try:
+                return self.free.get(timeout=0.2)
+            except queue.Empty:
+                if self.error is not None:
+                    raise self.error
+
+    def put(self, b: dict) -> None:
+        self.free.put(b)
+
+    def join(self) -> None:
+        if self._filler is not None:
+            self._filler.join()
 
 
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
@@ -544,9 +584,10 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                                       "shards": sorted(done.values(), key=lambda e: e["shard"])})
     my_tokens = sum(lengths[i] for seqs in my for i in seqs)
     todo_tokens = sum(lengths[i] for k in todo for i in my[k])
-    # where the time went (seconds): pinning the host buffers, the main thread waiting for a free buffer
-    # (the writers are behind) or queueing a shard, its whole loop over the shards, and the wait for the
-    # last writes at the end
+    # where the time went (seconds): making (pinning) the first host buffer on the main thread and the others on
+    # a background thread ("buffers_background_s", overlapping the loop), the main thread waiting for a free
+    # buffer (still being pinned, or the writers are behind) or queueing a shard, its whole loop over the shards,
+    # and the wait for the last writes at the end
     timing = {"buffers_s": 0.0, "wait_buffer_s": 0.0, "drain_s": 0.0}
     if todo:
         pin = target.device.type == "cuda"
@@ -566,7 +607,7 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                 for k in todo:
                     seqs = my[k]
                     t0 = time.perf_counter()
-                    buf = bufs.free.get()
+                    buf = bufs.get()
                     timing["wait_buffer_s"] += time.perf_counter() - t0
                     n = _extract_shard(target, tokens, seqs, cfg.features.batch_tokens, dtype, buf, bar.update)
                     tok = _token_tensors(tokens, seqs)
@@ -582,7 +623,7 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                     t0 = time.perf_counter()
                     writer.submit(d / _shard_name(rank, k), tensors,
                                   _shard_meta(plan_key, rank, k), event,
-                                  lambda b=buf: bufs.free.put(b), _entry(rank, k, seqs, lengths))
+                                  lambda b=buf: bufs.put(b), _entry(rank, k, seqs, lengths))
                     timing["wait_buffer_s"] += time.perf_counter() - t0
                     if sleep:
                         time.sleep(sleep)
@@ -594,6 +635,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
             finally:
                 timing["drain_s"] = time.perf_counter() - t0
                 timing.update(writer.times)
+                bufs.join()
+                timing["buffers_background_s"] = bufs.background_s
                 bar.close()
     dist_barrier()
     if rank == 0:

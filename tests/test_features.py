@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -135,6 +136,39 @@ def test_fp8_round_trip_bound():
     rel = (x - y).norm(dim=1) / x.norm(dim=1)
     assert rel.max() < 0.05
     assert bytes_per_token(576, "fp8") < 0.51 * bytes_per_token(576, "bf16")  # about half
+
+
+def test_shard_buffers_made_in_the_background_are_distinct_and_recycled():
+    from eyas.features import _ShardBuffers
+
+    bufs = _ShardBuffers(8, 4, "bf16", pin=False, count=3)
+    got = [bufs.get() for _ in range(3)]
+    assert len({b["aux"].data_ptr() for b in got}) == 3  # three buffers, none handed out twice
+    assert got[0]["aux"].shape == (8, 12) and got[0]["final"].shape == (8, 4) and got[0]["top"].shape == (8,)
+    threading.Timer(0.3, bufs.put, args=(got[1],)).start()  # a writer returning its buffer later
+    assert bufs.get() is got[1]  # waits for it: no fourth buffer is made
+    bufs.join()
+    assert bufs.background_s > 0
+
+
+def test_shard_buffers_raise_a_failed_background_allocation(monkeypatch):
+    from eyas.features import _ShardBuffers
+
+    made = []
+    real = _ShardBuffers._new
+
+    def new(self):
+        made.append(1)
+        if len(made) > 1:
+            raise RuntimeError("cannot pin 266 MB")
+        return real(self)
+
+    monkeypatch.setattr(_ShardBuffers, "_new", new)
+    bufs = _ShardBuffers(8, 4, "fp8", pin=False, count=3)
+    first = bufs.get()
+    assert set(first) == {"aux", "final", "top", "aux_scale", "final_scale"}
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        bufs.get()  # no buffer left and none coming: the main thread hears why instead of waiting forever
 
 
 def test_plans_cover_every_sequence_once():
