@@ -16,8 +16,9 @@ beside bench/bench_train.py (eyas' trainer). Offline: no network, no vLLM.
 
 What runs is speculators' own `speculators train` (speculators.train.cli.main, given a TrainConfig
 parsed from an argv: its defaults wherever this script sets nothing): build_draft_model ->
-Eagle3DraftModel (its TTT unroll, flex-attention masks, torch.compile'd forward, fused Triton KL
-loss; lm_head frozen, from the verifier), its optimizers (Muon + AdamW), linear schedule,
+Eagle3DraftModel (its TTT unroll, flex-attention masks, torch.compile'd forward, KL loss in its
+"eager" implementation, since the default fused Triton one fails under torch 2.11 (--fused-loss keeps
+it); lm_head frozen, from the verifier), its optimizers (Muon + AdamW), linear schedule,
 Trainer.run_training and data loader (MultipackDistributedBatchSamplerV2 packing one row of
 --batch-tokens, CollateFn, shift_batch, 12 spawn workers). Three names in speculators.train.cli are
 wrapped: create_train_val_loaders builds the same loaders over a dataset of eyas' tokenized ShareGPT
@@ -184,6 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--train-lm-head", action="store_true",
                    help="train the drafter's lm_head as eyas does (speculators keeps it frozen)")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="keep speculators' default fused Triton loss on a GPU (it failed under torch 2.11; without "
+                        "this flag the run passes --loss-implementation eager)")
     p.add_argument("--workdir", default="", help="run directory (default: a temporary one)")
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     a, extra = p.parse_known_args(argv)
@@ -242,6 +246,12 @@ def main(argv=None) -> int:
                  "--t2d-path", str(spec / "t2d.npy"), "--target-layer-ids", *map(str, aux)]
     if device.type != "cuda":  # its fused loss is Triton and flex attention has no backward: GPU only
         argv_spec += ["--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0"]
+    elif not any(x.startswith("--loss-implementation") for x in extra) and not a.fused_loss:
+        # its default, the fused Triton loss, fails under the GPU image's torch 2.11: dynamo, compiling the
+        # forward with the loss inside, stops in the loss's backward kernel ("ListVariable(length=21) is already
+        # tracked for mutation", ninth session, BENCHMARKS.md). "eager" is the option speculators offers for
+        # compatibility (the same KL divergence in torch ops, compiled with the rest of the forward)
+        argv_spec += ["--loss-implementation", "eager"]
     base = TrainConfig.resolve(argv_spec + extra).flatten()
     if a.draft_intermediate_size:  # the way to size the drafter in speculators: --draft-config
         lc = cli.create_transformer_layer_config(verifier, base["num_layers"], base["draft_arch"],
