@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--feature-cache-gb", type=float, default=-1.0,
                    help="train.feature_cache_gb: GPU memory for online features kept after their first computation "
                         "(-1 = auto, 0 = recompute every epoch); run more steps than an epoch to see its effect")
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
+                   help="under torchrun: train.parallel, the drafter replicated (ddp) or sharded (fsdp, FSDP2)")
     p.add_argument("--workdir", default="", help="run directory (default: a temporary one)")
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     p.add_argument("--random-target", default="", metavar="DIR",
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
         "train.batch_tokens": a.batch_tokens, "train.ttt_steps": a.ttt_steps, "train.max_steps": a.steps,
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
         "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
-        "train.draft_intermediate_size": a.draft_intermediate_size})
+        "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
     out = {
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "processes": res["processes"], "conversations": a.conversations,
+        "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel,
+        "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
         "draft_vocab_size": a.draft_vocab_size, "tokens_trained": res["tokens_trained"],

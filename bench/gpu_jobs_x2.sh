@@ -10,6 +10,8 @@
 #     2) user turns of every conversation, regenerated on both GPUs under torchrun, then the default pipeline on
 #     them on GPU 0, with decoding (the target's norms fused and not); beside it
 #     QGPU=1 TAIL_BENCH=1 JOBS="bench/gpu_jobs_x2.sh qwen" ...: the Qwen pipeline on GPU 1, then the benchmarks
+#   JOBS="bench/gpu_jobs_x2.sh dist" bash bench/gpu_queue.sh S   (once SmolLM2 is staged): training on 1 GPU, 2 with
+#     DDP and 2 with FSDP2; extraction on 1 GPU, 2 data-parallel and 2 tensor-parallel (each job's log has its tok/s)
 # smol: alone on the machine (with ALSO_BENCH=1 the regen and extraction benchmarks first), training throughput on
 #   one GPU and on both under torchrun (the scaling), with the feature cache (computed ahead) and without it;
 #   then the default pipeline and the decoding benchmarks on GPU 1.
@@ -65,6 +67,23 @@ elif [ $mode = bench ]; then
   mkdir -p /tmp/bt2 && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/bt2/
   job train_2gpu torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 --out $S/train_2gpu.json
   touch $S/gpus_free
+elif [ $mode = dist ]; then
+  # alone on the machine, one after another: the drafter trained on one GPU, on two with DDP and on two with FSDP2
+  # (issue 5 names both), then extraction on one GPU, on two data-parallel and on two tensor-parallel (issue 4),
+  # each into the folder of a training run above (its tokens: same data settings, so nothing is tokenized again)
+  machine_info
+  bt="--conversations 1500 --steps 120 --batch-tokens 16384 --draft-intermediate-size 6144"
+  CUDA_VISIBLE_DEVICES=0 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
+  for w in bt2 bt3; do mkdir -p /tmp/$w && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/$w/; done
+  job train_2gpu_ddp torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 \
+    --out $S/train_2gpu_ddp.json
+  job train_2gpu_fsdp torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --parallel fsdp \
+    --workdir /tmp/bt3 --out $S/train_2gpu_fsdp.json
+  ex="--source $EYAS_STAGE_DIR/sharegpt.json.gz --limit 1500 --max-seq-len 2048"
+  CUDA_VISIBLE_DEVICES=0 job extract_1gpu python3 -m eyas extract --out /tmp/bt1 $ex
+  job extract_dp2 torchrun --standalone --nproc_per_node 2 -m eyas extract --out /tmp/bt2 $ex
+  job extract_tp2 torchrun --standalone --nproc_per_node 2 -m eyas extract --tensor-parallel --out /tmp/bt3 $ex
+  for w in bt1 bt2 bt3; do cp /tmp/$w/features/train/manifest.json $S/extract_manifest_$w.json 2>/dev/null; done
 elif [ $mode = variants ]; then
   # two drafters on the same 16,194 regenerated conversations, one per GPU, against the fourth session's
   # default-settings run (val step-0 0.687, tau 2.85): a 4x wider MLP, and 32K-token batches at lr 2e-3
