@@ -22,23 +22,42 @@ import torch
 
 
 def kernels(fn, dev) -> dict:
-    """CUDA kernels (and copies) one eager call of fn launches, and their summed device time (ms)."""
+    """CUDA kernels (and copies) one eager call of fn launches, and their summed device time (ms); the top
+    kernels by device time; and by_op: for each aten op, its calls and the device time of the kernels it
+    launched itself (so a verify's extra kernels can be traced to the ops that add them, see op_diff)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         fn()
         torch.cuda.synchronize(dev)
     evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list] = {}
     for e in evs:
-        c = by_name.setdefault(e.name[:60], [0, 0.0])
+        c = by_name.setdefault(e.name[:120], [0, 0.0])
         c[0] += 1
         c[1] += e.device_time / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    by_op = {}
+    for e in p.key_averages():
+        dt = getattr(e, "self_device_time_total", None)
+        dt = getattr(e, "self_cuda_time_total", 0) if dt is None else dt
+        if e.key.startswith("aten::") and dt > 0:
+            by_op[e.key] = [e.count, round(dt / 1e3, 4)]
     return {"kernels": len(evs), "device_ms": round(sum(e.device_time for e in evs) / 1e3, 4),
-            "top": [[n, c, round(ms, 4)] for n, (c, ms) in top]}
+            "top": [[n, c, round(ms, 4)] for n, (c, ms) in top], "by_op": by_op}
+
+
+def op_diff(one: dict, many: dict) -> list:
+    """[op, calls at one token, calls at K+1, device ms at one, device ms at K+1] for the aten ops whose calls
+    or own kernels' device time differ between two `kernels(...)["by_op"]`, the largest added time first."""
+    rows = []
+    for k in set(one) | set(many):
+        (c1, t1), (c2, t2) = one.get(k, [0, 0.0]), many.get(k, [0, 0.0])
+        if c1 != c2 or abs(t2 - t1) > 0.002:
+            rows.append([k, c1, c2, round(t1, 4), round(t2, 4)])
+    return sorted(rows, key=lambda r: r[3] - r[4])
 
 
 REPLAYS = 200
@@ -159,9 +178,14 @@ def main():
                             lambda: dec._target_fwd(ids, pos + torch.arange(k + 1, device=dev), upto), dev)
             dec.close()
     Decoder.fuse_drafter = True
+    if "plain_step_eager" in res and "verify_k3_eager" in res:
+        res["verify_k3_vs_step_ops"] = op_diff(res["plain_step_eager"]["by_op"], res["verify_k3_eager"]["by_op"])
+        print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")
+        for row in res["verify_k3_vs_step_ops"]:
+            print(f"  {row}", flush=True)
     for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
         if key in res:
-            print(f"{key}: {res[key]}", flush=True)
+            print(f"{key}: { {k: v for k, v in res[key].items() if k != 'by_op'} }", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
