@@ -235,8 +235,8 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     saved = F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers
     if opts.get("bg", "1") == "0":
         class MainThreadBuffers(saved[3]):
-            def __init__(self, n_tokens, hidden, dtype, pin, count=3):
-                super().__init__(n_tokens, hidden, dtype, pin, count=1)
+            def __init__(self, n_tokens, hidden, dtype, pin, count=3, device=None):
+                super().__init__(n_tokens, hidden, dtype, pin, count=1, device=device)
                 for _ in range(count - 1):
                     self.put(self._new())
         F._ShardBuffers = MainThreadBuffers

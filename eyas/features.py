@@ -281,9 +281,11 @@ class _ShardBuffers:
     BENCHMARKS.md), and the first shard needs only one buffer, so the rest can be pinned while the target
     computes. `get` hands out a free buffer, waiting for one if none is; `put` returns it."""
 
-    def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 3):
+    def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 3,
+                 device: torch.device | None = None):
         self.free: queue.Queue = queue.Queue()
         self._spec = (n_tokens, hidden, dtype, pin)
+        self._device = device  # the process's GPU, made current on the background thread (a new thread starts on GPU 0)
         self.error: BaseException | None = None
         self.background_s = 0.0  # seconds the background thread spent making (pinning) buffers
         self.free.put(self._new())
@@ -306,6 +308,8 @@ class _ShardBuffers:
     def _fill(self, n: int) -> None:
         t0 = time.perf_counter()
         try:
+            if self._spec[3] and self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
             for _ in range(n):
                 self.free.put(self._new())
         except BaseException as e:  # raised by get() on the main thread when it runs out of buffers
@@ -593,7 +597,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
         pin = target.device.type == "cuda"
         threads = writer_threads()
         t0 = time.perf_counter()
-        bufs = _ShardBuffers(max(sum(lengths[i] for i in my[k]) for k in todo), H, dtype, pin, count=threads + 1)
+        bufs = _ShardBuffers(max(sum(lengths[i] for i in my[k]) for k in todo), H, dtype, pin, count=threads + 1,
+                             device=target.device)
         timing["buffers_s"] = time.perf_counter() - t0
         writer = _Writer(record, threads)
         timing["writer_threads"] = threads
