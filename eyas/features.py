@@ -277,7 +277,7 @@ class _ShardBuffers:
     more than there are writer threads, so the target computes the next shard while others are written.
 
     The first buffer is made at once, the others on a background thread. Pinning is slow (0.59 s for
-    five SmolLM2 buffers of 266 MB on an H200 host, 10% of a 2.7M-token extraction's first run,
+    five SmolLM2 buffers of up to 256 MiB on an H200 host, 10% of a 2.7M-token extraction's first run,
     BENCHMARKS.md), and the first shard needs only one buffer, so the rest can be pinned while the target
     computes. `get` hands out a free buffer, waiting for one if none is; `put` returns it."""
 
@@ -285,7 +285,8 @@ class _ShardBuffers:
                  device: torch.device | None = None):
         self.free: queue.Queue = queue.Queue()
         self._spec = (n_tokens, hidden, dtype, pin)
-        self._device = device  # the process's GPU, made current on the background thread (a new thread starts on GPU 0)
+        # the process's GPU, made current on the background thread (a new thread starts on GPU 0); None off the GPU
+        self._device = device if pin and device is not None and device.type == "cuda" else None
         self.error: BaseException | None = None
         self.background_s = 0.0  # seconds the background thread spent making (pinning) buffers
         self.free.put(self._new())
@@ -308,7 +309,7 @@ class _ShardBuffers:
     def _fill(self, n: int) -> None:
         t0 = time.perf_counter()
         try:
-            if self._spec[3] and self._device is not None and self._device.type == "cuda":
+            if self._device is not None:
                 torch.cuda.set_device(self._device)
             for _ in range(n):
                 self.free.put(self._new())
