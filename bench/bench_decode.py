@@ -47,8 +47,12 @@ def load_prompts(name: str, limit: int, tokenizer) -> list[list[int]]:
     return out
 
 
-def run_engine(dec, prompts, max_new, stop, speculative, budget):
+def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None):
+    """Decode the prompts in order until the time box ends. reference: plain decoding's tokens per prompt
+    (from this function's "outputs"); a speculative method then reports how many of its prompts gave the
+    same tokens (lossless greedy decoding gives all of them)."""
     toks = secs = 0.0
+    outputs = []
     acc, draft_s, verify_s, prefill_s, steps, done = [], 0.0, 0.0, 0.0, 0, 0
     t_end = time.perf_counter() + budget
     for ids in prompts:
@@ -60,6 +64,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget):
         verify_s += g.verify_seconds
         prefill_s += g.prefill_seconds
         steps += g.target_forwards
+        outputs.append(list(g.tokens))
         done += 1
         if time.perf_counter() > t_end:
             break
@@ -74,6 +79,10 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget):
         res.update(acceptance_length=(sum(acc) + len(acc)) / max(1, len(acc)), accepted_length_histogram=hist,
                    per_position_acceptance=[sum(hist[i:]) / max(1, sum(hist[i - 1:])) for i in range(1, k + 1)],
                    draft_s=draft_s, verify_s=verify_s)
+    if reference is not None:
+        both = min(len(outputs), len(reference))
+        res["same_as_plain"] = f"{sum(o == r for o, r in zip(outputs, reference))}/{both}"
+    res["outputs"] = outputs
     return res
 
 
@@ -123,6 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-fuse", default="1",
                     help="the drafter's q/k/v and gate/up as one product each and rope from a table (Decoder."
                          "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
+    ap.add_argument("--expand-kv", default="0",
+                    help="the target's cache layout (Decoder.expand_kv): 0 (each KV head stored once, the default), 1 "
+                         "(stored once per query head: no copies in a verify pass), or 0,1 to time both (the 1 methods "
+                         "get a _kv1 suffix)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -157,7 +170,8 @@ def main(argv=None) -> int:
     def record(name, res):
         results["methods"][name] = res
         print(f"{name:28s} {res['tokens_per_s']:9.1f} tok/s  ({res['prompts']} prompts"
-              + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "") + ")", flush=True)
+              + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "")
+              + (f", same as plain {res['same_as_plain']}" if "same_as_plain" in res else "") + ")", flush=True)
         atomic_write_json(a.out, results)
 
     def engine_facts(dec) -> dict:
@@ -165,14 +179,15 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    default_norm, default_dfuse = FastLM.fused_norm, Decoder.fuse_drafter
-    for norm in [int(n) for n in a.norm.split(",")]:
-        FastLM.fused_norm = bool(norm)
-        sfx = "" if norm else "_norm0"
+    default_norm, default_dfuse, default_kv = FastLM.fused_norm, Decoder.fuse_drafter, Decoder.expand_kv
+    for norm, ex in [(int(n), int(x)) for n in a.norm.split(",") for x in a.expand_kv.split(",")]:
+        FastLM.fused_norm, Decoder.expand_kv = bool(norm), bool(ex)
+        sfx = ("" if norm else "_norm0") + ("_kv1" if ex else "")
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
-        record("eyas_plain" + sfx,
-               {**run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget), **engine_facts(plain)})
+        plain_res = run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget)
+        reference = plain_res.pop("outputs")
+        record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx})
         plain.close()
         for k in ks:
             for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
@@ -180,10 +195,12 @@ def main(argv=None) -> int:
                     Decoder.fuse_drafter = bool(dfuse)
                     dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
                     run_engine(dec, warm, 32, stop, True, 1e9)
+                    res = run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
+                    res.pop("outputs")
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
-                           {**run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget), **engine_facts(dec)})
+                           {**res, **engine_facts(dec), "variant": sfx})
                     dec.close()
-    FastLM.fused_norm, Decoder.fuse_drafter = default_norm, default_dfuse
+    FastLM.fused_norm, Decoder.fuse_drafter, Decoder.expand_kv = default_norm, default_dfuse, default_kv
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),
@@ -198,12 +215,14 @@ def main(argv=None) -> int:
     hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
     for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
         r = results["methods"][name]
-        base = plain_of.get("eyas_plain" + ("_norm0" if name.endswith("_norm0") else ""))  # the same target forward
+        base = plain_of.get("eyas_plain" + r.get("variant", ""))  # the same target forward
         r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
+        # against the fastest plain method of the run, whichever norm and cache layout it used
+        r["speedup_vs_fastest_plain"] = r["tokens_per_s"] / max(plain_of.values()) if plain_of else None
         r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None
     atomic_write_json(a.out, results)
     print(json.dumps({n: {k: v for k, v in r.items() if k in ("tokens_per_s", "acceptance_length", "speedup_vs_plain",
-                                                              "speedup_vs_best_hf")}
+                                                              "speedup_vs_fastest_plain", "speedup_vs_best_hf", "same_as_plain")}
                       for n, r in results["methods"].items()}, indent=1))
     return 0
 

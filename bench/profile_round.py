@@ -95,6 +95,10 @@ def main():
     ap.add_argument("--out", default="round.json")
     ap.add_argument("--parts", type=int, default=1, help="1: also time each part of a round alone (parts_ms)")
     ap.add_argument("--replays", type=int, default=200, help="replays per timed part")
+    ap.add_argument("--expand-kv", default="0",
+                    help="the target's cache layout (Decoder.expand_kv): 0 (KV heads stored once, query heads folded), "
+                         "1 (each KV head stored per query head: no copies in the verify), or 0,1 for both in one "
+                         "process (the second only with the default drafter, under expand_kv_<n>)")
     a = ap.parse_args()
     global REPLAYS
     REPLAYS = a.replays
@@ -118,74 +122,86 @@ def main():
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained"}
 
-    plain = Decoder(target, None, k=1, max_len=max_len, compile=dev.type == "cuda")
-    plain.generate(prompt, 32, (), speculative=False)
-    g = plain.generate(prompt, a.tokens, (), speculative=False)
-    res["plain_step_ms"] = round(1e3 * g.seconds / len(g.tokens), 4)
-    print(f"plain step: {res['plain_step_ms']:.3f} ms", flush=True)
-    L = len(prompt) + 8
-    pos1 = torch.tensor([L], device=dev)
-    ids1 = torch.zeros(1, 1, dtype=torch.long, device=dev)
-    with torch.no_grad():
-        if dev.type == "cuda":
-            res["plain_step_eager"] = kernels(lambda: plain._target_fwd(ids1, pos1, plain._upto(L + 8)), dev)
-        # the target's one-token forward alone as a graph: the plain step without its host work (argmax,
-        # .item(), the next step's inputs)
-        res["parts_ms"] = {"plain_forward": graph_ms(lambda: plain._target_fwd(ids1, pos1, plain._upto(L + 8)), dev)}
-    plain.close()
-    for k in (3, 7):
-        for fuse in (True, False):
-            Decoder.fuse_drafter = fuse
-            dec = Decoder(target, drafter, k=k, max_len=max_len, compile=dev.type == "cuda")
-            dec.generate(prompt, 32, ())
-            g = dec.generate(prompt, a.tokens, ())
-            name = f"round_k{k}" + ("" if fuse else "_unfused_drafter")
-            res[name + "_ms"] = round(1e3 * (g.draft_seconds + g.verify_seconds) / max(1, len(g.accepted)), 4)
-            res[name + "_tau"] = round(g.acceptance_length, 3)
-            print(f"{name}: {res[name + '_ms']:.3f} ms per round (tau {g.acceptance_length:.2f}, "
-                  f"{res[name + '_ms'] / res['plain_step_ms']:.2f} plain steps)", flush=True)
-            if a.parts:  # each part of the round as its own graph: where the round's time goes
-                pos = torch.tensor([L], device=dev)
-                upto = dec._upto(L + k + 1)
-                h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
-                t = torch.zeros(1, 1, dtype=torch.long, device=dev)
-                idsk = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
-                posk = pos + torch.arange(k + 1, device=dev)
-                auxk = torch.zeros(1, k + 1, 3 * drafter.config.hidden_size, device=dev, dtype=target.dtype)
-                lg = torch.zeros(1, drafter.config.draft_vocab_size, device=dev, dtype=target.dtype)
-                sfx = "" if fuse else "_unfused_drafter"
-                with torch.no_grad():
-                    parts = res["parts_ms"]
-                    if fuse:
-                        parts[f"verify_k{k}"] = graph_ms(lambda: dec._target_fwd(idsk, posk, upto), dev)
-                    parts[f"draft_step{sfx}"] = graph_ms(lambda: dec._drafter_fwd(t, h, pos, upto), dev)
-                    parts[f"draft_rebuild_k{k}{sfx}"] = graph_ms(lambda: dec._drafter_fwd(idsk, auxk, posk, upto), dev)
-                    parts[f"sum_k{k}{sfx}"] = round(parts[f"verify_k{k}"] + (k - 1) * parts[f"draft_step{sfx}"]
-                                                    + parts[f"draft_rebuild_k{k}{sfx}"], 4)
-                    # the whole round alone (as the decoder runs it, minus the host's read of its result)
-                    parts[f"round_k{k}{sfx}"] = graph_ms(lambda: dec._round_fwd(t[0], h, lg, pos, upto), dev)
-                print(f"parts k={k}{sfx}: {parts}", flush=True)
-            if dev.type == "cuda" and k == 3:
-                h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
-                t = torch.zeros(1, 1, dtype=torch.long, device=dev)
-                upto = dec._upto(L + k + 1)
-                with torch.no_grad():
-                    res[f"draft_step_eager{'' if fuse else '_unfused'}"] = kernels(
-                        lambda: dec._drafter_fwd(t, h, pos, upto), dev)
-                    if fuse:
-                        ids = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
-                        res["verify_k3_eager"] = kernels(
-                            lambda: dec._target_fwd(ids, pos + torch.arange(k + 1, device=dev), upto), dev)
-            dec.close()
-    Decoder.fuse_drafter = True
-    if "plain_step_eager" in res and "verify_k3_eager" in res:
-        res["verify_k3_vs_step_ops"] = op_diff(res["plain_step_eager"]["by_op"], res["verify_k3_eager"]["by_op"])
-        print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")
-        for row in res["verify_k3_vs_step_ops"]:
-            print(f"  {row}", flush=True)
-    for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
-        if key in res:
-            print(f"{key}: { {k: v for k, v in res[key].items() if k != 'by_op'} }", flush=True)
+    def measure(res, fuses):
+        """This script's figures for the target's cache layout Decoder.expand_kv now sets, into res."""
+        plain = Decoder(target, None, k=1, max_len=max_len, compile=dev.type == "cuda")
+        plain.generate(prompt, 32, (), speculative=False)
+        g = plain.generate(prompt, a.tokens, (), speculative=False)
+        res["plain_step_ms"] = round(1e3 * g.seconds / len(g.tokens), 4)
+        print(f"plain step: {res['plain_step_ms']:.3f} ms", flush=True)
+        L = len(prompt) + 8
+        pos1 = torch.tensor([L], device=dev)
+        ids1 = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        with torch.no_grad():
+            if dev.type == "cuda":
+                res["plain_step_eager"] = kernels(lambda: plain._target_fwd(ids1, pos1, plain._upto(L + 8)), dev)
+            # the target's one-token forward alone as a graph: the plain step without its host work (argmax,
+            # .item(), the next step's inputs)
+            res["parts_ms"] = {"plain_forward": graph_ms(lambda: plain._target_fwd(ids1, pos1, plain._upto(L + 8)), dev)}
+        plain.close()
+        for k in (3, 7):
+            for fuse in fuses:
+                Decoder.fuse_drafter = fuse
+                dec = Decoder(target, drafter, k=k, max_len=max_len, compile=dev.type == "cuda")
+                dec.generate(prompt, 32, ())
+                g = dec.generate(prompt, a.tokens, ())
+                name = f"round_k{k}" + ("" if fuse else "_unfused_drafter")
+                res[name + "_ms"] = round(1e3 * (g.draft_seconds + g.verify_seconds) / max(1, len(g.accepted)), 4)
+                res[name + "_tau"] = round(g.acceptance_length, 3)
+                print(f"{name}: {res[name + '_ms']:.3f} ms per round (tau {g.acceptance_length:.2f}, "
+                      f"{res[name + '_ms'] / res['plain_step_ms']:.2f} plain steps)", flush=True)
+                if a.parts:  # each part of the round as its own graph: where the round's time goes
+                    pos = torch.tensor([L], device=dev)
+                    upto = dec._upto(L + k + 1)
+                    h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
+                    t = torch.zeros(1, 1, dtype=torch.long, device=dev)
+                    idsk = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+                    posk = pos + torch.arange(k + 1, device=dev)
+                    auxk = torch.zeros(1, k + 1, 3 * drafter.config.hidden_size, device=dev, dtype=target.dtype)
+                    lg = torch.zeros(1, drafter.config.draft_vocab_size, device=dev, dtype=target.dtype)
+                    sfx = "" if fuse else "_unfused_drafter"
+                    with torch.no_grad():
+                        parts = res["parts_ms"]
+                        if fuse:
+                            parts[f"verify_k{k}"] = graph_ms(lambda: dec._target_fwd(idsk, posk, upto), dev)
+                        parts[f"draft_step{sfx}"] = graph_ms(lambda: dec._drafter_fwd(t, h, pos, upto), dev)
+                        parts[f"draft_rebuild_k{k}{sfx}"] = graph_ms(lambda: dec._drafter_fwd(idsk, auxk, posk, upto), dev)
+                        parts[f"sum_k{k}{sfx}"] = round(parts[f"verify_k{k}"] + (k - 1) * parts[f"draft_step{sfx}"]
+                                                        + parts[f"draft_rebuild_k{k}{sfx}"], 4)
+                        # the whole round alone (as the decoder runs it, minus the host's read of its result)
+                        parts[f"round_k{k}{sfx}"] = graph_ms(lambda: dec._round_fwd(t[0], h, lg, pos, upto), dev)
+                    print(f"parts k={k}{sfx}: {parts}", flush=True)
+                if dev.type == "cuda" and k == 3:
+                    h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
+                    t = torch.zeros(1, 1, dtype=torch.long, device=dev)
+                    upto = dec._upto(L + k + 1)
+                    with torch.no_grad():
+                        res[f"draft_step_eager{'' if fuse else '_unfused'}"] = kernels(
+                            lambda: dec._drafter_fwd(t, h, pos, upto), dev)
+                        if fuse:
+                            ids = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+                            res["verify_k3_eager"] = kernels(
+                                lambda: dec._target_fwd(ids, pos + torch.arange(k + 1, device=dev), upto), dev)
+                dec.close()
+        Decoder.fuse_drafter = True
+        if "plain_step_eager" in res and "verify_k3_eager" in res:
+            res["verify_k3_vs_step_ops"] = op_diff(res["plain_step_eager"]["by_op"], res["verify_k3_eager"]["by_op"])
+            print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")
+            for row in res["verify_k3_vs_step_ops"]:
+                print(f"  {row}", flush=True)
+    layouts = [int(x) for x in a.expand_kv.split(",")]
+    for ex in layouts:
+        Decoder.expand_kv = bool(ex)
+        # the first layout listed gets every variant; another gets the default drafter only (its figures under
+        # res["expand_kv_<0|1>"]), to compare the target's two cache layouts in one process
+        sub = res if ex == layouts[0] else res.setdefault(f"expand_kv_{ex}", {})
+        print(f"== Decoder.expand_kv = {bool(ex)}", flush=True)
+        measure(sub, (True, False) if sub is res else (True,))
+    Decoder.expand_kv = False
+    for r in [res] + [v for k, v in res.items() if k.startswith("expand_kv_")]:
+        for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
+            if key in r:
+                print(f"{key}: { {k: v for k, v in r[key].items() if k != 'by_op'} }", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -6,7 +6,8 @@ their biases, MLPs, rotary embedding, lm_head) and implements only rope applicat
 attention, so a decode step is a handful of kernels per layer with no `repeat_kv` copy and no host
 synchronisation (it can be captured in a CUDA graph).
 
-Cache and positions: per layer, k and v are [B, Hkv, max_len, D]; slot s of row b holds the token at
+Cache and positions: per layer, k and v are [B, Hkv, max_len, D] (or [B, H, max_len, D] with each KV head
+stored once per query head that reads it, `expand_kv`); slot s of row b holds the token at
 position s of that row. A forward over ids [b, T] with start positions pos [b] writes slots
 pos[b]..pos[b]+T-1 of its rows, and a query at position p attends to slots 0..p of its own row. There
 is no length pointer: rolling a row back is free (later slots are masked by position until they are
@@ -16,6 +17,13 @@ true length, where nothing looks before they are overwritten). Callers keep pos[
 Row groups: a batch whose rows hold contexts of very different lengths can split its rows into
 groups (`FastLM.groups`, contiguous row ranges); a forward over all rows then takes one `upto` per
 group and each group attends only to its own bound, so short rows do not pay for the longest one.
+
+Query heads and KV heads: by default the query heads that share a KV head are folded into the query length
+(q [b, Hkv, rep*T, D]), so keys and values are stored and read once. At T = 1 that fold is a view; at T > 1
+it and its way back are a copy each per layer (2 per layer: 60 for SmolLM2's 4-token verify). `expand_kv`
+stores every KV head rep times instead: q stays a view of the projection ([b, H, T, D]) and attention's output
+is a view of what o_proj reads, with no copy at any T, for rep times the cache memory (fine at batch 1,
+which is what the speculative decoder uses it for; regeneration's large batches keep the fold).
 
 Aux states follow eyas.target: aux id i < N is the residual stream entering decoder layer i, id N the
 stream after the last layer, before the final norm.
@@ -141,14 +149,16 @@ def fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 class FastLM:
     """`model` (an HF Llama/Mistral/Qwen2 causal LM, already on its device) with a static KV cache of
     `batch_size` rows x `max_len` slots in the model's dtype. aux_layers: ids whose states
-    `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
+    `forward(want_aux=True)` returns (see the module docstring for the conventions). expand_kv: store each
+    KV head once per query head (no copies in a multi-token forward; rep times the cache memory)."""
     fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
     # RMSNorm through torch's fused kernel (normalize in fp32, round, times the weight: HF's rounding steps) in
     # ~4 kernels instead of ~8. On an H200 (BENCHMARKS.md, sixth session) plain SmolLM2 decoding went from 362
     # to 429 tok/s and regeneration from 25.0k to 25.8k; False runs the model's own norm modules
     fused_norm = True
 
-    def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
+    def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None,
+                 expand_kv: bool = False):
         ok, why = supported(model)
         if not ok:
             raise EyasError(f"FastLM cannot run this target: {why}")
@@ -168,7 +178,8 @@ class FastLM:
         self.aux_layers = list(aux_layers or [])
         if any(not 0 <= a <= n for a in self.aux_layers):
             raise EyasError(f"aux layers {self.aux_layers} out of range for a target with {n} layers (0..{n})")
-        shape = (batch_size, self.n_kv, max_len, self.head_dim)
+        self.expand_kv = bool(expand_kv) and self.n_heads != self.n_kv
+        shape = (batch_size, self.n_heads if self.expand_kv else self.n_kv, max_len, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.slots = torch.arange(max_len, device=self.device)
@@ -236,8 +247,10 @@ class FastLM:
         qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
         # additive masks, shared by all layers: slot s is visible to the query at position p iff s <= p.
         # Query heads of one KV head are folded into the query length (no repeated keys/values):
-        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]. One mask per row group (a, z, upto).
+        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; with expand_kv, q [b, H, T, D] against k, v
+        # [b, H, upto, D]. One mask per row group (a, z, upto).
         rep = self.n_heads // self.n_kv
+        fold = 1 if self.expand_kv else rep  # query rows per KV head and token
         if isinstance(upto, (tuple, list)):
             if rows is not None or self.groups is None or len(upto) != len(self.groups):
                 raise EyasError("FastLM.forward: one bound per row group needs set_groups and rows=None")
@@ -248,7 +261,7 @@ class FastLM:
         for a, z, u in parts:
             vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
             m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
-            masks.append(m[:, None].expand(z - a, rep, T, u).reshape(z - a, 1, rep * T, u))
+            masks.append(m[:, None] if fold == 1 else m[:, None].expand(z - a, fold, T, u).reshape(z - a, 1, fold * T, u))
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, T, 1, D]
@@ -256,6 +269,7 @@ class FastLM:
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         grab: dict[int, torch.Tensor] = {}
         write_at = (idx[:, None], slice(None), qpos)  # cache[idx, :, qpos] is [b, T, Hkv, D]
+        write_at5 = (idx[:, None], slice(None), slice(None), qpos)  # expand_kv: [b, T, Hkv, rep, D]
         for i, layer in enumerate(self.layers):
             if want_aux and i in self.aux_layers:
                 grab[i] = h
@@ -270,9 +284,15 @@ class FastLM:
                 k = _rotate(attn.k_proj(x).view(b, T, nkv, D), cos, sin)
                 v = attn.v_proj(x).view(b, T, nkv, D)
             kc, vc = self.k[i], self.v[i]
-            kc[write_at] = k
-            vc[write_at] = v
-            q = q.transpose(1, 2).reshape(b, nkv, rep * T, D)
+            if self.expand_kv:  # each KV head into the rep slots of the query heads that read it
+                B, S = kc.shape[0], kc.shape[2]
+                kc.view(B, nkv, rep, S, D)[write_at5] = k[:, :, :, None].expand(b, T, nkv, rep, D)
+                vc.view(B, nkv, rep, S, D)[write_at5] = v[:, :, :, None].expand(b, T, nkv, rep, D)
+                q = q.transpose(1, 2)  # [b, H, T, D], a view
+            else:
+                kc[write_at] = k
+                vc[write_at] = v
+                q = q.transpose(1, 2).reshape(b, nkv, rep * T, D)
             outs = []
             for (a, z, u), m in zip(parts, masks):
                 if rows is None or isinstance(rows, slice):  # a view, no copy
@@ -282,7 +302,9 @@ class FastLM:
                     ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
                 outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling))
             o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-            o = o.reshape(b, self.n_heads, T, self.head_dim).transpose(1, 2).reshape(b, T, -1)
+            if not self.expand_kv:
+                o = o.reshape(b, self.n_heads, T, self.head_dim)
+            o = o.transpose(1, 2).reshape(b, T, -1)  # a view when attention wrote [b, T, H, D] (GPU kernels)
             h = h + attn.o_proj(o)
             x = self._norm(layer.post_attention_layernorm, h)
             if self.gate_up[i] is not None:

@@ -248,6 +248,24 @@ def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which,
         assert taus[1] < 1.5, taus
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+def test_expanded_kv_cache_decodes_losslessly(smol, prompt_set, trained, fused, monkeypatch):
+    """With the target's KV heads stored per query head (Decoder.expand_kv), greedy speculative decoding
+    still reproduces plain greedy decoding on the same cache layout, through accepted and rejected drafts."""
+    monkeypatch.setattr(Decoder, "expand_kv", True)
+    plain = Decoder(smol, None, max_len=256)
+    assert plain.runner.lm.expand_kv
+    for k in (3, 7):
+        dec = Decoder(smol, trained, k=k, max_len=256, fused=fused)
+        acc = []
+        for ids in prompt_set[:4]:
+            ref = plain.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens
+            g = dec.generate(ids, NEW, smol.eot_token_ids, speculative=True)
+            assert g.tokens == ref, (k, smol.tokenizer.decode(ids[-12:]))
+            acc += g.accepted
+        assert 0 < sum(acc) < k * len(acc), acc  # drafts were accepted and rejected
+
+
 def test_transformers_engine_gives_the_same_tokens(smol, prompt_set, plain_outputs, trained):
     """The fallback for architectures eyas' forward does not run: transformers with its StaticCache."""
     dec = Decoder(smol, trained, k=3, max_len=256, engine="hf")

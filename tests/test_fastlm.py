@@ -48,13 +48,14 @@ class Rows:
             close(aux, want_aux[p:len(s)])
 
 
-def run_checks(model, aux, vocab: int):
+def run_checks(model, aux, vocab: int, expand_kv: bool = False):
     n_layers = model.config.num_hidden_layers
     aux = aux + [n_layers]  # the pre-norm final state too
     g = torch.Generator().manual_seed(0)
     lens = [7, 12, 3]
     rows = Rows(model, aux, [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens])
-    lm = FastLM(model, batch_size=3, max_len=32, aux_layers=aux)
+    lm = FastLM(model, batch_size=3, max_len=32, aux_layers=aux, expand_kv=expand_kv)
+    assert lm.expand_kv == (expand_kv and model.config.num_attention_heads != model.config.num_key_value_heads)
 
     # right-padded prefill of three rows of different lengths (padding garbage lands past each row's end)
     W = max(lens)
@@ -96,6 +97,24 @@ def test_matches_hf_smollm2(smol):
     run_checks(smol.model, smol.aux_layers, smol.vocab_size)
 
 
+def test_expanded_kv_heads_match_hf_smollm2(smol):
+    """The cache with each KV head stored per query head (the speculative decoder's layout: no copies in
+    a verify pass) passes the same checks; its slots hold the grouped cache's keys, once per query head."""
+    run_checks(smol.model, smol.aux_layers, smol.vocab_size, expand_kv=True)
+    grouped = FastLM(smol.model, 1, 40)
+    expanded = FastLM(smol.model, 1, 40, expand_kv=True)
+    ids = torch.randint(0, smol.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    for lm in (grouped, expanded):
+        lm.forward(ids, torch.zeros(1, dtype=torch.long))
+        lm.forward(ids[:, :4], torch.tensor([9]))  # a 4-token step, as a K=3 verify
+    nkv, rep = grouped.n_kv, grouped.n_heads // grouped.n_kv
+    assert expanded.k[0].shape[1] == grouped.n_heads and rep > 1
+    for i in range(len(grouped.k)):
+        for have, want in ((expanded.k[i], grouped.k[i]), (expanded.v[i], grouped.v[i])):
+            per_head = have.view(1, nkv, rep, 40, -1)[..., :13, :]
+            torch.testing.assert_close(per_head, want[:, :, None, :13].expand_as(per_head), atol=1e-5, rtol=1e-5)
+
+
 def test_unfused_norm_matches_hf(smol, monkeypatch):
     """The default runs RMSNorm through torch's fused kernel (HF's rounding steps kept; SmolLM2's norm weights
     are trained, not ones); the model's own norm modules, the other path, pass the same checks."""
@@ -104,7 +123,8 @@ def test_unfused_norm_matches_hf(smol, monkeypatch):
     run_checks(smol.model, smol.aux_layers, smol.vocab_size)
 
 
-def test_matches_hf_qwen2_with_biases():
+@pytest.mark.parametrize("expand_kv", [False, True], ids=["grouped", "expanded"])
+def test_matches_hf_qwen2_with_biases(expand_kv):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -116,7 +136,7 @@ def test_matches_hf_qwen2_with_biases():
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
-    run_checks(model, [2, 3, 4], 256)
+    run_checks(model, [2, 3, 4], 256, expand_kv=expand_kv)
 
 
 def test_refuses_what_it_does_not_implement():
@@ -275,3 +295,38 @@ def test_capture_without_cudnn_matches_the_default_kernels(monkeypatch):
     H = t.hidden_size
     for j, layer in enumerate(t.aux_layers):
         torch.testing.assert_close(aux[..., j * H:(j + 1) * H], hs[layer], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_expanded_kv_verify_copies_nothing_on_gpu(dtype):
+    """On a GPU, a 4-token forward with expand_kv (the speculative decoder's verify pass) gives the grouped
+    layout's logits and launches no copy the one-token step does not: attention reads q as a view of the
+    projection and writes what o_proj reads. The grouped layout copies twice per layer at T > 1."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype=dtype, device="cuda"))
+    grouped, expanded = FastLM(t.model, 1, 64), FastLM(t.model, 1, 64, expand_kv=True)
+    ids = torch.randint(0, t.vocab_size, (1, 20), device="cuda")
+    zero = torch.zeros(1, dtype=torch.long, device="cuda")
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+    for lm in (grouped, expanded):
+        lm.forward(ids, zero, upto=32)
+    step = torch.randint(0, t.vocab_size, (1, 4), device="cuda")
+    at = torch.tensor([20], device="cuda")
+    torch.testing.assert_close(expanded.forward(step, at, upto=32)[0], grouped.forward(step, at, upto=32)[0], **tol)
+
+    def copies(lm, T):
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            lm.forward(step[:, :T], at, upto=32)
+            torch.cuda.synchronize()
+        c = Counter(e.name for e in p.events())
+        return c["aten::clone"], c["aten::contiguous"]
+
+    assert copies(expanded, 4) == copies(expanded, 1), (copies(expanded, 4), copies(expanded, 1))
+    assert copies(grouped, 4)[0] >= 2 * len(grouped.layers)  # what expand_kv removes
