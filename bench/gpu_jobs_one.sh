@@ -18,39 +18,22 @@
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
-job gputests timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py
+[ -z "${SKIP_GPUTESTS:-}" ] && job gputests timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py
 job smol_extract timeout 300 python3 bench/bench_extract.py --target smollm2 --sequences 2000 \
   --writer-variants bf16:fresh=1:bg=0,bf16:fresh=1,bf16:cudnn=1 --out $S/smol_extract.json
 for i in $(seq 90); do [ -f ~/eyas-stage/qwen2.5-coder-0.5b-instruct.gguf ] && break; sleep 2; done
 job qwen_extract timeout 300 python3 bench/bench_extract.py --target qwen-coder-0.5b --sequences 2000 \
   --writer-variants bf16:fresh=1:bg=0,bf16:fresh=1 --out $S/qwen_extract.json
-job profile_round timeout 200 python3 bench/profile_round.py --parts 1 --replays 100 --expand-kv 0,1 \
-  --out $S/profile_round.json
-spec_ok=0
-if [ -d .whl-spec ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .whl-spec/*.whl
-  python3 -c 'import pydantic, annotated_types, typing_inspection' 2>/dev/null || \
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/specsite .whl-spec/if-missing/*.whl
-  spec_ok=1
-fi
-SPEC=(env PYTHONPATH=$PYTHONPATH:/tmp/specsite python3 bench/speculators_train.py --conversations 1500
-      --batch-tokens 16384 --workdir /tmp/specrun)
-if [ $spec_ok = 1 ]; then  # beside the pipeline: compiles (host cores) and writes its features; a few steps only
-  ( job spec_warm timeout 900 "${SPEC[@]}" --steps 6 --out $S/train_spec_warm.json ) &
-fi
 run=/tmp/gpurun
+# beside the pipeline (tau, not speed): the copies and kernels of each attention layout and of each verify
+( job sdpa_layouts timeout 120 python3 bench/sdpa_layouts.py --out $S/sdpa_layouts.json
+  job profile_round timeout 300 python3 bench/profile_round.py --parts 1 --replays 100 --expand-kv 0,1 \
+    --out $S/profile_round.json ) &
 job pipeline python3 -m eyas run --out $run --set regen.temperature=0
 keep $run smolT0
 wait
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 400 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,7 --max-new-tokens 256 --budget 40 --hf-budget 15 --expand-kv 0,1 --out $S/decode_sharegpt.json
-fi
-job train_eyas timeout 300 python3 bench/bench_train.py --conversations 1500 --steps 60 --batch-tokens 16384 \
-  --draft-intermediate-size 6144 --workdir /tmp/trainrun --out $S/train_eyas.json
-[ $spec_ok = 1 ] && job spec_default timeout 560 "${SPEC[@]}" --steps 60 --out $S/train_spec_default.json
-if [ -d $run/draft ]; then
-  job decode_humaneval timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 40 \
-    --k 3,7 --max-new-tokens 256 --budget 30 --skip-hf --expand-kv 0,1 --out $S/decode_humaneval.json
+    --k 3,7 --max-new-tokens 256 --budget 25 --skip-hf --expand-kv 0,1 --out $S/decode_sharegpt.json
 fi
 touch $S/finished_$tag
