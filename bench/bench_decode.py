@@ -132,10 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-fuse", default="1",
                     help="the drafter's q/k/v and gate/up as one product each and rope from a table (Decoder."
                          "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
-    ap.add_argument("--expand-kv", default="0",
-                    help="the target's cache layout (Decoder.expand_kv): 0 (each KV head stored once, the default), 1 "
-                         "(stored once per query head: no copies in a verify pass), or 0,1 to time both (the 1 methods "
-                         "get a _kv1 suffix)")
+    ap.add_argument("--gqa", default="1",
+                    help="the target's multi-token calls (the verify) through SDPA's enable_gqa (FastLM.gqa_steps, the "
+                         "default): 1, 0 (query heads folded, as a one-token step), or 0,1 to time both (the 0 methods "
+                         "get a _gqa0 suffix)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -179,10 +179,10 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    default_norm, default_dfuse, default_kv = FastLM.fused_norm, Decoder.fuse_drafter, Decoder.expand_kv
-    for norm, ex in [(int(n), int(x)) for n in a.norm.split(",") for x in a.expand_kv.split(",")]:
-        FastLM.fused_norm, Decoder.expand_kv = bool(norm), bool(ex)
-        sfx = ("" if norm else "_norm0") + ("_kv1" if ex else "")
+    default_norm, default_dfuse, default_gqa = FastLM.fused_norm, Decoder.fuse_drafter, FastLM.gqa_steps
+    for norm, gqa in [(int(n), int(x)) for n in a.norm.split(",") for x in a.gqa.split(",")]:
+        FastLM.fused_norm, FastLM.gqa_steps = bool(norm), bool(gqa)
+        sfx = ("" if norm else "_norm0") + ("" if gqa else "_gqa0")
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget)
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx})
                     dec.close()
-    FastLM.fused_norm, Decoder.fuse_drafter, Decoder.expand_kv = default_norm, default_dfuse, default_kv
+    FastLM.fused_norm, Decoder.fuse_drafter, FastLM.gqa_steps = default_norm, default_dfuse, default_gqa
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

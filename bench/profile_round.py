@@ -24,14 +24,24 @@ import torch
 def kernels(fn, dev) -> dict:
     """CUDA kernels (and copies) one eager call of fn launches, and their summed device time (ms); the top
     kernels by device time; and by_op: for each aten op, its calls and the device time of the kernels it
-    launched itself (so a verify's extra kernels can be traced to the ops that add them, see op_diff)."""
+    launched itself (so a verify's extra kernels can be traced to the ops that add them, see op_diff); and
+    copies_from: for each outermost aten op (with its input shapes) that ran an aten::copy_, how many."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize(dev)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
         fn()
         torch.cuda.synchronize(dev)
+    # which ops ran each copy (aten::copy_) and with what shapes: the outermost aten op above it
+    copies_from: dict[str, int] = {}
+    for e in p.events():
+        if e.name == "aten::copy_" and e.device_type == torch.autograd.DeviceType.CPU:
+            top, par = e, e.cpu_parent
+            while par is not None and par.name.startswith("aten::"):
+                top, par = par, par.cpu_parent
+            key = f"{top.name} {top.input_shapes}"[:160]
+            copies_from[key] = copies_from.get(key, 0) + 1
     evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list] = {}
     for e in evs:
@@ -46,7 +56,8 @@ def kernels(fn, dev) -> dict:
         if e.key.startswith("aten::") and dt > 0:
             by_op[e.key] = [e.count, round(dt / 1e3, 4)]
     return {"kernels": len(evs), "device_ms": round(sum(e.device_time for e in evs) / 1e3, 4),
-            "top": [[n, c, round(ms, 4)] for n, (c, ms) in top], "by_op": by_op}
+            "top": [[n, c, round(ms, 4)] for n, (c, ms) in top], "by_op": by_op,
+            "copies_from": dict(sorted(copies_from.items(), key=lambda kv: -kv[1]))}
 
 
 def op_diff(one: dict, many: dict) -> list:
@@ -95,10 +106,10 @@ def main():
     ap.add_argument("--out", default="round.json")
     ap.add_argument("--parts", type=int, default=1, help="1: also time each part of a round alone (parts_ms)")
     ap.add_argument("--replays", type=int, default=200, help="replays per timed part")
-    ap.add_argument("--expand-kv", default="0",
-                    help="the target's cache layout (Decoder.expand_kv): 0 (KV heads stored once, query heads folded), "
-                         "1 (each KV head stored per query head: no copies in the verify), or 0,1 for both in one "
-                         "process (the second only with the default drafter, under expand_kv_<n>)")
+    ap.add_argument("--gqa", default="1",
+                    help="the target's multi-token calls through SDPA's enable_gqa (FastLM.gqa_steps): 1 (the default), "
+                         "0 (query heads folded, as in a one-token step), or 1,0 for both in one process (the second "
+                         "only with the default drafter, under gqa_<n>)")
     a = ap.parse_args()
     global REPLAYS
     REPLAYS = a.replays
@@ -123,7 +134,7 @@ def main():
            "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained"}
 
     def measure(res, fuses):
-        """This script's figures for the target's cache layout Decoder.expand_kv now sets, into res."""
+        """This script's figures, with the target's multi-token calls as FastLM.gqa_steps now sets them, into res."""
         plain = Decoder(target, None, k=1, max_len=max_len, compile=dev.type == "cuda")
         plain.generate(prompt, 32, (), speculative=False)
         g = plain.generate(prompt, a.tokens, (), speculative=False)
@@ -189,16 +200,18 @@ def main():
             print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")
             for row in res["verify_k3_vs_step_ops"]:
                 print(f"  {row}", flush=True)
-    layouts = [int(x) for x in a.expand_kv.split(",")]
-    for ex in layouts:
-        Decoder.expand_kv = bool(ex)
-        # the first layout listed gets every variant; another gets the default drafter only (its figures under
-        # res["expand_kv_<0|1>"]), to compare the target's two cache layouts in one process
-        sub = res if ex == layouts[0] else res.setdefault(f"expand_kv_{ex}", {})
-        print(f"== Decoder.expand_kv = {bool(ex)}", flush=True)
+    from eyas.fastlm import FastLM
+
+    layouts = [int(x) for x in a.gqa.split(",")]
+    for g in layouts:
+        FastLM.gqa_steps = bool(g)
+        # the first listed gets every variant; another gets the default drafter only (its figures under
+        # res["gqa_<0|1>"]), to compare the verify's two attention layouts in one process
+        sub = res if g == layouts[0] else res.setdefault(f"gqa_{g}", {})
+        print(f"== FastLM.gqa_steps = {bool(g)}", flush=True)
         measure(sub, (True, False) if sub is res else (True,))
-    Decoder.expand_kv = False
-    for r in [res] + [v for k, v in res.items() if k.startswith("expand_kv_")]:
+    FastLM.gqa_steps = True
+    for r in [res] + [v for k, v in res.items() if k.startswith("gqa_")]:
         for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
             if key in r:
                 print(f"{key}: { {k: v for k, v in r[key].items() if k != 'by_op'} }", flush=True)

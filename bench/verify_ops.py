@@ -1,9 +1,11 @@
 """Which torch ops a verify pass over K+1 tokens runs that a one-token step does not: FastLM.forward of the
 target at T=1 and at T=K+1 (same cache, same position), each under the torch profiler, and the aten ops whose
-counts differ. On a CPU this shows the copies a multi-token forward adds (BENCHMARKS.md, eighth session: 61
-`aten::clone` at T=4 for SmolLM2, about two per layer); on a GPU, run bench/profile_round.py for the kernels.
+counts differ. On a CPU this shows the copies a multi-token forward adds when it folds the query heads as a
+one-token step does (`--fold`; BENCHMARKS.md, eighth session: 61 `aten::clone` at T=4 for SmolLM2, about two per
+layer); through SDPA's enable_gqa (FastLM.gqa_steps, the default since the tenth session) it adds none. On a GPU,
+run bench/profile_round.py for the kernels.
 
-    PYTHONPATH=. python3 bench/verify_ops.py [--target smollm2] [--k 3]
+    PYTHONPATH=. python3 bench/verify_ops.py [--target smollm2] [--k 3] [--fold]
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ def main():
     ap.add_argument("--target", default="smollm2", help="an eyas target FastLM supports")
     ap.add_argument("--k", type=int, default=3, help="drafts per round: the verify pass covers K+1 tokens")
     ap.add_argument("--dtype", default="float32", help="the target's dtype")
+    ap.add_argument("--fold", action="store_true", help="fold the query heads at T > 1 too (FastLM.gqa_steps off)")
     a = ap.parse_args()
 
     import torch
@@ -25,6 +28,7 @@ def main():
     from eyas.fastlm import FastLM
     from eyas.target import load_target
 
+    FastLM.gqa_steps = not a.fold
     t = load_target(TargetConfig(name=a.target, dtype=a.dtype))
     lm = FastLM(t.model, 1, 128, aux_layers=t.aux_layers)
     dev = t.device

@@ -96,10 +96,10 @@ class FastTargetRunner:
     """The target on eyas' static-cache forward (one row): no cache pointer to move, a query at
     position p sees slots 0..p, so rollback is free."""
 
-    def __init__(self, target, max_len: int, expand_kv: bool = False):
+    def __init__(self, target, max_len: int):
         from .fastlm import FastLM
 
-        self.lm = FastLM(target.model, 1, max_len, target.aux_layers, expand_kv=expand_kv)
+        self.lm = FastLM(target.model, 1, max_len, target.aux_layers)
 
     def close(self) -> None:
         pass
@@ -288,9 +288,6 @@ class Decoder:
     The drafter is moved to the target's device and dtype. temperature 0 = greedy verification.
     max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
     fuse_drafter = True  # Eagle3Drafter.fuse (bench/bench_decode.py --draft-fuse 0 turns it off to compare)
-    # the target's cache with each KV head stored per query head (FastLM expand_kv): no copies in the verify
-    # pass, rep times the cache memory (bench/bench_decode.py --expand-kv 0,1 times both)
-    expand_kv = False
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -316,8 +313,7 @@ class Decoder:
         if engine == "fast" and not ok:
             raise EyasError(f"the fast decoder cannot run this target: {why}")
         self.engine = "fast" if ok and engine != "hf" else "hf"
-        self.runner = (FastTargetRunner(target, max_len, self.expand_kv) if self.engine == "fast"
-                       else TargetRunner(target, max_len))
+        self.runner = FastTargetRunner(target, max_len) if self.engine == "fast" else TargetRunner(target, max_len)
         # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
         # CUDA graph and no host work between its parts; its time is reported as verify time.
         # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)

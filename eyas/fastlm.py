@@ -6,8 +6,7 @@ their biases, MLPs, rotary embedding, lm_head) and implements only rope applicat
 attention, so a decode step is a handful of kernels per layer with no `repeat_kv` copy and no host
 synchronisation (it can be captured in a CUDA graph).
 
-Cache and positions: per layer, k and v are [B, Hkv, max_len, D] (or [B, H, max_len, D] with each KV head
-stored once per query head that reads it, `expand_kv`); slot s of row b holds the token at
+Cache and positions: per layer, k and v are [B, Hkv, max_len, D]; slot s of row b holds the token at
 position s of that row. A forward over ids [b, T] with start positions pos [b] writes slots
 pos[b]..pos[b]+T-1 of its rows, and a query at position p attends to slots 0..p of its own row. There
 is no length pointer: rolling a row back is free (later slots are masked by position until they are
@@ -18,12 +17,13 @@ Row groups: a batch whose rows hold contexts of very different lengths can split
 groups (`FastLM.groups`, contiguous row ranges); a forward over all rows then takes one `upto` per
 group and each group attends only to its own bound, so short rows do not pay for the longest one.
 
-Query heads and KV heads: by default the query heads that share a KV head are folded into the query length
-(q [b, Hkv, rep*T, D]), so keys and values are stored and read once. At T = 1 that fold is a view; at T > 1
-it and its way back are a copy each per layer (2 per layer: 60 for SmolLM2's 4-token verify). `expand_kv`
-stores every KV head rep times instead: q stays a view of the projection ([b, H, T, D]) and attention's output
-is a view of what o_proj reads, with no copy at any T, for rep times the cache memory (fine at batch 1,
-which is what the speculative decoder uses it for; regeneration's large batches keep the fold).
+Query heads and KV heads: a one-token step folds the query heads that share a KV head into the query length
+(q [b, Hkv, rep*T, D]): a view at T = 1, and keys and values are read once. At T > 1 that fold and its way
+back are a copy each per layer (60 in SmolLM2's 4-token verify), so a short multi-token call (a speculative
+verify, up to GQA_MAX_T tokens) passes q as a view of the projection ([b, H, T, D]) with SDPA's enable_gqa
+instead: no copy, one cache layout for both. On an H200 (bench/sdpa_layouts.py, BENCHMARKS.md, tenth
+session), SmolLM2's attention step at T = 4 took 9.45 us that way against 14.17 us folded, with 2 kernels
+against 4; at T = 1 the fold was as fast (8.40 against 8.63 us). Prefills (one_off) keep the fold.
 
 Aux states follow eyas.target: aux id i < N is the residual stream entering decoder layer i, id N the
 stream after the last layer, before the final norm.
@@ -149,16 +149,18 @@ def fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 class FastLM:
     """`model` (an HF Llama/Mistral/Qwen2 causal LM, already on its device) with a static KV cache of
     `batch_size` rows x `max_len` slots in the model's dtype. aux_layers: ids whose states
-    `forward(want_aux=True)` returns (see the module docstring for the conventions). expand_kv: store each
-    KV head once per query head (no copies in a multi-token forward; rep times the cache memory)."""
+    `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
     fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
     # RMSNorm through torch's fused kernel (normalize in fp32, round, times the weight: HF's rounding steps) in
     # ~4 kernels instead of ~8. On an H200 (BENCHMARKS.md, sixth session) plain SmolLM2 decoding went from 362
     # to 429 tok/s and regeneration from 25.0k to 25.8k; False runs the model's own norm modules
     fused_norm = True
+    # multi-token calls of up to GQA_MAX_T tokens through SDPA's enable_gqa rather than the fold (see the module
+    # docstring); False folds every call (bench/bench_decode.py --gqa 0 times it)
+    gqa_steps = True
+    GQA_MAX_T = 16
 
-    def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None,
-                 expand_kv: bool = False):
+    def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
         ok, why = supported(model)
         if not ok:
             raise EyasError(f"FastLM cannot run this target: {why}")
@@ -178,8 +180,7 @@ class FastLM:
         self.aux_layers = list(aux_layers or [])
         if any(not 0 <= a <= n for a in self.aux_layers):
             raise EyasError(f"aux layers {self.aux_layers} out of range for a target with {n} layers (0..{n})")
-        self.expand_kv = bool(expand_kv) and self.n_heads != self.n_kv
-        shape = (batch_size, self.n_heads if self.expand_kv else self.n_kv, max_len, self.head_dim)
+        shape = (batch_size, self.n_kv, max_len, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
         self.slots = torch.arange(max_len, device=self.device)
@@ -239,18 +240,25 @@ class FastLM:
         one_off: the shape of this call is unlikely to come again (a prompt prefill): on a GPU, attention
         avoids kernels that build a plan per shape."""
         with one_off_kernels(self.device, on=one_off):
-            return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx)
+            return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx, one_off)
 
-    def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx):
+    def _use_gqa(self, T: int, one_off: bool) -> bool:
+        """Whether a call of T tokens passes q unfolded with enable_gqa: short multi-token calls, not prefills,
+        on a CPU or in half precision on a GPU (where cuDNN's attention takes it; other GPU kernels may not)."""
+        return (self.gqa_steps and 1 < T <= self.GQA_MAX_T and not one_off and self.n_heads != self.n_kv
+                and (self.device.type == "cpu" or self.dtype in (torch.bfloat16, torch.float16)))
+
+    def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False):
         b, T = ids.shape
         idx = self._rows(rows, b)
         qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
         # additive masks, shared by all layers: slot s is visible to the query at position p iff s <= p.
         # Query heads of one KV head are folded into the query length (no repeated keys/values):
-        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; with expand_kv, q [b, H, T, D] against k, v
-        # [b, H, upto, D]. One mask per row group (a, z, upto).
+        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; or, for short multi-token calls, q [b, H, T, D]
+        # with enable_gqa (see the module docstring). One mask per row group (a, z, upto).
         rep = self.n_heads // self.n_kv
-        fold = 1 if self.expand_kv else rep  # query rows per KV head and token
+        gqa = self._use_gqa(T, one_off)
+        fold = 1 if gqa else rep  # query rows per KV head and token in the attention call
         if isinstance(upto, (tuple, list)):
             if rows is not None or self.groups is None or len(upto) != len(self.groups):
                 raise EyasError("FastLM.forward: one bound per row group needs set_groups and rows=None")
@@ -269,7 +277,6 @@ class FastLM:
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         grab: dict[int, torch.Tensor] = {}
         write_at = (idx[:, None], slice(None), qpos)  # cache[idx, :, qpos] is [b, T, Hkv, D]
-        write_at5 = (idx[:, None], slice(None), slice(None), qpos)  # expand_kv: [b, T, Hkv, rep, D]
         for i, layer in enumerate(self.layers):
             if want_aux and i in self.aux_layers:
                 grab[i] = h
@@ -284,15 +291,11 @@ class FastLM:
                 k = _rotate(attn.k_proj(x).view(b, T, nkv, D), cos, sin)
                 v = attn.v_proj(x).view(b, T, nkv, D)
             kc, vc = self.k[i], self.v[i]
-            if self.expand_kv:  # each KV head into the rep slots of the query heads that read it
-                B, S = kc.shape[0], kc.shape[2]
-                kc.view(B, nkv, rep, S, D)[write_at5] = k[:, :, :, None].expand(b, T, nkv, rep, D)
-                vc.view(B, nkv, rep, S, D)[write_at5] = v[:, :, :, None].expand(b, T, nkv, rep, D)
-                q = q.transpose(1, 2)  # [b, H, T, D], a view
-            else:
-                kc[write_at] = k
-                vc[write_at] = v
-                q = q.transpose(1, 2).reshape(b, nkv, rep * T, D)
+            kc[write_at] = k
+            vc[write_at] = v
+            q = q.transpose(1, 2)  # [b, H, T, D], a view
+            if not gqa:
+                q = q.reshape(b, nkv, rep * T, D)
             outs = []
             for (a, z, u), m in zip(parts, masks):
                 if rows is None or isinstance(rows, slice):  # a view, no copy
@@ -300,11 +303,12 @@ class FastLM:
                     ks, vs = kc[sel, :, :u], vc[sel, :, :u]
                 else:
                     ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
-                outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling))
+                outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
+                                                           **({"enable_gqa": True} if gqa else {})))
             o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-            if not self.expand_kv:
+            if not gqa:
                 o = o.reshape(b, self.n_heads, T, self.head_dim)
-            o = o.transpose(1, 2).reshape(b, T, -1)  # a view when attention wrote [b, T, H, D] (GPU kernels)
+            o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h = h + attn.o_proj(o)
             x = self._norm(layer.post_attention_layernorm, h)
             if self.gate_up[i] is not None:

@@ -249,12 +249,13 @@ def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which,
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
-def test_expanded_kv_cache_decodes_losslessly(smol, prompt_set, trained, fused, monkeypatch):
-    """With the target's KV heads stored per query head (Decoder.expand_kv), greedy speculative decoding
-    still reproduces plain greedy decoding on the same cache layout, through accepted and rejected drafts."""
-    monkeypatch.setattr(Decoder, "expand_kv", True)
+def test_folded_verify_decodes_losslessly(smol, prompt_set, trained, fused, monkeypatch):
+    """With the verify pass folding the query heads (FastLM.gqa_steps off) instead of SDPA's enable_gqa,
+    greedy speculative decoding still reproduces plain greedy decoding, through accepted and rejected drafts."""
+    from eyas.fastlm import FastLM
+
+    monkeypatch.setattr(FastLM, "gqa_steps", False)
     plain = Decoder(smol, None, max_len=256)
-    assert plain.runner.lm.expand_kv
     for k in (3, 7):
         dec = Decoder(smol, trained, k=k, max_len=256, fused=fused)
         acc = []
