@@ -481,12 +481,12 @@ class Decoder:
                 gen.accepted.append(na)
                 gen.target_forwards += 1
             elif not speculative:
-                last = torch.tensor([out[-1]], device=self.device)
-                t0 = clock.start()
-                logits, _ = self._call("verify", last.view(1, 1), self._pos(L - 1, 1), upto=self._upto(L))
+                t0 = clock.start()  # the last token stays on the device: no host-to-device copy per step
+                logits, _ = self._call("verify", last_dev.view(1, 1), self._pos(L - 1, 1), upto=self._upto(L))
                 nxt = self._pick(logits[:, -1])
                 clock.stop("verify", t0)
                 new = [int(nxt.item())]
+                last_dev = nxt.view(1)
                 gen.target_forwards += 1
             else:
                 last = torch.tensor([out[-1]], device=self.device)
