@@ -8,8 +8,9 @@
 # chain with an anchored pattern, `pkill -f "^bash bench/gpu_"`, then `rm -rf /tmp/gq`: a pattern the call's own
 # command line contains kills the harness running it (`pkill -f gpu_jobs_one`, `pkill python3` and
 # `pkill -f "^timeout "` all did, in the tenth session).
-# Durations seen: staging 105 s, gputests 40-52 s, the pipeline about 850 s, profile_round 48 s, train_eyas
-# 114-158 s; speculators' trainer compiled for over 4 minutes without finishing a step. In order of what they decide:
+# Durations seen: staging 52 s (SmolLM2 and the data; 105 s with Qwen's 8 pieces, not needed by these jobs),
+# gputests 40-52 s, the pipeline about 850 s, profile_round 48 s, train_eyas 114-158 s; speculators' trainer
+# compiled for over 4 minutes without finishing a step. In order of what they decide:
 # - the default pipeline with greedy regeneration (never evaluated at GPU scale; the eval decodes greedily), with
 #   speculators' trainer beside it for a few steps to fill inductor's cache (the pipeline's figure is tau, not speed);
 # - decoding with its drafter, the verify folded and through enable_gqa, chat and HumanEval: issues 5 and 6's tau
