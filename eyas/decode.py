@@ -489,12 +489,11 @@ class Decoder:
                 last_dev = nxt.view(1)
                 gen.target_forwards += 1
             else:
-                last = torch.tensor([out[-1]], device=self.device)
                 t0 = clock.start()
                 drafts, q = self.draft(h_last, logits_last, L)
                 clock.stop("draft", t0)
                 t0 = clock.start()
-                a, nxt, aux = self.verify(last, drafts, q, L)
+                a, nxt, aux = self.verify(last_dev, drafts, q, L)
                 clock.stop("verify", t0)
                 # the one host sync of the round: accepted count and the emitted tokens
                 na, new = _emitted(torch.cat([a, drafts[0], nxt]).tolist())
@@ -506,6 +505,7 @@ class Decoder:
                 feed[0, na] = nxt[0]
                 h, dl = self._call("draft", feed, aux, self._pos(L - 1, self.k + 1), upto=self._upto(L + self.k))
                 h_last, logits_last = h[:, na:na + 1], dl[:, na]
+                last_dev = nxt.view(1)  # the round's last emitted token is always the target's
                 clock.stop("draft", t0)
             for t in new:
                 out.append(t)
