@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +66,8 @@ def main():
 
     from torch.profiler import ProfilerActivity, profile
 
+    from profile_round import graph_ms  # this folder's round profiler: one call as a CUDA graph, timed over replays
+
     for T in [int(x) for x in a.t.split(",")]:
         ref = None
         for name, fn in layouts(T).items():
@@ -92,21 +93,7 @@ def main():
             if dev.type == "cuda":
                 kern = [e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA]
                 r["kernels"] = [e.name[:90] for e in kern]
-                g = torch.cuda.CUDAGraph()
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    fn()
-                torch.cuda.current_stream().wait_stream(s)
-                with torch.cuda.graph(g):
-                    fn()
-                g.replay()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(2000):
-                    g.replay()
-                torch.cuda.synchronize()
-                r["graph_us"] = round(1e6 * (time.perf_counter() - t0) / 2000, 2)
+                r["graph_us"] = round(1e3 * graph_ms(fn, dev, 2000), 2)
             res["runs"][f"{name}_T{T}"] = r
             print(name, T, {k: v for k, v in r.items() if k != "kernels"}, r.get("kernels"), flush=True)
     with open(a.out, "w") as f:
