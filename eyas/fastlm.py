@@ -269,7 +269,9 @@ class FastLM:
         for a, z, u in parts:
             vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
             m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
-            masks.append(m[:, None] if fold == 1 else m[:, None].expand(z - a, fold, T, u).reshape(z - a, 1, fold * T, u))
+            if fold > 1:
+                m = m[:, None].expand(z - a, fold, T, u).reshape(z - a, fold * T, u)
+            masks.append(m[:, None])
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, T, 1, D]

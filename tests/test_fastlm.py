@@ -312,7 +312,7 @@ def test_capture_without_cudnn_matches_the_default_kernels(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_multi_token_calls_copy_nothing_on_gpu():
+def test_multi_token_calls_copy_nothing_on_gpu(monkeypatch):
     """On a GPU in bf16 with a head size cuDNN's attention takes (64), a 4-token call (a K=3 verify) with
     enable_gqa gives the folded call's logits and launches no copy; folded, it copies twice per layer."""
     from collections import Counter
@@ -328,17 +328,14 @@ def test_multi_token_calls_copy_nothing_on_gpu():
     step, at = ids[:, :4], torch.tensor([20], device="cuda")
 
     def run(gqa: bool):
-        FastLM.gqa_steps = gqa
-        try:
-            lm = FastLM(model, 1, 64)
-            lm.forward(ids, torch.zeros(1, dtype=torch.long, device="cuda"), upto=32)
-            lm.forward(step, at, upto=32)  # warm
-            with profile(activities=[ProfilerActivity.CPU]) as p:
-                logits, _ = lm.forward(step, at, upto=32)
-                torch.cuda.synchronize()
-            return logits, Counter(e.name for e in p.events())["aten::clone"]
-        finally:
-            FastLM.gqa_steps = True
+        monkeypatch.setattr(FastLM, "gqa_steps", gqa)
+        lm = FastLM(model, 1, 64)
+        lm.forward(ids, torch.zeros(1, dtype=torch.long, device="cuda"), upto=32)
+        lm.forward(step, at, upto=32)  # warm
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            logits, _ = lm.forward(step, at, upto=32)
+            torch.cuda.synchronize()
+        return logits, Counter(e.name for e in p.events())["aten::clone"]
 
     logits, clones = run(True)
     logits0, clones0 = run(False)
