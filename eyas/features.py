@@ -278,8 +278,10 @@ class _ShardBuffers:
 
     The first buffer is made at once, the others on a background thread. Pinning is slow (0.59 s for
     five SmolLM2 buffers of up to 256 MiB on an H200 host, 10% of a 2.7M-token extraction's first run,
-    BENCHMARKS.md), and the first shard needs only one buffer, so the rest can be pinned while the target
-    computes. `get` hands out a free buffer, waiting for one if none is; `put` returns it."""
+    BENCHMARKS.md, ninth session), and the first shard needs only one buffer. Measured in the tenth session,
+    this did not pay: the thread's pinning stalled the loop about as long as it saved (SmolLM2 417k against
+    432k tok/s with every buffer pinned first, Qwen 246k against 238k). `get` hands out a free buffer,
+    waiting for one if none is; `put` returns it."""
 
     def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 3,
                  device: torch.device | None = None):
