@@ -52,7 +52,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
     (from this function's "outputs"); a speculative method then reports how many of its prompts gave the
     same tokens (lossless greedy decoding gives all of them)."""
     toks = secs = 0.0
-    outputs = []
+    outputs, per_prompt = [], []
     acc, draft_s, verify_s, prefill_s, steps, done = [], 0.0, 0.0, 0.0, 0, 0
     t_end = time.perf_counter() + budget
     for ids in prompts:
@@ -65,6 +65,8 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
         prefill_s += g.prefill_seconds
         steps += g.target_forwards
         outputs.append(list(g.tokens))
+        if speculative:  # per prompt: new tokens, rounds, tokens accepted from the drafter
+            per_prompt.append([len(g.tokens), len(g.accepted), int(sum(g.accepted))])
         done += 1
         if time.perf_counter() > t_end:
             break
@@ -78,7 +80,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
         hist = [acc.count(i) for i in range(k + 1)]
         res.update(acceptance_length=(sum(acc) + len(acc)) / max(1, len(acc)), accepted_length_histogram=hist,
                    per_position_acceptance=[sum(hist[i:]) / max(1, sum(hist[i - 1:])) for i in range(1, k + 1)],
-                   draft_s=draft_s, verify_s=verify_s)
+                   draft_s=draft_s, verify_s=verify_s, per_prompt=per_prompt)
     if reference is not None:
         both = min(len(outputs), len(reference))
         res["same_as_plain"] = f"{sum(o == r for o, r in zip(outputs, reference))}/{both}"
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget)
-        reference = plain_res.pop("outputs")
+        reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
         record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx})
         plain.close()
         for k in ks:
