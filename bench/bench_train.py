@@ -37,6 +37,9 @@ def main(argv=None) -> int:
                         "(-1 = auto, 0 = recompute every epoch); run more steps than an epoch to see its effect")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: train.parallel, the drafter replicated (ddp) or sharded (fsdp, FSDP2)")
+    p.add_argument("--loss-compile", default="auto", choices=("auto", "0", "1"),
+                   help="eyas.ttt.LOSS_COMPILE: the TTT step loss through torch.compile (auto: on CUDA, the default) "
+                        "or eager (0), to time both")
     p.add_argument("--workdir", default="", help="run directory (default: a temporary one)")
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     p.add_argument("--random-target", default="", metavar="DIR",
@@ -47,12 +50,14 @@ def main(argv=None) -> int:
 
     import torch
 
+    from eyas import ttt
     from eyas.config import resolve
     from eyas.data.prepare import run_tokenize, tokens_dir
     from eyas.target import load_target
     from eyas.train import run_train
     from eyas.vocab import run_vocab, vocab_dir
 
+    ttt.LOSS_COMPILE = {"auto": "auto", "0": False, "1": True}[a.loss_compile]
     stage = os.environ.get("EYAS_STAGE_DIR", "")
     src = str(Path(stage) / "sharegpt.json.gz") if stage and (Path(stage) / "sharegpt.json.gz").exists() else "sharegpt"
     src = a.data or src
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
     out = {
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel,
+        "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel, "loss_compile": a.loss_compile,
         "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,

@@ -254,6 +254,40 @@ def count_positions(loss_mask: torch.Tensor, lengths: list[int], steps: int) -> 
     return out
 
 
+def _step_loss(logits: torch.Tensor, label_logits: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor,
+               didx: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TTT step's summed soft cross-entropy and right guesses, over every row of the batch.
+
+    logits [n, V_d] (the drafter's), label_logits [n, V_d] (the target's, read at rows nxt), weight [n]
+    (1 where the step trains), didx [n] (the target's top token as a draft index, -1 outside the draft
+    vocabulary), valid [n] (the positions the step counts). The cross-entropy is written as
+    logsumexp(q) - sum(p * q), which equals -(p * log_softmax(q)).sum() since p sums to one: it needs no
+    [n, V_d] log-probabilities, so compiled (`LOSS_COMPILE`) it runs as a few fused passes over the two
+    logit tensors instead of a dozen elementwise ones, and every row is computed (no data-dependent
+    row selection, so no host synchronisation and one shape for the compiler)."""
+    lg = logits.float()
+    p = torch.softmax(label_logits[nxt].float(), -1)
+    ce = torch.logsumexp(lg, -1) - (p * lg).sum(-1)
+    loss = torch.where(weight > 0, ce * weight, 0.0).sum()
+    correct = ((lg.argmax(-1) == didx[nxt]) & valid).sum().float()
+    return loss, correct
+
+
+LOSS_COMPILE = "auto"  # "auto": torch.compile the step loss on CUDA; True: everywhere; False: never
+_compiled_loss = None
+
+
+def step_loss_fn(device: torch.device):
+    """The step loss, compiled where `LOSS_COMPILE` says (bench/bench_train.py --loss-compile times both)."""
+    global _compiled_loss
+    on = LOSS_COMPILE is True or (LOSS_COMPILE == "auto" and device.type == "cuda")
+    if not on:
+        return _step_loss
+    if _compiled_loss is None:
+        _compiled_loss = torch.compile(_step_loss, dynamic=False, fullgraph=True)
+    return _compiled_loss
+
+
 def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_std: float = 0.0,
                generator: torch.Generator | None = None, backend: str = "auto") -> StepStats:
     """Run `steps` TTT steps over a packed batch; return per-step loss sums and counts."""
@@ -267,20 +301,15 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     pos = batch.pos[None]
     hidden = aux[None]
     stats = StepStats([], [], [])
+    loss_fn = step_loss_fn(ids.device)
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
         hidden, logits = drafter(ids[nxt][None], hidden, pos + j, attend)
-        rows = valid.nonzero().squeeze(1)
-        label_rows = nxt[rows]
-        didx = labels.draft_idx[label_rows]
-        inv = didx >= 0
-        lg = logits[0, rows].float()
-        logq = F.log_softmax(lg, -1)
-        p = F.softmax(labels.logits[label_rows].float(), -1)
-        ce = -(p * logq).sum(-1)
-        stats.loss_sum.append((ce * inv).sum())
-        stats.count.append(torch.tensor(float(rows.numel()), device=ids.device))
-        stats.correct.append(((lg.argmax(-1) == didx) & inv).sum().float())
+        weight = (valid & (labels.draft_idx[nxt] >= 0)).float()
+        loss, correct = loss_fn(logits[0], labels.logits, nxt, weight, labels.draft_idx, valid)
+        stats.loss_sum.append(loss)
+        stats.count.append(valid.sum().float())
+        stats.correct.append(correct)
     return stats
 
 

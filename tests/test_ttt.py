@@ -1,10 +1,12 @@
 """Training-time test: the packed, masked unroll equals a slow reference that drafts each sequence
 on its own with an explicit loop over steps and positions (attention by hand)."""
 import math
+import os
 
 import pytest
 import torch
 
+from eyas import ttt
 from eyas.draft import build_drafter
 from eyas.features import OnlineFeatures, Sample
 from eyas.ttt import (TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
@@ -228,3 +230,70 @@ def test_per_document_equals_dense_mask():
     outputs and gradients as SDPA with the dense TTT mask."""
     args = ([30, 1, 17, 5, 40], 96, 6, 16, torch.float64)
     _assert_same(_attend_outputs("docs", *args), _attend_outputs("dense", *args), 1e-10)
+
+
+def _loss_inputs(n, V, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lg = (3 * torch.randn(n, V, generator=g)).to(device, dtype).requires_grad_()
+    tl = (3 * torch.randn(n, V, generator=g)).to(device, dtype)
+    nxt = (torch.arange(n) + 1).clamp(max=n - 1).to(device)
+    didx = torch.randint(-1, V, (n,), generator=g).to(device)
+    didx[::3] = -1  # targets outside the draft vocabulary
+    right = torch.arange(0, n - 1, 7)  # some right guesses: row t's argmax as the label read at row t+1
+    didx[right + 1] = lg.detach().float().argmax(-1)[right].cpu().to(device)
+    valid = (torch.rand(n, generator=g) < 0.7).to(device)
+    w = (valid & (didx[nxt] >= 0)).float()
+    return lg, tl, nxt, w, didx, valid
+
+
+def _loss_and_grad(fn, lg, *rest):
+    loss, correct = fn(lg, *rest)
+    grad, = torch.autograd.grad(loss, lg)
+    return loss, correct, grad
+
+
+def test_step_loss_equals_log_softmax_form():
+    """logsumexp(q) - sum(p q) over all rows, weighted, is the soft cross-entropy -(p log_softmax(q)) summed over
+    the rows that train, with its gradient; right guesses count valid rows only."""
+    lg, tl, nxt, w, didx, valid = _loss_inputs(50, 300, torch.float32, "cpu")
+    loss, correct, grad = _loss_and_grad(ttt._step_loss, lg, tl, nxt, w, didx, valid)
+    rows = (w > 0).nonzero().squeeze(1)
+    lg64 = lg.detach().double().requires_grad_()  # the reference in float64
+    ref = -(torch.softmax(tl.double()[nxt[rows]], -1) * torch.log_softmax(lg64[rows], -1)).sum()
+    ref_grad, = torch.autograd.grad(ref, lg64)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-7)
+    hits = (lg.detach().argmax(-1) == didx[nxt]) & valid
+    assert int(hits.sum()) > 0 and correct.item() == int(hits.sum())
+
+
+def _compiler_missing() -> bool:
+    import shutil
+
+    return shutil.which(os.environ.get("CXX", "g++")) is None
+
+
+@pytest.mark.skipif(_compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_step_loss_equals_eager():
+    """The step loss as torch.compile builds it (what training runs on a GPU) gives the eager loss, count and
+    gradient; here through inductor's CPU code, on a GPU below through its Triton code."""
+    args = _loss_inputs(40, 257, torch.float32, "cpu", seed=1)
+    eager = _loss_and_grad(ttt._step_loss, *args)
+    compiled = _loss_and_grad(torch.compile(ttt._step_loss, dynamic=False, fullgraph=True), *args)
+    assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-5)
+    assert compiled[1].item() == eager[1].item()
+    torch.testing.assert_close(compiled[2], eager[2], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_compiled_step_loss_equals_eager_on_gpu(monkeypatch):
+    """On CUDA in bf16 at the training shape's scale, `step_loss_fn` is the compiled loss and agrees with eager."""
+    monkeypatch.setattr(ttt, "LOSS_COMPILE", "auto")
+    fn = ttt.step_loss_fn(torch.device("cuda"))
+    assert fn is not ttt._step_loss
+    args = _loss_inputs(4096, 32000, torch.bfloat16, "cuda", seed=2)
+    eager = _loss_and_grad(ttt._step_loss, *args)
+    compiled = _loss_and_grad(fn, *args)
+    assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-3)
+    assert compiled[1].item() == eager[1].item()
+    torch.testing.assert_close(compiled[2].float(), eager[2].float(), rtol=2e-2, atol=1e-3)
