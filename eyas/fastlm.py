@@ -278,7 +278,12 @@ class FastLM:
         n = len(self.layers)
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         grab: dict[int, torch.Tensor] = {}
-        write_at = (idx[:, None], slice(None), qpos)  # cache[idx, :, qpos] is [b, T, Hkv, D]
+        # cache[rows, :, qpos] is [b, T, Hkv, D]. On CUDA, index_put makes its index tensors contiguous when their
+        # strides differ, as rows broadcast over T tokens do: once per write, two per layer (the eleventh session's
+        # profile_round traced the verify's 60 extra copies to it). One row index per token, built here once, has
+        # qpos' strides. (A one-token call's indices already agree.)
+        ri = idx[:, None] if T == 1 else torch.zeros_like(qpos).add_(idx[:, None])
+        write_at = (ri, slice(None), qpos)
         for i, layer in enumerate(self.layers):
             if want_aux and i in self.aux_layers:
                 grab[i] = h

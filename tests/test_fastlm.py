@@ -314,7 +314,8 @@ def test_capture_without_cudnn_matches_the_default_kernels(monkeypatch):
 @pytest.mark.gpu
 def test_multi_token_calls_copy_nothing_on_gpu(monkeypatch):
     """On a GPU in bf16 with a head size cuDNN's attention takes (64), a 4-token call (a K=3 verify) with
-    enable_gqa gives the folded call's logits and launches no copy; folded, it copies twice per layer."""
+    enable_gqa gives the folded call's logits and launches no copy (not in attention, nor in the cache writes'
+    index_put, which copies index tensors whose strides differ); folded, it copies twice per layer."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
