@@ -89,6 +89,7 @@ def main(argv=None) -> int:
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel, "loss_compile": a.loss_compile,
+        "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from .config import Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
-from .ttt import PackedBatch, StepStats, acceptance_length, count_positions, pack_samples, target_labels, ttt_unroll
+from .ttt import (PackedBatch, StepStats, acceptance_length, count_positions, loss_state, pack_samples, target_labels,
+                  ttt_unroll)
 from .util import EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, stable_hash
 
 # settings whose change makes a checkpoint belong to a different run
@@ -805,7 +806,7 @@ def run_train(cfg: Config, target=None) -> dict:
                "feature_cache": train.features.cache_stats() if hasattr(train.features, "cache_stats") else None,
                "feature_warm": warm,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
-               "step_time_split": time_shares(clock.totals()),
+               "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
     if d.main:
         atomic_write_json(run / "train" / "summary.json", summary)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .features import Sample, target_top
-from .util import to_device
+from .util import log, to_device
 
 
 @dataclass
@@ -277,6 +277,37 @@ LOSS_COMPILE = "auto"  # "auto": torch.compile the step loss on CUDA; True: ever
 _compiled_loss = None
 
 
+class CompiledLoss:
+    """`_step_loss` through torch.compile, checked on its first call in each mode: the forward, and with grad a
+    forward and backward on a detached copy of the logits (inductor builds the backward lazily, at the first
+    backward, which would otherwise fail inside the training step; a compiled backward cannot run twice on one
+    graph, so the check does not reuse the real one). If either fails, it says why once and the loss runs eagerly from then on, so
+    a compiler problem costs speed, not the run. `state` says which ("compiled", "eager: <why>")."""
+
+    def __init__(self):
+        self.fn = torch.compile(_step_loss, dynamic=False, fullgraph=True)
+        self.checked: set[bool] = set()
+        self.state = "compiled"
+
+    def __call__(self, logits, *rest):
+        if self.state != "compiled":
+            return _step_loss(logits, *rest)
+        grad = torch.is_grad_enabled() and logits.requires_grad
+        if grad in self.checked:
+            return self.fn(logits, *rest)
+        try:
+            if grad:  # build and run the compiled backward now, on a detached copy (the same shape: the same graphs)
+                probe = logits.detach().requires_grad_()
+                torch.autograd.grad(self.fn(probe, *rest)[0], probe)
+            out = self.fn(logits, *rest)
+        except Exception as e:  # any compiler failure: fall back, keep training
+            self.state = f"eager: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            log(f"the TTT loss runs eagerly from now on: {self.state}")
+            return _step_loss(logits, *rest)
+        self.checked.add(grad)
+        return out
+
+
 def step_loss_fn(device: torch.device):
     """The step loss, compiled where `LOSS_COMPILE` says (bench/bench_train.py --loss-compile times both)."""
     global _compiled_loss
@@ -284,8 +315,14 @@ def step_loss_fn(device: torch.device):
     if not on:
         return _step_loss
     if _compiled_loss is None:
-        _compiled_loss = torch.compile(_step_loss, dynamic=False, fullgraph=True)
+        _compiled_loss = CompiledLoss()
     return _compiled_loss
+
+
+def loss_state(device: torch.device) -> str:
+    """How the TTT loss runs on `device`: "compiled", "eager", or "eager: <why compiling failed>"."""
+    fn = step_loss_fn(device)
+    return fn.state if isinstance(fn, CompiledLoss) else "eager"
 
 
 def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_std: float = 0.0,

@@ -274,12 +274,15 @@ def _compiler_missing() -> bool:
 
 
 @pytest.mark.skipif(_compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler")
-def test_compiled_step_loss_equals_eager():
+def test_compiled_step_loss_equals_eager(monkeypatch):
     """The step loss as torch.compile builds it (what training runs on a GPU) gives the eager loss, count and
     gradient; here through inductor's CPU code, on a GPU below through its Triton code."""
+    monkeypatch.setattr(ttt, "LOSS_COMPILE", True)
+    monkeypatch.setattr(ttt, "_compiled_loss", None)
     args = _loss_inputs(40, 257, torch.float32, "cpu", seed=1)
     eager = _loss_and_grad(ttt._step_loss, *args)
-    compiled = _loss_and_grad(torch.compile(ttt._step_loss, dynamic=False, fullgraph=True), *args)
+    compiled = _loss_and_grad(ttt.step_loss_fn(torch.device("cpu")), *args)
+    assert ttt.loss_state(torch.device("cpu")) == "compiled"
     assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-5)
     assert compiled[1].item() == eager[1].item()
     torch.testing.assert_close(compiled[2], eager[2], rtol=1e-4, atol=1e-6)
@@ -289,11 +292,47 @@ def test_compiled_step_loss_equals_eager():
 def test_compiled_step_loss_equals_eager_on_gpu(monkeypatch):
     """On CUDA in bf16 at the training shape's scale, `step_loss_fn` is the compiled loss and agrees with eager."""
     monkeypatch.setattr(ttt, "LOSS_COMPILE", "auto")
+    monkeypatch.setattr(ttt, "_compiled_loss", None)
     fn = ttt.step_loss_fn(torch.device("cuda"))
-    assert fn is not ttt._step_loss
     args = _loss_inputs(4096, 32000, torch.bfloat16, "cuda", seed=2)
     eager = _loss_and_grad(ttt._step_loss, *args)
     compiled = _loss_and_grad(fn, *args)
+    assert ttt.loss_state(torch.device("cuda")) == "compiled"
     assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-3)
     assert compiled[1].item() == eager[1].item()
     torch.testing.assert_close(compiled[2].float(), eager[2].float(), rtol=2e-2, atol=1e-3)
+
+
+def test_compiled_loss_falls_back_to_eager(monkeypatch):
+    """A compiler failure, in the forward or in the lazily built backward, leaves training on the eager loss with
+    the reason in `state`, and the loss and gradient are eager's."""
+    args = _loss_inputs(30, 101, torch.float32, "cpu", seed=3)
+    eager = _loss_and_grad(ttt._step_loss, *args)
+
+    class Broken(torch.autograd.Function):  # forward fine, backward raises like a failed backward compile
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("backward compile failed\nsecond line")
+
+    def forward_fails(*a):
+        raise RuntimeError("forward compile failed")
+
+    for fake, why in [(forward_fails, "forward compile failed"),
+                      (lambda lg, *rest: ttt._step_loss(Broken.apply(lg), *rest), "backward compile failed")]:
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake)
+        monkeypatch.setattr(ttt, "LOSS_COMPILE", True)
+        monkeypatch.setattr(ttt, "_compiled_loss", None)
+        fn = ttt.step_loss_fn(torch.device("cpu"))
+        got = _loss_and_grad(fn, *args)
+        state = ttt.loss_state(torch.device("cpu"))
+        assert state.startswith("eager: torch.compile failed") and why in state and "second line" not in state
+        assert got[0].item() == eager[0].item() and got[1].item() == eager[1].item()
+        torch.testing.assert_close(got[2], eager[2])
+        again = _loss_and_grad(fn, *args)  # later calls go straight to eager
+        torch.testing.assert_close(again[2], eager[2])
+    monkeypatch.setattr(ttt, "LOSS_COMPILE", False)
+    assert ttt.loss_state(torch.device("cpu")) == "eager"
