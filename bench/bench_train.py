@@ -40,6 +40,10 @@ def main(argv=None) -> int:
     p.add_argument("--loss-compile", default="auto", choices=("auto", "0", "1"),
                    help="eyas.ttt.LOSS_COMPILE: the TTT step loss through torch.compile (auto: on CUDA, the default) "
                         "or eager (0), to time both")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="profile N training steps near the end (torch.profiler, rank 0) and report where a step's "
+                        "device time goes, by kernel and by aten op, per step; the profiled steps run slower, so "
+                        "time throughput in a run without this")
     p.add_argument("--workdir", default="", help="run directory (default: a temporary one)")
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     p.add_argument("--random-target", default="", metavar="DIR",
@@ -82,6 +86,16 @@ def main(argv=None) -> int:
     prep = time.perf_counter() - t0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         target = None  # each rank loads the target on its own GPU inside run_train
+    prof = None
+    if a.profile_steps and rank == 0:
+        import eyas.train as train_mod
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        first = max(2, a.steps - a.profile_steps - 1)  # after compilation and warm-up, before the last step's saving
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = profile(activities=acts, schedule=schedule(wait=first - 2, warmup=1, active=a.profile_steps, repeat=1))
+        prof.start()
+        train_mod.STEP_HOOK = lambda step: prof.step()
     t1 = time.perf_counter()
     res = run_train(cfg, target)
     train_s = time.perf_counter() - t1
@@ -101,10 +115,41 @@ def main(argv=None) -> int:
         "train_s": round(train_s, 1), "run": run, "random_target": bool(a.random_target),
         "command": " ".join([sys.executable, *sys.argv]),
     }
+    if prof is not None:
+        prof.stop()
+        out["profile"] = step_profile(prof, a.profile_steps)
     if rank == 0:
         Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
         print(json.dumps(out, indent=2))
     return 0
+
+
+def step_profile(prof, steps: int) -> dict:
+    """Per profiled training step: the kernels launched and their device time, the top kernels, and the device
+    time of the kernels each op launched itself (ms; without a GPU, each op's own CPU time), largest first."""
+    import torch
+
+    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kernel: dict[str, list] = {}
+    for e in dev:
+        c = by_kernel.setdefault(e.name[:120], [0, 0.0])
+        c[0] += 1
+        c[1] += e.device_time / 1e3
+    by_op = []
+    for e in prof.key_averages():
+        if dev:  # the device time of the kernels the op launched itself
+            dt = getattr(e, "self_device_time_total", None)
+            dt = getattr(e, "self_cuda_time_total", 0) if dt is None else dt
+        else:  # no GPU: the op's own CPU time
+            dt = e.self_cpu_time_total
+        if dt > 0:
+            by_op.append([e.key[:120], round(e.count / steps, 1), round(dt / 1e3 / steps, 3)])
+    per = max(1, steps)
+    return {"steps": steps, "op_time": "device" if dev else "cpu", "kernels_per_step": round(len(dev) / per, 1),
+            "device_ms_per_step": round(sum(e.device_time for e in dev) / 1e3 / per, 3),
+            "top_kernels": [[n, round(c / per, 1), round(ms / per, 3)]
+                            for n, (c, ms) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:25]],
+            "by_op": sorted(by_op, key=lambda r: -r[2])[:40]}
 
 
 def random_target(shape: Path, out: Path) -> str:

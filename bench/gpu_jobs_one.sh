@@ -16,6 +16,7 @@
 #   eighth session's 2.78 (the loss must train as well as the eager one) and its training tok/s; its regenerated
 #   answers come back as smolD_regen.tgz, to carry into later sessions and skip regeneration;
 # - eyas' trainer with the compiled loss, then eager, then speculators' (warmed beside the pipeline): issue 5's 1.5x;
+#   then 3 of eyas' steps under the profiler (bench_train --profile-steps): where a step's device time goes;
 # - decoding with the default drafter, chat and HumanEval, the cache writes without index copies;
 # - profile_round: the verify's aten::copy_ count should now equal a step's;
 # - last, if time is left: 7 TTT steps on the same answers (4 epochs), for K=7's later positions.
@@ -45,6 +46,7 @@ TRAIN=(python3 bench/bench_train.py --conversations 1500 --steps 60 --batch-toke
 job train_eyas timeout 300 "${TRAIN[@]}" --out $S/train_eyas.json
 job train_eyas_eager timeout 300 "${TRAIN[@]}" --loss-compile 0 --out $S/train_eyas_eager.json
 [ $spec_ok = 1 ] && job spec_default timeout 420 "${SPEC[@]}" --steps 60 --out $S/train_spec_default.json
+job train_eyas_profile timeout 300 "${TRAIN[@]}" --steps 30 --profile-steps 3 --out $S/train_eyas_profile.json
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
     --k 3,7 --max-new-tokens 256 --budget 40 --hf-budget 15 --out $S/decode_sharegpt.json

@@ -568,6 +568,9 @@ def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dic
             "world": world}
 
 
+STEP_HOOK = None  # called with the step number after each optimizer step (bench/bench_train.py --profile-steps)
+
+
 def run_train(cfg: Config, target=None) -> dict:
     """Train the drafter of run directory `cfg.out` (tokenizing and choosing the vocabulary first if
     those stages have not run) and write the best drafter to `<run>/draft/`."""
@@ -790,6 +793,8 @@ def run_train(cfg: Config, target=None) -> dict:
             do_eval(step)
         if saves_due(step) or step == total:
             do_save(step)
+        if STEP_HOOK is not None:
+            STEP_HOOK(step)
         if step_sleep:
             time.sleep(step_sleep)
     bar.close()
