@@ -128,9 +128,11 @@ def main(argv=None) -> int:
                          "step, one CUDA graph per round), stepwise (each part its own step; methods named "
                          "eyas_spec_kK) or both")
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers generate baselines")
-    ap.add_argument("--norm", default="1",
-                    help="target RMSNorm through torch's fused kernel (FastLM.fused_norm, the default): 1, 0 (the "
-                         "model's own norm modules), or 0,1 to time both (the norm=0 methods get a _norm0 suffix)")
+    ap.add_argument("--norm", default="2",
+                    help="target RMSNorm: 2 (the default) torch's fused kernel in the model's dtype, one kernel "
+                         "(FastLM.norm_one_kernel); 1 the fused kernel with HF's rounding steps (FastLM.fused_norm "
+                         "alone, ~4 kernels); 0 the model's own norm modules; a comma list times several (methods of "
+                         "1 and 0 get a _norm1 / _norm0 suffix)")
     ap.add_argument("--draft-fuse", default="1",
                     help="the drafter's q/k/v and gate/up as one product each and rope from a table (Decoder."
                          "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
@@ -182,9 +184,10 @@ def main(argv=None) -> int:
     from eyas.fastlm import FastLM
 
     default_norm, default_dfuse, default_gqa = FastLM.fused_norm, Decoder.fuse_drafter, FastLM.gqa_steps
+    default_norm1k = FastLM.norm_one_kernel
     for norm, gqa in [(int(n), int(x)) for n in a.norm.split(",") for x in a.gqa.split(",")]:
-        FastLM.fused_norm, FastLM.gqa_steps = bool(norm), bool(gqa)
-        sfx = ("" if norm else "_norm0") + ("" if gqa else "_gqa0")
+        FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
+        sfx = ("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0")
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget)
@@ -203,6 +206,7 @@ def main(argv=None) -> int:
                            {**res, **engine_facts(dec), "variant": sfx})
                     dec.close()
     FastLM.fused_norm, Decoder.fuse_drafter, FastLM.gqa_steps = default_norm, default_dfuse, default_gqa
+    FastLM.norm_one_kernel = default_norm1k
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

@@ -89,14 +89,15 @@ def regen_config(users: list[str], args, engine: str):
 
 
 VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_prompt", "fuse": "fuse",
-                "overlap": "overlap", "norm": "fused_norm"}
+                "overlap": "overlap", "norm": "fused_norm", "norm1k": "norm_one_kernel"}
 
 
 def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     """One engine, optionally with StaticEngine settings changed for this run: `static:groups=0:check=16`
     (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold, `fuse=0`
     runs q/k/v and gate/up as separate products, `overlap=0` waits for each check before queueing the next steps,
-    `norm=0` runs the model's own RMSNorm modules instead of torch's fused kernel)."""
+    `norm=0` runs the model's own RMSNorm modules instead of torch's fused kernel, `norm1k=0` the fused kernel
+    with HF's rounding steps instead of one kernel in the model's dtype)."""
     from eyas.data.regen import StaticEngine, run_regen
     from eyas.fastlm import FastLM
 
@@ -105,9 +106,10 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     for o in opts:
         k, _, v = o.partition("=")
         attr = VARIANT_KEYS[k]
-        cls = FastLM if attr in ("fuse", "fused_norm") else StaticEngine
+        cls = FastLM if attr in ("fuse", "fused_norm", "norm_one_kernel") else StaticEngine
         saved[(cls, attr)] = getattr(cls, attr)
-        setattr(cls, attr, bool(int(v)) if attr in ("row_groups", "fuse", "overlap", "fused_norm") else int(v))
+        setattr(cls, attr, bool(int(v)) if attr in ("row_groups", "fuse", "overlap", "fused_norm", "norm_one_kernel")
+                          else int(v))
     cfg = regen_config(users, args, name)
     sync()
     t0 = time.perf_counter()

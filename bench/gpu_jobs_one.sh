@@ -17,8 +17,10 @@
 #   answers come back as smolD_regen.tgz, to carry into later sessions and skip regeneration;
 # - eyas' trainer with the compiled loss, then eager, then speculators' (warmed beside the pipeline): issue 5's 1.5x;
 #   then 3 of eyas' steps under the profiler (bench_train --profile-steps): where a step's device time goes;
-# - decoding with the default drafter, chat and HumanEval, the cache writes without index copies;
-# - profile_round: the verify's aten::copy_ count should now equal a step's;
+# - decoding with the default drafter, chat and HumanEval, the cache writes without index copies, and the target's
+#   RMSNorm as one kernel (FastLM.norm_one_kernel, new) against HF's rounding steps (4 kernels a norm);
+# - profile_round, both norms: the verify's aten::copy_ count should now equal a step's, and a forward should
+#   launch 183 fewer kernels with the one-kernel norm;
 # - last, if time is left: 7 TTT steps on the same answers (4 epochs), for K=7's later positions.
 S=$1; tag=$2
 source bench/gpu_lib.sh
@@ -49,11 +51,11 @@ job train_eyas_eager timeout 300 "${TRAIN[@]}" --loss-compile 0 --out $S/train_e
 job train_eyas_profile timeout 300 "${TRAIN[@]}" --steps 30 --profile-steps 3 --out $S/train_eyas_profile.json
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,7 --max-new-tokens 256 --budget 40 --hf-budget 15 --out $S/decode_sharegpt.json
+    --k 3,7 --max-new-tokens 256 --budget 40 --hf-budget 15 --norm 2,1 --out $S/decode_sharegpt.json
   job decode_humaneval timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 40 \
     --k 3,7 --max-new-tokens 256 --budget 30 --skip-hf --out $S/decode_humaneval.json
 fi
-job profile_round timeout 200 python3 bench/profile_round.py --parts 1 --out $S/profile_round.json
+job profile_round timeout 200 python3 bench/profile_round.py --parts 1 --norm 2,1 --out $S/profile_round.json
 if [ -d $run/data/regen ]; then  # the same answers, so only the TTT steps differ (and the epochs, to fit)
   mkdir -p /tmp/ttt7 && cp -r $run/data /tmp/ttt7/
   job pipeline_ttt7 python3 -m eyas run --out /tmp/ttt7 --set train.ttt_steps=7 --set train.epochs=4

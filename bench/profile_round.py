@@ -110,6 +110,10 @@ def main():
                     help="the target's multi-token calls through SDPA's enable_gqa (FastLM.gqa_steps): 1 (the default), "
                          "0 (query heads folded, as in a one-token step), or 1,0 for both in one process (the second "
                          "only with the default drafter, under gqa_<n>)")
+    ap.add_argument("--norm", default="2",
+                    help="the target's RMSNorm as bench_decode.py --norm: 2 (one fused kernel in the model's dtype, the "
+                         "default), 1 (the fused kernel with HF's rounding steps), 0 (the model's modules); a comma "
+                         "list measures each (after the first, the default drafter only, under norm_<n>)")
     a = ap.parse_args()
     global REPLAYS
     REPLAYS = a.replays
@@ -202,16 +206,23 @@ def main():
                 print(f"  {row}", flush=True)
     from eyas.fastlm import FastLM
 
-    layouts = [int(x) for x in a.gqa.split(",")]
-    for g in layouts:
+    norms = [int(x) for x in a.norm.split(",")]
+    variants = [(int(g), n) for g in a.gqa.split(",") for n in norms]
+    for g, n in variants:
         FastLM.gqa_steps = bool(g)
+        FastLM.fused_norm, FastLM.norm_one_kernel = n >= 1, n >= 2
         # the first listed gets every variant; another gets the default drafter only (its figures under
-        # res["gqa_<0|1>"]), to compare the verify's two attention layouts in one process
-        sub = res if g == layouts[0] else res.setdefault(f"gqa_{g}", {})
-        print(f"== FastLM.gqa_steps = {bool(g)}", flush=True)
+        # res["gqa_<0|1>"], or res["norm_<n>"] / res["gqa_<g>_norm_<n>"]), to compare in one process
+        if (g, n) == variants[0]:
+            sub = res
+        else:
+            key = (f"gqa_{g}" if g != variants[0][0] else "") + ("_" if g != variants[0][0] and n != norms[0] else "") \
+                + (f"norm_{n}" if n != norms[0] else "")
+            sub = res.setdefault(key, {})
+        print(f"== FastLM.gqa_steps = {bool(g)}, norm {n}", flush=True)
         measure(sub, (True, False) if sub is res else (True,))
-    FastLM.gqa_steps = True
-    for r in [res] + [v for k, v in res.items() if k.startswith("gqa_")]:
+    FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = True, True, True
+    for r in [res] + [v for k, v in res.items() if k.startswith(("gqa_", "norm_"))]:
         for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
             if key in r:
                 print(f"{key}: { {k: v for k, v in r[key].items() if k != 'by_op'} }", flush=True)

@@ -155,6 +155,12 @@ class FastLM:
     # ~4 kernels instead of ~8. On an H200 (BENCHMARKS.md, sixth session) plain SmolLM2 decoding went from 362
     # to 429 tok/s and regeneration from 25.0k to 25.8k; False runs the model's own norm modules
     fused_norm = True
+    # with fused_norm: the fused kernel in the model's dtype with the weight inside, one kernel a norm instead of
+    # four (the casts to fp32 and back, and the weight's multiply). It still accumulates in fp32, but rounds once,
+    # after the weight, where HF rounds the normalized value and then multiplies: bf16 results can differ in the
+    # last bit. Every decoding path (plain and speculative) runs the same forward, so greedy speculative decoding
+    # stays exactly lossless against plain. False keeps HF's rounding steps (bench/bench_decode.py --norm 1)
+    norm_one_kernel = True
     # multi-token calls of up to GQA_MAX_T tokens through SDPA's enable_gqa rather than the fold (see the module
     # docstring); False folds every call (bench/bench_decode.py --gqa 0 times it)
     gqa_steps = True
@@ -212,6 +218,8 @@ class FastLM:
         eps = getattr(module, "variance_epsilon", None)
         if not self.fused_norm or eps is None or getattr(module, "weight", None) is None:
             return module(x)
+        if self.norm_one_kernel and module.weight.dtype == x.dtype:
+            return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
         return llama_rms_norm(x, module.weight, eps)
 
     def _rows(self, rows, b: int) -> torch.Tensor:

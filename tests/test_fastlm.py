@@ -4,6 +4,7 @@ architectures it does not implement are refused; on a GPU, the CUDA-graph decode
 eager one."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eyas.fastlm import DecodeGraph, FastLM, supported
 from eyas.target import capture_hidden
@@ -134,6 +135,31 @@ def test_unfused_norm_matches_hf(smol, monkeypatch):
     assert FastLM.fused_norm
     monkeypatch.setattr(FastLM, "fused_norm", False)
     run_checks(smol.model, smol.aux_layers, smol.vocab_size)
+
+
+def test_hf_rounding_norm_matches_hf(smol, monkeypatch):
+    """The fused norm with HF's rounding steps (normalize in fp32, round, times the weight), the path before the
+    one-kernel norm became the default, passes the same checks."""
+    assert FastLM.norm_one_kernel
+    monkeypatch.setattr(FastLM, "norm_one_kernel", False)
+    run_checks(smol.model, smol.aux_layers, smol.vocab_size)
+
+
+@pytest.mark.gpu
+def test_one_kernel_norm_is_close_to_hf_rounding_on_gpu():
+    """In bf16 the one-kernel norm rounds once, after the weight: at most about one bf16 step from HF's order."""
+    from eyas.fastlm import llama_rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 576, device="cuda", generator=g).to(torch.bfloat16) * 3
+    w = (1 + 0.5 * torch.randn(576, device="cuda", generator=g)).to(torch.bfloat16)
+    one = F.rms_norm(x, (576,), w, 1e-5)
+    hf = llama_rms_norm(x, w, 1e-5)
+    ref = w.float() * F.rms_norm(x.float(), (576,), eps=1e-5)  # exact up to fp32
+    assert one.dtype == torch.bfloat16
+    step = ref.abs().clamp(min=1e-3) * 2 ** -7  # one bf16 step (8 significant bits)
+    assert ((one.float() - ref).abs() <= step).all()
+    assert ((one.float() - hf.float()).abs() <= 2 * step).all()
 
 
 @pytest.mark.parametrize("gqa", [True, False], ids=["gqa", "folded"])
