@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     out = {
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel, "loss_compile": a.loss_compile,
+        "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel,
+        "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",

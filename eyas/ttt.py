@@ -281,8 +281,9 @@ class CompiledLoss:
     """`_step_loss` through torch.compile, checked on its first call in each mode: the forward, and with grad a
     forward and backward on a detached copy of the logits (inductor builds the backward lazily, at the first
     backward, which would otherwise fail inside the training step; a compiled backward cannot run twice on one
-    graph, so the check does not reuse the real one). If either fails, it says why once and the loss runs eagerly from then on, so
-    a compiler problem costs speed, not the run. `state` says which ("compiled", "eager: <why>")."""
+    graph, so the check does not reuse the real one). If either fails, it says why once and the loss runs
+    eagerly from then on, so a compiler problem costs speed, not the run. `state` says which ("compiled",
+    "eager: <why>")."""
 
     def __init__(self):
         self.fn = torch.compile(_step_loss, dynamic=False, fullgraph=True)
