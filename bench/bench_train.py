@@ -128,28 +128,21 @@ def main(argv=None) -> int:
 def step_profile(prof, steps: int) -> dict:
     """Per profiled training step: the kernels launched and their device time, the top kernels, and the device
     time of the kernels each op launched itself (ms; without a GPU, each op's own CPU time), largest first."""
-    import torch
+    from profile_round import by_kernel, device_events, self_device_us  # bench/ is this script's folder
 
-    dev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_kernel: dict[str, list] = {}
-    for e in dev:
-        c = by_kernel.setdefault(e.name[:120], [0, 0.0])
-        c[0] += 1
-        c[1] += e.device_time / 1e3
+    dev = device_events(prof)
+    kernels = by_kernel(dev)
     by_op = []
     for e in prof.key_averages():
-        if dev:  # the device time of the kernels the op launched itself
-            dt = getattr(e, "self_device_time_total", None)
-            dt = getattr(e, "self_cuda_time_total", 0) if dt is None else dt
-        else:  # no GPU: the op's own CPU time
-            dt = e.self_cpu_time_total
+        # the device time of the kernels the op launched itself; with no GPU, the op's own CPU time
+        dt = self_device_us(e) if dev else e.self_cpu_time_total
         if dt > 0:
             by_op.append([e.key[:120], round(e.count / steps, 1), round(dt / 1e3 / steps, 3)])
     per = max(1, steps)
     return {"steps": steps, "op_time": "device" if dev else "cpu", "kernels_per_step": round(len(dev) / per, 1),
             "device_ms_per_step": round(sum(e.device_time for e in dev) / 1e3 / per, 3),
             "top_kernels": [[n, round(c / per, 1), round(ms / per, 3)]
-                            for n, (c, ms) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:25]],
+                            for n, (c, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]],
             "by_op": sorted(by_op, key=lambda r: -r[2])[:40]}
 
 

@@ -21,6 +21,27 @@ import json
 import torch
 
 
+def device_events(prof) -> list:
+    """The kernels (and device copies) a torch.profiler run recorded."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def by_kernel(evs) -> dict[str, list]:
+    """Device events grouped by kernel name (first 120 characters): name -> [calls, device ms]."""
+    out: dict[str, list] = {}
+    for e in evs:
+        c = out.setdefault(e.name[:120], [0, 0.0])
+        c[0] += 1
+        c[1] += e.device_time / 1e3
+    return out
+
+
+def self_device_us(avg) -> float:
+    """Device time (us) of the kernels an op launched itself, from a key_averages() row (either torch spelling)."""
+    dt = getattr(avg, "self_device_time_total", None)
+    return getattr(avg, "self_cuda_time_total", 0) if dt is None else dt
+
+
 def kernels(fn, dev) -> dict:
     """CUDA kernels (and copies) one eager call of fn launches, and their summed device time (ms); the top
     kernels by device time; and by_op: for each aten op, its calls and the device time of the kernels it
@@ -42,17 +63,11 @@ def kernels(fn, dev) -> dict:
                 top, par = par, par.cpu_parent
             key = f"{top.name} {top.input_shapes}"[:160]
             copies_from[key] = copies_from.get(key, 0) + 1
-    evs = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list] = {}
-    for e in evs:
-        c = by_name.setdefault(e.name[:120], [0, 0.0])
-        c[0] += 1
-        c[1] += e.device_time / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    evs = device_events(p)
+    top = sorted(by_kernel(evs).items(), key=lambda kv: -kv[1][1])[:12]
     by_op = {}
     for e in p.key_averages():
-        dt = getattr(e, "self_device_time_total", None)
-        dt = getattr(e, "self_cuda_time_total", 0) if dt is None else dt
+        dt = self_device_us(e)
         if e.key.startswith("aten::") and dt > 0:
             by_op[e.key] = [e.count, round(dt / 1e3, 4)]
     return {"kernels": len(evs), "device_ms": round(sum(e.device_time for e in evs) / 1e3, 4),
