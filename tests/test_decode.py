@@ -198,9 +198,9 @@ def trained(smol, prompt_set, plain_outputs):
 
 def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
     """Eagle3Drafter.fuse (q/k/v and gate/up as one product each, rope from a table) gives the same step as
-    the separate modules, keeps the state dict (and a fused drafter still saves and loads), and stands aside
-    once .to() gives the modules new weights."""
-    from eyas.draft import _fused, load_drafter, save_drafter
+    the separate modules (its RMSNorms one kernel each), keeps the state dict (and a fused drafter still saves
+    and loads), and stands aside once .to() gives the modules new weights; unfuse() undoes all of it."""
+    from eyas.draft import RMSNorm, _fused, load_drafter, save_drafter
 
     torch.manual_seed(0)
     d = build_drafter(tiny, 512, intermediate_size=96).eval()
@@ -214,6 +214,8 @@ def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
         attn, mlp = d.midlayer.self_attn, d.midlayer.mlp
         assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is not None
         assert _fused(mlp, ("gate_proj", "up_proj")) is not None
+        norms = [m for m in d.modules() if isinstance(m, RMSNorm)]
+        assert len(norms) == 4 and all(m.__dict__.get("_one_kernel") for m in norms)
         got = d(ids, aux, pos, rope_table=True)
         for a, b in zip(ref, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -225,6 +227,8 @@ def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
         assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is None and _fused(mlp, ("gate_proj", "up_proj")) is None
         again = d(ids, aux.double(), pos, rope_table=True)  # the fp32 table is not used for fp64 states
         torch.testing.assert_close(again[1].float(), ref[1], rtol=1e-4, atol=1e-4)
+        d.unfuse()
+        assert not any(m.__dict__.get("_one_kernel") for m in norms) and "_rope_table" not in d.__dict__
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
