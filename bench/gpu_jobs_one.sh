@@ -45,10 +45,12 @@ keep $run smolD
 wait
 TRAIN=(python3 bench/bench_train.py --conversations 1500 --steps 60 --batch-tokens 16384 --draft-intermediate-size 6144
        --workdir /tmp/trainrun)
+# each trains from scratch on the same tokens and vocabulary: a run folder's checkpoint would otherwise be resumed
+fresh() { rm -rf /tmp/trainrun/ckpt /tmp/trainrun/train /tmp/trainrun/draft; }
 job train_eyas timeout 300 "${TRAIN[@]}" --out $S/train_eyas.json
-job train_eyas_eager timeout 300 "${TRAIN[@]}" --loss-compile 0 --out $S/train_eyas_eager.json
+fresh; job train_eyas_eager timeout 300 "${TRAIN[@]}" --loss-compile 0 --out $S/train_eyas_eager.json
 [ $spec_ok = 1 ] && job spec_default timeout 420 "${SPEC[@]}" --steps 60 --out $S/train_spec_default.json
-job train_eyas_profile timeout 300 "${TRAIN[@]}" --steps 30 --profile-steps 3 --out $S/train_eyas_profile.json
+fresh; job train_eyas_profile timeout 300 "${TRAIN[@]}" --steps 30 --profile-steps 3 --out $S/train_eyas_profile.json
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
     --k 3,7 --max-new-tokens 256 --budget 40 --hf-budget 15 --norm 2,1 --out $S/decode_sharegpt.json
