@@ -183,8 +183,7 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    default_norm, default_dfuse, default_gqa = FastLM.fused_norm, Decoder.fuse_drafter, FastLM.gqa_steps
-    default_norm1k = FastLM.norm_one_kernel
+    saved = FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter
     for norm, gqa in [(int(n), int(x)) for n in a.norm.split(",") for x in a.gqa.split(",")]:
         FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
         sfx = ("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0")
@@ -205,8 +204,7 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx})
                     dec.close()
-    FastLM.fused_norm, Decoder.fuse_drafter, FastLM.gqa_steps = default_norm, default_dfuse, default_gqa
-    FastLM.norm_one_kernel = default_norm1k
+    FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter = saved
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

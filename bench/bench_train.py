@@ -138,10 +138,9 @@ def step_profile(prof, steps: int) -> dict:
         dt = self_device_us(e) if dev else e.self_cpu_time_total
         if dt > 0:
             by_op.append([e.key[:120], round(e.count / steps, 1), round(dt / 1e3 / steps, 3)])
-    per = max(1, steps)
-    return {"steps": steps, "op_time": "device" if dev else "cpu", "kernels_per_step": round(len(dev) / per, 1),
-            "device_ms_per_step": round(sum(e.device_time for e in dev) / 1e3 / per, 3),
-            "top_kernels": [[n, round(c / per, 1), round(ms / per, 3)]
+    return {"steps": steps, "op_time": "device" if dev else "cpu", "kernels_per_step": round(len(dev) / steps, 1),
+            "device_ms_per_step": round(sum(e.device_time for e in dev) / 1e3 / steps, 3),
+            "top_kernels": [[n, round(c / steps, 1), round(ms / steps, 3)]
                             for n, (c, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]],
             "by_op": sorted(by_op, key=lambda r: -r[2])[:40]}
 

@@ -221,22 +221,17 @@ def main():
                 print(f"  {row}", flush=True)
     from eyas.fastlm import FastLM
 
-    norms = [int(x) for x in a.norm.split(",")]
-    variants = [(int(g), n) for g in a.gqa.split(",") for n in norms]
+    variants = [(int(g), int(n)) for g in a.gqa.split(",") for n in a.norm.split(",")]
+    saved = FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel
     for g, n in variants:
-        FastLM.gqa_steps = bool(g)
-        FastLM.fused_norm, FastLM.norm_one_kernel = n >= 1, n >= 2
-        # the first listed gets every variant; another gets the default drafter only (its figures under
-        # res["gqa_<0|1>"], or res["norm_<n>"] / res["gqa_<g>_norm_<n>"]), to compare in one process
-        if (g, n) == variants[0]:
-            sub = res
-        else:
-            key = (f"gqa_{g}" if g != variants[0][0] else "") + ("_" if g != variants[0][0] and n != norms[0] else "") \
-                + (f"norm_{n}" if n != norms[0] else "")
-            sub = res.setdefault(key, {})
+        FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = bool(g), n >= 1, n >= 2
+        # the first listed gets every variant; another gets the default drafter only, its figures under the
+        # settings that differ from the first's (res["gqa_<g>"], res["norm_<n>"] or res["gqa_<g>_norm_<n>"])
+        differ = [f"gqa_{g}"] * (g != variants[0][0]) + [f"norm_{n}"] * (n != variants[0][1])
+        sub = res.setdefault("_".join(differ), {}) if differ else res
         print(f"== FastLM.gqa_steps = {bool(g)}, norm {n}", flush=True)
         measure(sub, (True, False) if sub is res else (True,))
-    FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = True, True, True
+    FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = saved
     for r in [res] + [v for k, v in res.items() if k.startswith(("gqa_", "norm_"))]:
         for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
             if key in r:

@@ -66,7 +66,8 @@ def main():
 
     from torch.profiler import ProfilerActivity, profile
 
-    from profile_round import graph_ms  # this folder's round profiler: one call as a CUDA graph, timed over replays
+    # this folder's round profiler: graph_ms times one call as a CUDA graph over replays; device_events, the kernels
+    from profile_round import device_events, graph_ms
 
     for T in [int(x) for x in a.t.split(",")]:
         ref = None
@@ -91,8 +92,7 @@ def main():
             r["copied_shapes"] = [str(e.input_shapes) for e in evs if e.name in ("aten::clone", "aten::contiguous")]
             r["ops"] = sorted(k for k in c if "attention" in k)
             if dev.type == "cuda":
-                kern = [e for e in evs if e.device_type == torch.autograd.DeviceType.CUDA]
-                r["kernels"] = [e.name[:90] for e in kern]
+                r["kernels"] = [e.name[:90] for e in device_events(p)]
                 r["graph_us"] = round(1e3 * graph_ms(fn, dev, 2000), 2)
             res["runs"][f"{name}_T{T}"] = r
             print(name, T, {k: v for k, v in r.items() if k != "kernels"}, r.get("kernels"), flush=True)

@@ -77,10 +77,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    one_kernel = False  # Eagle3Drafter.fuse sets it on each norm for decoding (llama_rms_norm's one_kernel)
+
     def forward(self, x):
-        if self.__dict__.get("_one_kernel") and self.weight.dtype == x.dtype:  # Eagle3Drafter.fuse, for decoding
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return llama_rms_norm(x, self.weight, self.eps)
+        return llama_rms_norm(x, self.weight, self.eps, one_kernel=self.one_kernel)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -221,9 +221,7 @@ class Eagle3Drafter(nn.Module):
         each RMSNorm as one fused kernel in the drafter's dtype (as FastLM.norm_one_kernel does for the target:
         one rounding after the weight instead of HF's two, 3 kernels fewer a norm; training keeps HF's steps)."""
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.__dict__["_one_kernel"] = True
+        self._norms_one_kernel(True)
         for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
             if fuse_linears([getattr(mod, n) for n in names]) is not None:
                 mod.__dict__["_eyas_fuse_on"] = True
@@ -236,10 +234,13 @@ class Eagle3Drafter(nn.Module):
         of the fused tensors, which is harmless)."""
         for mod in (self.midlayer.self_attn, self.midlayer.mlp):
             mod.__dict__.pop("_eyas_fuse_on", None)
+        self._norms_one_kernel(False)
+        self.__dict__.pop("_rope_table", None)
+
+    def _norms_one_kernel(self, on: bool) -> None:
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.__dict__.pop("_one_kernel", None)
-        self.__dict__.pop("_rope_table", None)
+                m.one_kernel = on
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attend: Attend = causal_attend, rope_table: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

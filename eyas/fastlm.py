@@ -77,9 +77,13 @@ def one_off_kernels(device: torch.device, on: bool = True):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_kernel: bool = False) -> torch.Tensor:
     """Llama's RMSNorm steps (normalize in fp32, round to x's dtype, times the weight) through torch's fused
-    kernel: fewer kernels than the spelled-out formula."""
+    kernel: fewer kernels than the spelled-out formula. one_kernel (when weight and x share a dtype): the fused
+    kernel in that dtype with the weight inside, one kernel instead of four; it accumulates in fp32 too but
+    rounds once, after the weight, so bf16 results can differ from HF's in the last bit."""
+    if one_kernel and weight.dtype == x.dtype:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -155,11 +159,10 @@ class FastLM:
     # ~4 kernels instead of ~8. On an H200 (BENCHMARKS.md, sixth session) plain SmolLM2 decoding went from 362
     # to 429 tok/s and regeneration from 25.0k to 25.8k; False runs the model's own norm modules
     fused_norm = True
-    # with fused_norm: the fused kernel in the model's dtype with the weight inside, one kernel a norm instead of
-    # four (the casts to fp32 and back, and the weight's multiply). It still accumulates in fp32, but rounds once,
-    # after the weight, where HF rounds the normalized value and then multiplies: bf16 results can differ in the
-    # last bit. Every decoding path (plain and speculative) runs the same forward, so greedy speculative decoding
-    # stays exactly lossless against plain. False keeps HF's rounding steps (bench/bench_decode.py --norm 1)
+    # with fused_norm: llama_rms_norm's one_kernel, one kernel a norm instead of four (the casts to fp32 and back,
+    # and the weight's multiply); bf16 results can differ from HF's in the last bit. Every decoding path (plain and
+    # speculative) runs the same forward, so greedy speculative decoding stays exactly lossless against plain.
+    # False keeps HF's rounding steps (bench/bench_decode.py --norm 1)
     norm_one_kernel = True
     # multi-token calls of up to GQA_MAX_T tokens through SDPA's enable_gqa rather than the fold (see the module
     # docstring); False folds every call (bench/bench_decode.py --gqa 0 times it)
@@ -218,9 +221,7 @@ class FastLM:
         eps = getattr(module, "variance_epsilon", None)
         if not self.fused_norm or eps is None or getattr(module, "weight", None) is None:
             return module(x)
-        if self.norm_one_kernel and module.weight.dtype == x.dtype:
-            return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
-        return llama_rms_norm(x, module.weight, eps)
+        return llama_rms_norm(x, module.weight, eps, one_kernel=self.norm_one_kernel)
 
     def _rows(self, rows, b: int) -> torch.Tensor:
         """Row indices [b] (long, on the device) for rows=None (all), a contiguous slice or an index tensor."""

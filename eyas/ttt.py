@@ -254,22 +254,23 @@ def count_positions(loss_mask: torch.Tensor, lengths: list[int], steps: int) -> 
     return out
 
 
-def _step_loss(logits: torch.Tensor, label_logits: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor,
-               didx: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _step_loss(logits: torch.Tensor, label_logits: torch.Tensor, nxt: torch.Tensor, didx: torch.Tensor,
+               valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One TTT step's summed soft cross-entropy and right guesses, over every row of the batch.
 
-    logits [n, V_d] (the drafter's), label_logits [n, V_d] (the target's, read at rows nxt), weight [n]
-    (1 where the step trains), didx [n] (the target's top token as a draft index, -1 outside the draft
-    vocabulary), valid [n] (the positions the step counts). The cross-entropy is written as
+    logits [n, V_d] (the drafter's), label_logits [n, V_d] (the target's) and didx [n] (the target's top token
+    as a draft index, -1 outside the draft vocabulary), both read at rows nxt, and valid [n] (the positions the
+    step counts; it trains on those whose label is in the draft vocabulary). The cross-entropy is written as
     logsumexp(q) - sum(p * q), which equals -(p * log_softmax(q)).sum() since p sums to one: it needs no
     [n, V_d] log-probabilities, so compiled (`LOSS_COMPILE`) it runs as a few fused passes over the two
     logit tensors instead of a dozen elementwise ones, and every row is computed (no data-dependent
     row selection, so no host synchronisation and one shape for the compiler)."""
     lg = logits.float()
+    d = didx[nxt]
     p = torch.softmax(label_logits[nxt].float(), -1)
     ce = torch.logsumexp(lg, -1) - (p * lg).sum(-1)
-    loss = torch.where(weight > 0, ce * weight, 0.0).sum()
-    correct = ((lg.argmax(-1) == didx[nxt]) & valid).sum().float()
+    loss = torch.where(valid & (d >= 0), ce, 0.0).sum()
+    correct = ((lg.argmax(-1) == d) & valid).sum().float()
     return loss, correct
 
 
@@ -343,8 +344,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
         hidden, logits = drafter(ids[nxt][None], hidden, pos + j, attend)
-        weight = (valid & (labels.draft_idx[nxt] >= 0)).float()
-        loss, correct = loss_fn(logits[0], labels.logits, nxt, weight, labels.draft_idx, valid)
+        loss, correct = loss_fn(logits[0], labels.logits, nxt, labels.draft_idx, valid)
         stats.loss_sum.append(loss)
         stats.count.append(valid.sum().float())
         stats.correct.append(correct)

@@ -215,7 +215,7 @@ def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
         assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is not None
         assert _fused(mlp, ("gate_proj", "up_proj")) is not None
         norms = [m for m in d.modules() if isinstance(m, RMSNorm)]
-        assert len(norms) == 4 and all(m.__dict__.get("_one_kernel") for m in norms)
+        assert len(norms) == 4 and all(m.one_kernel for m in norms)
         got = d(ids, aux, pos, rope_table=True)
         for a, b in zip(ref, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -228,7 +228,7 @@ def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
         again = d(ids, aux.double(), pos, rope_table=True)  # the fp32 table is not used for fp64 states
         torch.testing.assert_close(again[1].float(), ref[1], rtol=1e-4, atol=1e-4)
         d.unfuse()
-        assert not any(m.__dict__.get("_one_kernel") for m in norms) and "_rope_table" not in d.__dict__
+        assert not any(m.one_kernel for m in norms) and "_rope_table" not in d.__dict__
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])

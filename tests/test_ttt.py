@@ -242,8 +242,7 @@ def _loss_inputs(n, V, dtype, device, seed=0):
     right = torch.arange(0, n - 1, 7)  # some right guesses: row t's argmax as the label read at row t+1
     didx[right + 1] = lg.detach().float().argmax(-1)[right].cpu().to(device)
     valid = (torch.rand(n, generator=g) < 0.7).to(device)
-    w = (valid & (didx[nxt] >= 0)).float()
-    return lg, tl, nxt, w, didx, valid
+    return lg, tl, nxt, didx, valid
 
 
 def _loss_and_grad(fn, lg, *rest):
@@ -253,11 +252,11 @@ def _loss_and_grad(fn, lg, *rest):
 
 
 def test_step_loss_equals_log_softmax_form():
-    """logsumexp(q) - sum(p q) over all rows, weighted, is the soft cross-entropy -(p log_softmax(q)) summed over
+    """logsumexp(q) - sum(p q) over all rows, masked, is the soft cross-entropy -(p log_softmax(q)) summed over
     the rows that train, with its gradient; right guesses count valid rows only."""
-    lg, tl, nxt, w, didx, valid = _loss_inputs(50, 300, torch.float32, "cpu")
-    loss, correct, grad = _loss_and_grad(ttt._step_loss, lg, tl, nxt, w, didx, valid)
-    rows = (w > 0).nonzero().squeeze(1)
+    lg, tl, nxt, didx, valid = _loss_inputs(50, 300, torch.float32, "cpu")
+    loss, correct, grad = _loss_and_grad(ttt._step_loss, lg, tl, nxt, didx, valid)
+    rows = (valid & (didx[nxt] >= 0)).nonzero().squeeze(1)  # the rows that train
     lg64 = lg.detach().double().requires_grad_()  # the reference in float64
     ref = -(torch.softmax(tl.double()[nxt[rows]], -1) * torch.log_softmax(lg64[rows], -1)).sum()
     ref_grad, = torch.autograd.grad(ref, lg64)
