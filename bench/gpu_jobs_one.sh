@@ -12,9 +12,10 @@
 # and speculators' warm-up beside it); spec_warm 366 s beside it; decode_sharegpt with --gqa 1,0 and transformers
 # 283 s; decode_humaneval 45 s; train_eyas 122 s; spec_default 97 s once warm; profile_round 35 s. In order of what
 # they decide:
-# - the default pipeline (answers sampled at 0.8, 8 epochs) with the compiled TTT loss: its tau against the
-#   eighth session's 2.78 (the loss must train as well as the eager one) and its training tok/s; its regenerated
-#   answers come back as smolD_regen.tgz, to carry into later sessions and skip regeneration;
+# - the default pipeline with the data's later turns kept after each regenerated first answer, with their original
+#   answers (data.original_rest, about 2.5x the tokens), for 3 epochs instead of 8 so it trains on as many tokens
+#   as the default: its tau against the eighth session's 2.78 (same compute, more distinct text), with the compiled
+#   TTT loss; its regenerated answers come back as smolD_regen.tgz, to carry into later sessions;
 # - eyas' trainer with the compiled loss, then eager, then speculators' (warmed beside the pipeline): issue 5's 1.5x;
 #   then 3 of eyas' steps under the profiler (bench_train --profile-steps): where a step's device time goes;
 # - decoding with the default drafter, chat and HumanEval, the cache writes without index copies, and the target's
@@ -40,7 +41,7 @@ SPEC=(env PYTHONPATH=$PYTHONPATH:/tmp/specsite python3 bench/speculators_train.p
   tests/test_fastlm.py tests/test_ttt.py ) &
 [ $spec_ok = 1 ] && ( job spec_warm timeout 900 "${SPEC[@]}" --steps 6 --out $S/train_spec_warm.json ) &
 run=/tmp/gpurun
-job pipeline python3 -m eyas run --out $run
+job pipeline python3 -m eyas run --out $run --set data.original_rest=true --set train.epochs=3
 keep $run smolD
 wait
 TRAIN=(python3 bench/bench_train.py --conversations 1500 --steps 60 --batch-tokens 16384 --draft-intermediate-size 6144
@@ -53,7 +54,7 @@ fresh; job train_eyas_eager timeout 300 "${TRAIN[@]}" --loss-compile 0 --out $S/
 fresh; job train_eyas_profile timeout 300 "${TRAIN[@]}" --steps 30 --profile-steps 3 --out $S/train_eyas_profile.json
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,7 --max-new-tokens 256 --budget 40 --hf-budget 15 --norm 2,1 --out $S/decode_sharegpt.json
+    --k 3,7 --max-new-tokens 256 --budget 30 --hf-budget 15 --norm 2,1 --out $S/decode_sharegpt.json
   job decode_humaneval timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 40 \
     --k 3,7 --max-new-tokens 256 --budget 30 --skip-hf --out $S/decode_humaneval.json
 fi

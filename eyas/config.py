@@ -51,6 +51,9 @@ class DataConfig:
     max_seq_len: int = opt(2048, "truncate tokenized conversations to this many tokens")
     extra_original: int = opt(0, "besides the regenerated conversations, train on this many original ones of the train "
                               "split (their labels are still the target's own distribution; they cost a prefill, not a generation)")
+    original_rest: bool = opt(False, "after a regenerated conversation's last answer, keep the data set's later turns "
+                              "with their original answers (with regen.turns=1: every turn trained on, the first one "
+                              "the target's own; labels stay the target's distribution)")
     reasoning: str = opt("keep", "assistant reasoning: keep (render it the template's way) or drop", choices=("keep", "drop"))
     strict: bool = opt(False, "stop at the first bad record instead of skipping and counting it")
 

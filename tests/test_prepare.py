@@ -22,3 +22,47 @@ def test_regenerated_plus_extra_original(tmp_path):
     cfg.data.extra_original = 0
     got, _ = training_conversations(cfg)
     assert [c.id for c in got] == [first.id]
+
+
+def test_regenerated_first_turn_continued_with_original_turns(tmp_path):
+    cfg = C.resolve(None, "smollm2", {"out": str(tmp_path), "data.original_rest": True})
+    convs, _ = training_conversations(cfg)
+    multi = next(c for c in convs if c.n_assistant() >= 3 and c.turns[0].role == "user")
+    single = next(c for c in convs if c.n_assistant() == 1 and c.turns[0].role == "user")
+    regen = tmp_path / "data" / "regen"
+    regen.mkdir(parents=True)
+    recs = [{"id": c.id, "messages": [{"role": "user", "content": c.turns[0].content},
+                                      {"role": "assistant", "content": f"regenerated {c.id}"}]} for c in (multi, single)]
+    (regen / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got, source = training_conversations(cfg)
+    by_id = {c.id: c for c in got}
+    m = by_id[multi.id]
+    # the target's first answer, then the data set's own later turns, ending with an answer
+    assert [t.content for t in m.turns[:2]] == [multi.turns[0].content, f"regenerated {multi.id}"]
+    rest = multi.turns[2:]
+    while rest[-1].role != "assistant":
+        rest = rest[:-1]
+    assert [(t.role, t.content) for t in m.turns[2:]] == [(t.role, t.content) for t in rest]
+    assert m.meta["original_rest_turns"] == len(rest) and m.n_assistant() == multi.n_assistant()
+    s = by_id[single.id]  # nothing after its only answer: unchanged
+    assert [t.content for t in s.turns] == [single.turns[0].content, f"regenerated {single.id}"]
+    assert "original_rest_turns" not in s.meta and "1 continued" in source
+    cfg.data.original_rest = False
+    got, _ = training_conversations(cfg)
+    assert [len(c.turns) for c in got] == [2, 2]
+
+
+def test_original_rest_edge_cases():
+    from eyas.data.conversation import Conversation, Turn
+    from eyas.data.prepare import with_original_rest
+
+    orig = Conversation("a", [Turn("system", "s"), Turn("user", "u1"), Turn("assistant", "a1"), Turn("user", "u2"),
+                              Turn("assistant", "a2"), Turn("user", "u3")])
+    two = Conversation("a", [Turn("system", "s"), Turn("user", "u1"), Turn("assistant", "r1"), Turn("user", "u2"),
+                             Turn("assistant", "r2")])
+    assert with_original_rest(two, orig) is two  # every original answer was regenerated
+    one = Conversation("a", two.turns[:3])
+    got = with_original_rest(one, orig)
+    assert [t.content for t in got.turns] == ["s", "u1", "r1", "u2", "a2"]  # the unanswered u3 is dropped
+    assert with_original_rest(one, None) is one
+    assert with_original_rest(Conversation("a", [Turn("user", "u1")]), orig).n_assistant() == 0

@@ -85,9 +85,15 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     if rdir.exists() and any(rdir.glob("*.jsonl")):
         convs, rep = read_dataset(str(rdir), strict=cfg.data.strict)
         source = f"regenerated ({rdir})"
+        originals = _original_train(cfg) if (cfg.data.extra_original or cfg.data.original_rest) else []
+        if cfg.data.original_rest:
+            by_id = {c.id: c for c in originals}
+            convs = [with_original_rest(c, by_id.get(c.id)) for c in convs]
+            n = sum(bool(c.meta.get("original_rest_turns")) for c in convs)
+            source += f", {n} continued with their original later turns"
         if cfg.data.extra_original:
             done = {c.id for c in convs}
-            extra = [c for c in _original_train(cfg) if c.id not in done][: cfg.data.extra_original]
+            extra = [c for c in originals if c.id not in done][: cfg.data.extra_original]
             convs += extra
             source += f" + {len(extra)} original from {cfg.data.source}"
         return convs, source
@@ -95,6 +101,30 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     if cfg.data.limit:
         convs = convs[: cfg.data.limit]
     return convs, cfg.data.source
+
+
+def with_original_rest(regen: Conversation, original: Conversation | None) -> Conversation:
+    """`regen` followed by the turns of `original` that come after as many answers as `regen` has (its
+    later user turns and original answers), up to its last answer. `regen` unchanged when there is none."""
+    if original is None:
+        return regen
+    n, cut = regen.n_assistant(), None
+    seen = 0
+    for i, t in enumerate(original.turns):
+        if t.role == "assistant":
+            seen += 1
+            if seen == n:
+                cut = i + 1
+                break
+    if cut is None or n == 0:
+        return regen
+    rest = list(original.turns[cut:])
+    while rest and rest[-1].role != "assistant":  # a training conversation ends with an answer
+        rest.pop()
+    if not rest:
+        return regen
+    meta = {**regen.meta, "original_rest_turns": len(rest)}
+    return Conversation(regen.id, list(regen.turns) + rest, meta)
 
 
 def _original_train(cfg: Config) -> list[Conversation]:
