@@ -115,9 +115,9 @@ def test_feature_cache_budget_leaves_room_for_training():
 
     step = train_step_bytes(8192, 3, 32000)
     assert 9.5e9 < step < 10.5e9  # 10.4 GB measured on an H200 (BENCHMARKS.md)
-    assert feature_cache_budget(-1, "cuda", step, free=int(138e9)) == int(69e9)  # an H200: half of it
+    assert feature_cache_budget(-1, "cuda", step, free=int(138e9)) == int(138e9 * 0.85)  # an H200: 85% of it
     small = feature_cache_budget(-1, "cuda", step, free=int(23e9))  # a 24 GB card: the step's peak still fits
-    assert 0 < small and small + step * 1.25 + 2e9 <= 23e9
+    assert 0 < small and small + step * 1.25 + 4e9 <= 23e9
     assert feature_cache_budget(-1, "cuda", train_step_bytes(32768, 3, 32000), free=int(30e9)) == 0
     assert feature_cache_budget(-1, "cpu", step) == 0 and feature_cache_budget(2.5, "cpu") == int(2.5e9)
 
