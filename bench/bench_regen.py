@@ -106,10 +106,9 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     for o in opts:
         k, _, v = o.partition("=")
         attr = VARIANT_KEYS[k]
-        cls = FastLM if attr in ("fuse", "fused_norm", "norm_one_kernel") else StaticEngine
+        cls = FastLM if hasattr(FastLM, attr) else StaticEngine
         saved[(cls, attr)] = getattr(cls, attr)
-        setattr(cls, attr, bool(int(v)) if attr in ("row_groups", "fuse", "overlap", "fused_norm", "norm_one_kernel")
-                          else int(v))
+        setattr(cls, attr, bool(int(v)) if isinstance(saved[(cls, attr)], bool) else int(v))
     cfg = regen_config(users, args, name)
     sync()
     t0 = time.perf_counter()

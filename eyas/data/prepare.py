@@ -106,25 +106,12 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
 def with_original_rest(regen: Conversation, original: Conversation | None) -> Conversation:
     """`regen` followed by the turns of `original` that come after as many answers as `regen` has (its
     later user turns and original answers), up to its last answer. `regen` unchanged when there is none."""
-    if original is None:
+    n = regen.n_assistant()
+    answers = [i for i, t in enumerate(original.turns) if t.role == "assistant"] if original is not None else []
+    if n == 0 or len(answers) <= n:  # nothing answered after regen's last answer
         return regen
-    n, cut = regen.n_assistant(), None
-    seen = 0
-    for i, t in enumerate(original.turns):
-        if t.role == "assistant":
-            seen += 1
-            if seen == n:
-                cut = i + 1
-                break
-    if cut is None or n == 0:
-        return regen
-    rest = list(original.turns[cut:])
-    while rest and rest[-1].role != "assistant":  # a training conversation ends with an answer
-        rest.pop()
-    if not rest:
-        return regen
-    meta = {**regen.meta, "original_rest_turns": len(rest)}
-    return Conversation(regen.id, list(regen.turns) + rest, meta)
+    rest = original.turns[answers[n - 1] + 1:answers[-1] + 1]  # a training conversation ends with an answer
+    return Conversation(regen.id, list(regen.turns) + rest, {**regen.meta, "original_rest_turns": len(rest)})
 
 
 def _original_train(cfg: Config) -> list[Conversation]:
