@@ -5,7 +5,9 @@ vs transformers `generate` (dynamic cache, static cache, prompt-lookup decoding)
         --limit 80 --k 3 --out results.json
 
 Each method gets a warm-up and a time box (--budget seconds); tokens/s = new tokens / device-synced
-wall time over the prompts it finished. ShareGPT prompts are the first user turn of held-out
+wall time over the prompts it finished. On a GPU, each method's entry also says what the card's SM clock,
+temperature and power did while it ran ("gpu", bench/gpu_watch.py): the same method ran up to 13% slower
+straight after a training run (BENCHMARKS.md, thirteenth session). ShareGPT prompts are the first user turn of held-out
 (test-split) conversations.
 """
 from __future__ import annotations
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
     from eyas.decode import Decoder
     from eyas.evaluate import _device_name, load_eval_drafter
     from eyas.util import atomic_write_json
+    from gpu_watch import GpuWatch
 
     from eyas.target import load_target
 
@@ -173,10 +176,22 @@ def main(argv=None) -> int:
 
     def record(name, res):
         results["methods"][name] = res
+        g = res.get("gpu") or {}
         print(f"{name:28s} {res['tokens_per_s']:9.1f} tok/s  ({res['prompts']} prompts"
               + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "")
+              + (f", SM {g['sm_mhz_median']:.0f} MHz, {g.get('temp_c_max', 0):.0f} C" if "sm_mhz_median" in g else "")
               + (f", same as plain {res['same_as_plain']}" if "same_as_plain" in res else "") + ")", flush=True)
         atomic_write_json(a.out, results)
+
+    def watched(fn, *args, **kw) -> dict:
+        """fn's result with what the GPU's clocks, temperature and power did meanwhile (bench/gpu_watch.py), under
+        "gpu": a method timed slower because the card ran hot or clocked down shows it there."""
+        w = GpuWatch(dev).start()
+        try:
+            res = fn(*args, **kw)
+        finally:
+            state = w.stop()
+        return {**res, "gpu": state} if state else res
 
     def engine_facts(dec) -> dict:
         return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays)}
@@ -189,7 +204,7 @@ def main(argv=None) -> int:
         sfx = ("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0")
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
-        plain_res = run_engine(plain, prompts, a.max_new_tokens, stop, False, a.budget)
+        plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
         reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
         record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx})
         plain.close()
@@ -199,7 +214,7 @@ def main(argv=None) -> int:
                     Decoder.fuse_drafter = bool(dfuse)
                     dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
                     run_engine(dec, warm, 32, stop, True, 1e9)
-                    res = run_engine(dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
+                    res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
                     res.pop("outputs")
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx})
@@ -211,7 +226,7 @@ def main(argv=None) -> int:
                          ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})]:
             try:
                 run_hf(m, warm, 16, stop, 1e9, dev, **kw)
-                record(name, run_hf(m, prompts, a.max_new_tokens, stop, hf_budget, dev, **kw))
+                record(name, watched(run_hf, m, prompts, a.max_new_tokens, stop, hf_budget, dev, **kw))
             except Exception as e:  # a baseline that does not run here is reported, not fatal
                 results["methods"][name] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{name}: failed ({e})", flush=True)

@@ -119,9 +119,9 @@ class TrainConfig:
     online: bool = opt(True, "compute target features on the fly instead of reading stored shards "
                              "(--no-online: eyas run extracts shards first and trains from them)")
     feature_cache_gb: float = opt(-1.0, "online features kept in GPU memory after their first computation, so later "
-                                  "epochs skip the target's forward: at most this many GB (-1 = auto: half the "
-                                  "GPU memory free once the target is loaded, less what the training steps need; "
-                                  "none on a CPU; 0 = off)")
+                                  "epochs skip the target's forward: at most this many GB (-1 = auto: 85% of the "
+                                  "GPU memory free once the target is loaded, less what a training step needs and "
+                                  "4 GB; none on a CPU; 0 = off)")
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
