@@ -96,6 +96,10 @@ class FeaturesConfig:
     dtype: str = opt("bf16", "stored feature dtype", choices=("bf16", "fp8", "fp32"))
     batch_tokens: int = opt(16384, "tokens per extraction forward pass")
     shard_tokens: int = opt(1 << 20, "tokens per feature shard")
+    norm: str = opt("hf", "the target's RMSNorm while capturing features (extraction and online): hf (transformers' "
+                    "modules: normalize in fp32, round, times the weight) or one_kernel (torch's fused rms_norm in the "
+                    "model's dtype, one rounding, as eyas' decoder runs the target: FastLM.norm_one_kernel). In bf16 "
+                    "they differ by about 0.5% (bench/norm_rounding.py)", choices=("hf", "one_kernel"))
 
 
 @dataclass

@@ -51,17 +51,18 @@ def target_top(final: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 4096)
 
 
 @torch.no_grad()
-def compute_features(target, seqs: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def compute_features(target, seqs: list[torch.Tensor], norm: str = "hf") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One right-padded batch forward over `seqs` (1-D token tensors). With causal attention,
     padding on the right never changes the states of the real tokens, so no mask is needed.
-    The batch is assembled on the host and sent in one copy."""
+    The batch is assembled on the host and sent in one copy. norm: the target's RMSNorm numerics
+    (features.norm, Target.capture)."""
     if not seqs:
         return []
     T = max(len(s) for s in seqs)
     batch = torch.zeros(len(seqs), T, dtype=torch.long)
     for i, s in enumerate(seqs):
         batch[i, : len(s)] = s.cpu()
-    aux, final = target.capture(to_device(batch, target.device))
+    aux, final = target.capture(to_device(batch, target.device), norm=norm)
     top = target_top(final, target.model.get_output_embeddings())
     return [(aux[i, : len(s)], final[i, : len(s)], top[i, : len(s)]) for i, s in enumerate(seqs)]
 
@@ -73,8 +74,10 @@ class OnlineFeatures:
     their first computation, up to that many bytes, and later epochs read them instead of running the
     target again. Sequences that do not fit are computed every time."""
 
-    def __init__(self, target, tokens: TokenSet, max_batch_tokens: int = 16384, cache_bytes: int = 0):
+    def __init__(self, target, tokens: TokenSet, max_batch_tokens: int = 16384, cache_bytes: int = 0,
+                 norm: str = "hf"):
         self.target = target
+        self.norm = norm
         self.tokens = tokens
         self.max_batch_tokens = max_batch_tokens
         self.cache_bytes = max(0, int(cache_bytes))
@@ -105,7 +108,7 @@ class OnlineFeatures:
         order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k]))
         for a, b in plan_batches([len(seqs[k]) for k in order], batch_tokens):
             group = order[a:b]
-            yield group, compute_features(self.target, [seqs[k] for k in group])
+            yield group, compute_features(self.target, [seqs[k] for k in group], self.norm)
 
     def warm(self, indices: list[int], batch_tokens: int) -> int:
         """Compute and keep the features of `indices` before training, longest first in forwards of up to
@@ -444,7 +447,7 @@ def _pad_batch(tokens: TokenSet, seqs: list[int], pin: bool) -> tuple[torch.Tens
 
 
 def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int, dtype: str, buf: dict,
-                   on_tokens) -> int:
+                   on_tokens, norm: str = "hf") -> int:
     """Run the target over one shard's sequences (already longest first), filling `buf`'s leading
     rows; returns the number of tokens. buf None: compute only (a tensor-parallel process other than
     rank 0, which takes part in every forward but writes nothing)."""
@@ -457,7 +460,7 @@ def _extract_shard(target, tokens: TokenSet, seqs: list[int], batch_tokens: int,
         batch, lens = _pad_batch(tokens, seqs[a:b], pin)
         T = batch.shape[1]
         rows = torch.cat([torch.arange(L) + r * T for r, L in enumerate(lens)])
-        aux, final = target.capture(batch.to(dev, non_blocking=True))
+        aux, final = target.capture(batch.to(dev, non_blocking=True), norm=norm)
         rows = rows.to(dev, non_blocking=True)
         aux = aux.reshape(-1, aux.shape[-1]).index_select(0, rows)
         final = final.reshape(-1, final.shape[-1]).index_select(0, rows)
@@ -523,7 +526,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
     plans = plan_shards(lengths, world, shard_tokens)
     plan = {"format": FORMAT, "split": split, "target": target.identity(), "dtype": dtype, "hidden_size": H,
             "aux_layers": list(target.aux_layers), "tokens_sha256": tokens_sha256(tokens), "world_size": world,
-            "shard_tokens": shard_tokens}
+            "shard_tokens": shard_tokens,
+            **({"norm": cfg.features.norm} if cfg.features.norm != "hf" else {})}  # plans before the option: hf
     plan_key = sha256_json(plan)[:16]
     manifest_path = d / "manifest.json"
     if manifest_path.exists():
@@ -538,7 +542,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
         todo = _broadcast(None)
         with torch.inference_mode():
             for k in todo:
-                _extract_shard(target, tokens, plans[0][k], cfg.features.batch_tokens, dtype, None, lambda n: None)
+                _extract_shard(target, tokens, plans[0][k], cfg.features.batch_tokens, dtype, None, lambda n: None,
+                               cfg.features.norm)
         dist_barrier()  # rank 0 merges the index between these two
         dist_barrier()
         return {"split": split, "sequences": 0, "tokens": 0, "shards": 0, "reused_shards": 0, "dtype": dtype,
@@ -620,7 +625,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
                     t0 = time.perf_counter()
                     buf = bufs.get()
                     timing["wait_buffer_s"] += time.perf_counter() - t0
-                    n = _extract_shard(target, tokens, seqs, cfg.features.batch_tokens, dtype, buf, bar.update)
+                    n = _extract_shard(target, tokens, seqs, cfg.features.batch_tokens, dtype, buf, bar.update,
+                                       cfg.features.norm)
                     tok = _token_tensors(tokens, seqs)
                     tensors = {"offsets": tok["offsets"], "seq_index": tok["seq_index"],
                                **{key: v[:n] for key, v in buf.items()},

@@ -7,6 +7,8 @@ state is the output of the model's last norm; `lm_head(final)` gives the target 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -155,10 +157,11 @@ class Target:
 
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None = None, norm: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill forward; returns (aux [B,T,3H] = the residual streams entering the aux layers,
-        concatenated in aux-layer order; final [B,T,H] = after the last norm)."""
-        return capture_hidden(self.model, self.aux_layers, input_ids, attention_mask, position_ids)
+        concatenated in aux-layer order; final [B,T,H] = after the last norm). norm: "hf" (the model's own
+        RMSNorm modules) or "one_kernel" (each as one fused kernel in the model's dtype, as eyas' decoder)."""
+        return capture_hidden(self.model, self.aux_layers, input_ids, attention_mask, position_ids, norm=norm)
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -175,10 +178,41 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 CAPTURE_WITHOUT_CUDNN = True
 
 
-def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None, position_ids=None):
+def rms_norms(model) -> list[torch.nn.Module]:
+    """The model's Llama-style RMSNorm modules (a weight and a variance_epsilon, as FastLM fuses them)."""
+    return [m for m in model.modules()
+            if type(m).__name__.endswith("RMSNorm") and getattr(m, "variance_epsilon", None) is not None
+            and isinstance(getattr(m, "weight", None), torch.Tensor)]
+
+
+@contextlib.contextmanager
+def norms_one_kernel(model, on: bool = True):
+    """Within: each of the model's RMSNorm modules runs as one fused kernel in the input's dtype
+    (fastlm.llama_rms_norm's one_kernel, the rounding of eyas' decoder) instead of HF's steps."""
+    if not on:
+        yield
+        return
+    from .fastlm import llama_rms_norm
+
+    mods = rms_norms(model)
+    for m in mods:
+        m.forward = functools.partial(lambda mod, x: llama_rms_norm(x, mod.weight, mod.variance_epsilon,
+                                                                    one_kernel=True), m)
+    try:
+        yield
+    finally:
+        for m in mods:
+            del m.forward  # the class's forward again
+
+
+def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None, position_ids=None,
+                   norm: str = "hf"):
     """The aux and final states in one forward pass, via pre-hooks on the aux layers (no need to
     keep every layer's output as `output_hidden_states` does). Aux id N (= the number of layers)
-    is the stream after the last layer, before the norm."""
+    is the stream after the last layer, before the norm. norm "one_kernel": the RMSNorms as eyas'
+    decoder runs them (norms_one_kernel)."""
+    if norm not in ("hf", "one_kernel"):
+        raise EyasError(f"capture norm {norm!r}: expected 'hf' or 'one_kernel'")
     layers = decoder_layers(model)
     n = len(layers)
     grabbed: dict[int, torch.Tensor] = {}
@@ -200,7 +234,7 @@ def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None,
     from .fastlm import one_off_kernels
 
     try:
-        with one_off_kernels(input_ids.device, on=CAPTURE_WITHOUT_CUDNN):
+        with one_off_kernels(input_ids.device, on=CAPTURE_WITHOUT_CUDNN), norms_one_kernel(model, norm == "one_kernel"):
             out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                       position_ids=position_ids, use_cache=False)
     finally:

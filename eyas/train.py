@@ -163,7 +163,7 @@ def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0)
         from .features import OnlineFeatures
 
         return OnlineFeatures(target, tokens, max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens),
-                              cache_bytes=cache_bytes)
+                              cache_bytes=cache_bytes, norm=cfg.features.norm)
     try:
         from .features import OfflineFeatures
     except ImportError:

@@ -374,3 +374,50 @@ def test_tensor_parallel_is_refused_where_it_cannot_run(tiny):
         load_target(cfg)
     with pytest.raises(EyasError, match="needs several processes"):
         load_target(cfg, allow_tp=True)
+
+
+def test_capture_with_the_decoders_norm_rounding():
+    """features.norm=one_kernel: in bf16 the captured states follow eyas' decoder (FastLM with its norms as one
+    kernel) more closely than HF's rounding does, and HF's rounding follows FastLM's HF-rounding norm more closely;
+    the modules are HF's again afterwards; OnlineFeatures passes the setting through."""
+    from eyas.config import TargetConfig
+    from eyas.fastlm import FastLM
+    from eyas.features import OnlineFeatures
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="smollm2", dtype="bfloat16", device="cpu"))
+    ids = t.tokenizer("The hawk circled twice over the valley before it dove, and the mice below scattered "
+                      "into the tall grass while the farmer watched from the porch.", return_tensors="pt").input_ids
+    hf0, _ = t.capture(ids)
+    one, _ = t.capture(ids, norm="one_kernel")
+    hf1, _ = t.capture(ids)
+    assert torch.equal(hf0, hf1)  # the norms' own forward is back
+    assert not torch.equal(one, hf0)
+
+    def fast(one_kernel: bool) -> torch.Tensor:
+        saved = FastLM.fused_norm, FastLM.norm_one_kernel
+        FastLM.fused_norm, FastLM.norm_one_kernel = True, one_kernel
+        try:
+            lm = FastLM(t.model, 1, ids.shape[1], t.aux_layers)
+            with torch.no_grad():
+                return lm.forward(ids, torch.tensor([0]), want_aux=True)[1]
+        finally:
+            FastLM.fused_norm, FastLM.norm_one_kernel = saved
+
+    def dist(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    f1, f2 = fast(False), fast(True)
+    assert dist(one, f2) < dist(hf0, f2)
+    assert dist(hf0, f1) < dist(one, f1)
+
+    class Toks:
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            return ids[0], torch.ones_like(ids[0], dtype=torch.bool)
+
+    for norm, want in (("hf", hf0), ("one_kernel", one)):
+        s = OnlineFeatures(t, Toks(), norm=norm).get([0])[0]
+        assert torch.equal(s.aux, want[0])
