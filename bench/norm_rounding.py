@@ -2,7 +2,8 @@
 as one kernel (FastLM.norm_one_kernel, the decoder's default) against torch's fused kernel with HF's rounding steps
 (what training's features use), on the first exchange of held-out ShareGPT conversations. Prints, per
 conversation, the relative difference of the aux-layer states and the share of positions where the target's top
-token is the same.
+token is the same; then how far training's captured states (Target.capture, features.norm hf or one_kernel) are
+from each of the two decoder forwards.
 
     PYTHONPATH=. python3 bench/norm_rounding.py [--conversations 6] [--tokens 400] [--device cpu]
 """
@@ -45,6 +46,8 @@ def main() -> None:
                     logits, aux = lm.forward(torch.tensor([ids], device=t.device), torch.tensor([0], device=t.device),
                                              want_aux=True)
                 runs[one].append((logits.float(), aux.float()))
+        caps = {n: [t.capture(torch.tensor([ids], device=t.device), norm=n)[0].float() for ids in texts]
+                for n in ("hf", "one_kernel")}
     finally:
         FastLM.fused_norm, FastLM.norm_one_kernel = saved
     H = t.model.config.hidden_size
@@ -54,6 +57,16 @@ def main() -> None:
                      / a0[..., j * H:(j + 1) * H].norm()) for j in range(len(t.aux_layers))]
         same = float((l0.argmax(-1) == l1.argmax(-1)).float().mean())
         print(f"{len(ids):4d} tokens: aux relative difference {[round(r, 4) for r in rel]}, same top token {same:.4f}")
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    print("captured states (all aux layers) against the decoder's forward, relative difference:")
+    for n, cs in caps.items():
+        d1 = [rel(c, r[1]) for c, r in zip(cs, runs[False])]
+        d2 = [rel(c, r[1]) for c, r in zip(cs, runs[True])]
+        print(f"  features.norm={n:10s} vs HF-rounding decoder {[round(x, 4) for x in d1]}, "
+              f"vs one-kernel decoder {[round(x, 4) for x in d2]}")
 
 
 if __name__ == "__main__":
