@@ -142,6 +142,10 @@ def main(argv=None) -> int:
                     help="the target's multi-token calls (the verify) through SDPA's enable_gqa (FastLM.gqa_steps, the "
                          "default): 1, 0 (query heads folded, as a one-token step), or 0,1 to time both (the 0 methods "
                          "get a _gqa0 suffix)")
+    ap.add_argument("--overlap", default="1",
+                    help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
+                         "last one's tokens are read), 0 (each read first), or 0,1 to time both (the 0 methods, their "
+                         "plain baseline included, get an _ovl0 suffix)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -198,10 +202,12 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    saved = FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter
-    for norm, gqa in [(int(n), int(x)) for n in a.norm.split(",") for x in a.gqa.split(",")]:
+    saved = FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap
+    for norm, gqa, ovl in [(int(n), int(x), int(o)) for n in a.norm.split(",") for x in a.gqa.split(",")
+                           for o in a.overlap.split(",")]:
         FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
-        sfx = ("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0")
+        Decoder.overlap = bool(ovl)
+        sfx = ("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx})
                     dec.close()
-    FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter = saved
+    FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap = saved
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

@@ -129,6 +129,10 @@ def main():
                     help="the target's RMSNorm as bench_decode.py --norm: 2 (one fused kernel in the model's dtype, the "
                          "default), 1 (the fused kernel with HF's rounding steps), 0 (the model's modules); a comma "
                          "list measures each (after the first, the default drafter only, under norm_<n>)")
+    ap.add_argument("--overlap", default="1",
+                    help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
+                         "last one's tokens are read), 0 (each read before the next is launched), or 1,0 for both "
+                         "(the second under overlap_<n>, the default drafter only)")
     a = ap.parse_args()
     global REPLAYS
     REPLAYS = a.replays
@@ -221,18 +225,22 @@ def main():
                 print(f"  {row}", flush=True)
     from eyas.fastlm import FastLM
 
-    variants = [(int(g), int(n)) for g in a.gqa.split(",") for n in a.norm.split(",")]
-    saved = FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel
-    for g, n in variants:
+    variants = [(int(g), int(n), int(o)) for o in a.overlap.split(",") for g in a.gqa.split(",")
+                for n in a.norm.split(",")]
+    saved = FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel, Decoder.overlap
+    for g, n, o in variants:
         FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = bool(g), n >= 1, n >= 2
+        Decoder.overlap = bool(o)
         # the first listed gets every variant; another gets the default drafter only, its figures under the
-        # settings that differ from the first's (res["gqa_<g>"], res["norm_<n>"] or res["gqa_<g>_norm_<n>"])
-        differ = [f"gqa_{g}"] * (g != variants[0][0]) + [f"norm_{n}"] * (n != variants[0][1])
+        # settings that differ from the first's (res["gqa_<g>"], res["norm_<n>"], res["overlap_<o>"] or joined)
+        first = variants[0]
+        differ = ([f"gqa_{g}"] * (g != first[0]) + [f"norm_{n}"] * (n != first[1])
+                  + [f"overlap_{o}"] * (o != first[2]))
         sub = res.setdefault("_".join(differ), {}) if differ else res
-        print(f"== FastLM.gqa_steps = {bool(g)}, norm {n}", flush=True)
+        print(f"== FastLM.gqa_steps = {bool(g)}, norm {n}, overlap {o}", flush=True)
         measure(sub, (True, False) if sub is res else (True,))
-    FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = saved
-    for r in [res] + [v for k, v in res.items() if k.startswith(("gqa_", "norm_"))]:
+    FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel, Decoder.overlap = saved
+    for r in [res] + [v for k, v in res.items() if k.startswith(("gqa_", "norm_", "overlap_"))]:
         for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
             if key in r:
                 print(f"{key}: { {k: v for k, v in r[key].items() if k != 'by_op'} }", flush=True)

@@ -288,6 +288,9 @@ class Decoder:
     The drafter is moved to the target's device and dtype. temperature 0 = greedy verification.
     max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
     fuse_drafter = True  # Eagle3Drafter.fuse (bench/bench_decode.py --draft-fuse 0 turns it off to compare)
+    # queue the next plain step or fused round before reading the last one's tokens (Decoder._pipelined):
+    # None = on a GPU only (on a CPU the work is synchronous, so it would only add a dropped step at the end)
+    overlap: bool | None = None
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -423,7 +426,8 @@ class Decoder:
         """One greedy round with no host sync, from the last emitted token [1] at position pos0 [1]
         (= L-1): K drafts, the target's verify pass over K+1 tokens, acceptance, and the drafter rerun
         on the target's aux states. -> (packed [K+2] = accepted count, the K drafts, the next token;
-        the drafter's hidden state [1, 1, H] and logits [1, Vd] at the last accepted position)."""
+        the drafter's hidden state [1, 1, H] and logits [1, Vd] at the last accepted position; the next
+        round's pos0 [1]): everything the next round needs stays on the device."""
         drafts = self._draft_chain(h_last, logits_last, pos0, upto)
         ar = torch.arange(self.k + 1, device=drafts.device)
         logits, aux = self._target_fwd(torch.cat([last.view(1, 1), drafts], 1), pos0 + ar, upto)
@@ -433,9 +437,71 @@ class Decoder:
         h, dl = self._drafter_fwd(feed, aux, pos0 + ar, upto)
         h_last = h.gather(1, a.view(1, 1, 1).expand(1, 1, h.shape[-1]))
         logits_last = dl.gather(1, a.view(1, 1, 1).expand(1, 1, dl.shape[-1]))[:, 0]
-        return torch.cat([a, drafts[0], nxt]), h_last, logits_last
+        return torch.cat([a, drafts[0], nxt]), h_last, logits_last, pos0 + a + 1
 
     # -- generation ------------------------------------------------------------------------------
+    def _launch(self, state, speculative: bool, bound: int):
+        """Queue one plain step or fused greedy round on the device, with no host sync. state: plain
+        (last token [1], its position as an int); speculative (last token [1], drafter hidden [1, 1, H],
+        drafter logits [1, Vd], pos0 [1]). bound: the committed length L, or a bound on it when rounds
+        before this one are not read yet. -> (the next state, the device tensor the host reads: the
+        round's packed [K+2] or the step's token [1])."""
+        if speculative:
+            last, h, lg, pos = state
+            packed, h, lg, pos = self._call("round", last, h, lg, pos, upto=self._upto(bound + self.k + 1))
+            return (packed[-1:], h, lg, pos), packed
+        last, p = state  # a plain step adds one token: its position is known on the host
+        logits, _ = self._call("verify", last.view(1, 1), self._pos(p, 1), upto=self._upto(p + 1))
+        nxt = self._pick(logits[:, -1]).view(1)
+        return (nxt, p + 1), nxt
+
+    def _to_host(self, t: torch.Tensor):
+        """Start copying t to the host without waiting: (host tensor, event to wait on, or None on a CPU)."""
+        if self.device.type != "cuda":
+            return t, None
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return buf, ev
+
+    def _pipelined(self, gen: Generation, out: list[int], L: int, state, speculative: bool, max_new: int,
+                   stop: set, clock) -> None:
+        """Plain steps or fused greedy rounds until a stop token or max_new tokens, each launched from the
+        previous one's device outputs. With `overlap`, the next step is queued before the host reads the
+        last one's tokens, so the host's reading, bookkeeping and next launch run while the GPU works
+        (a step launched past the end is computed and dropped: it writes cache slots past the committed
+        length, which are masked by position and overwritten before anything attends to them)."""
+        from collections import deque
+
+        ahead = self.overlap if self.overlap is not None else self.device.type == "cuda"
+        grow = self.k + 1 if speculative else 1  # most tokens one launch can commit
+        pending = deque()
+        while True:
+            # launch until one step is queued beyond the one to read next (ahead), while the queued ones
+            # might still leave tokens to make and the cache has room for the furthest they could reach
+            while (not pending or ahead and len(pending) < 2 and len(out) + len(pending) < max_new
+                   and L + grow * len(pending) + self.k + 1 <= self.max_len):
+                t0 = clock.start()
+                state, res = self._launch(state, speculative, L + grow * len(pending))
+                clock.stop("verify", t0)
+                pending.append(self._to_host(res))
+            buf, ev = pending.popleft()
+            if ev is not None:
+                ev.synchronize()  # this step's result only: the one queued after it keeps the GPU busy
+            vals = buf.tolist()
+            if speculative:
+                na, new = _emitted(vals)
+                gen.accepted.append(na)
+            else:
+                new = vals
+            gen.target_forwards += 1
+            for t in new:
+                out.append(t)
+                if t in stop or len(out) >= max_new:
+                    return
+            L += len(new)
+
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
         """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any
@@ -470,43 +536,29 @@ class Decoder:
         out = [int(first.item())]
         L = n + 1
         last_dev = first.view(1)
-        while len(out) < max_new_tokens and out[-1] not in stop:
-            if speculative and self.fused:
-                t0 = clock.start()
-                packed_dev, h_last, logits_last = self._call("round", last_dev, h_last, logits_last,
-                                                             self._pos(L - 1, 1), upto=self._upto(L + self.k + 1))
-                clock.stop("verify", t0)
-                na, new = _emitted(packed_dev.tolist())  # the one host sync of the round
-                last_dev = packed_dev[-1:]
-                gen.accepted.append(na)
-                gen.target_forwards += 1
-            elif not speculative:
-                t0 = clock.start()  # the last token stays on the device: no host-to-device copy per step
-                logits, _ = self._call("verify", last_dev.view(1, 1), self._pos(L - 1, 1), upto=self._upto(L))
-                nxt = self._pick(logits[:, -1])
-                clock.stop("verify", t0)
-                new = [int(nxt.item())]
-                last_dev = nxt.view(1)
-                gen.target_forwards += 1
-            else:
-                t0 = clock.start()
-                drafts, q = self.draft(h_last, logits_last, L)
-                clock.stop("draft", t0)
-                t0 = clock.start()
-                a, nxt, aux = self.verify(last_dev, drafts, q, L)
-                clock.stop("verify", t0)
-                # the one host sync of the round: accepted count and the emitted tokens
-                na, new = _emitted(torch.cat([a, drafts[0], nxt]).tolist())
-                gen.accepted.append(na)
-                gen.target_forwards += 1
-                # rebuild the drafter's cache from the target's aux states at positions L-1..L-1+K
-                t0 = clock.start()
-                feed = torch.cat([drafts, nxt.view(1, 1)], 1)
-                feed[0, na] = nxt[0]
-                h, dl = self._call("draft", feed, aux, self._pos(L - 1, self.k + 1), upto=self._upto(L + self.k))
-                h_last, logits_last = h[:, na:na + 1], dl[:, na]
-                last_dev = nxt.view(1)  # the round's last emitted token is always the target's
-                clock.stop("draft", t0)
+        if (not speculative or self.fused) and len(out) < max_new_tokens and out[-1] not in stop:
+            state = (last_dev, h_last, logits_last, self._pos(L - 1, 1)) if speculative else (last_dev, L - 1)
+            self._pipelined(gen, out, L, state, speculative, max_new_tokens, stop, clock)
+        # the step-by-step round (sampling, or eval.round=stepwise): drafts, verify, one host sync, rebuild
+        while speculative and not self.fused and len(out) < max_new_tokens and out[-1] not in stop:
+            t0 = clock.start()
+            drafts, q = self.draft(h_last, logits_last, L)
+            clock.stop("draft", t0)
+            t0 = clock.start()
+            a, nxt, aux = self.verify(last_dev, drafts, q, L)
+            clock.stop("verify", t0)
+            # the one host sync of the round: accepted count and the emitted tokens
+            na, new = _emitted(torch.cat([a, drafts[0], nxt]).tolist())
+            gen.accepted.append(na)
+            gen.target_forwards += 1
+            # rebuild the drafter's cache from the target's aux states at positions L-1..L-1+K
+            t0 = clock.start()
+            feed = torch.cat([drafts, nxt.view(1, 1)], 1)
+            feed[0, na] = nxt[0]
+            h, dl = self._call("draft", feed, aux, self._pos(L - 1, self.k + 1), upto=self._upto(L + self.k))
+            h_last, logits_last = h[:, na:na + 1], dl[:, na]
+            last_dev = nxt.view(1)  # the round's last emitted token is always the target's
+            clock.stop("draft", t0)
             for t in new:
                 out.append(t)
                 if t in stop or len(out) >= max_new_tokens:

@@ -280,6 +280,36 @@ def test_transformers_engine_gives_the_same_tokens(smol, prompt_set, plain_outpu
         assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens == ref[:NEW]
 
 
+def test_overlapped_steps_and_rounds_decode_losslessly(smol, prompt_set, plain_outputs, trained, monkeypatch):
+    """Decoder.overlap (the GPU default) queues the next plain step or fused round before the host reads the
+    last one's tokens, feeding it the device outputs (the round's next position included). Forced on here, on
+    the CPU: plain and speculative output still equal plain greedy decoding, one step or round at most is
+    launched past the end of each generation, and at least one was launched ahead (the overlap did happen)."""
+    monkeypatch.setattr(Decoder, "overlap", True)
+    launched = []
+    real = Decoder._launch
+
+    def counting(self, *a, **kw):
+        launched[-1] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Decoder, "_launch", counting)
+    extra = []
+    for k in (1, 3, 7):
+        dec = Decoder(smol, trained, k=k, max_len=256, fused=True)
+        for speculative in (False, True) if k == 3 else (True,):
+            for ids, ref in zip(prompt_set, plain_outputs):
+                launched.append(0)
+                g = dec.generate(ids, NEW, smol.eot_token_ids, speculative=speculative)
+                assert g.tokens == ref[:NEW], (k, speculative, smol.tokenizer.decode(ids[-12:]))
+                extra.append(launched[-1] - g.target_forwards)
+    assert set(extra) <= {0, 1} and 1 in extra, extra
+    # a generation that stops on its first token launches nothing
+    launched.append(0)
+    g = Decoder(smol, trained, k=3, max_len=256, fused=True).generate(prompt_set[0], 1, ())
+    assert len(g.tokens) == 1 and launched[-1] == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # rollback: rejections forced at every draft position
 
@@ -312,12 +342,14 @@ class ScriptedDecoder(Decoder):
         return self._script(int(pos0[0]) + 1, drafts.device)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+@pytest.mark.parametrize("fused", [False, True, "overlap"], ids=["steps", "fused", "fused_overlap"])
 @pytest.mark.parametrize("k", [3, 7])
-def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k, fused):
+def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k, fused, monkeypatch):
+    if fused == "overlap":  # fused rounds, each queued before the last one is read (the GPU default)
+        monkeypatch.setattr(Decoder, "overlap", True)
     ids = prompt_set[1]
     ref = Decoder(smol, None, max_len=256).generate(ids, 48, (), speculative=False).tokens
-    dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=fused)
+    dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=bool(fused))
     g = dec.generate(ids, 40, (), speculative=True)
     assert g.tokens == ref[:40]
     expected = [r % (k + 1) for r in range(len(g.accepted))]
