@@ -112,7 +112,9 @@ def run_hf(model, prompts, max_new, stop, budget, device, **gen_kw):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="drafter folder (eyas, or SGLang/vLLM via eyas.export)")
+    ap.add_argument("--draft", required=True,
+                    help="drafter folder (eyas, or SGLang/vLLM via eyas.export), or `untrained` (SmolLM2's GPU shape, "
+                         "random: rounds of about one token, for timing and the lossless check)")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--prompts", default="sharegpt", help="sharegpt | humaneval | a .jsonl/.txt file")
     ap.add_argument("--limit", type=int, default=80)
@@ -162,7 +164,13 @@ def main(argv=None) -> int:
 
     target = load_target(TargetConfig(name=a.target))
     dev = target.device
-    drafter = load_eval_drafter(a.draft, target)
+    if a.draft == "untrained":  # timing and the lossless check without a trained drafter (tau about 1)
+        from eyas.draft import build_drafter
+
+        torch.manual_seed(0)
+        drafter = build_drafter(target, 32000, intermediate_size=6144)
+    else:
+        drafter = load_eval_drafter(a.draft, target)
     prompts = load_prompts(a.prompts, a.limit, target.tokenizer)
     stop = target.eot_token_ids
     max_len = max(len(p) for p in prompts) + max(a.max_new_tokens, 32) + max(int(k) for k in a.k.split(",")) + 2
