@@ -206,6 +206,7 @@ def main():
                         parts[f"round_k{k}{sfx}"] = graph_ms(lambda: dec._round_fwd(t[0], h, lg, pos, upto), dev)
                     print(f"parts k={k}{sfx}: {parts}", flush=True)
                 if dev.type == "cuda" and k == 3:
+                    pos = torch.tensor([L], device=dev)
                     h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
                     t = torch.zeros(1, 1, dtype=torch.long, device=dev)
                     upto = dec._upto(L + k + 1)

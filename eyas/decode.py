@@ -477,14 +477,18 @@ class Decoder:
         ahead = self.overlap if self.overlap is not None else self.device.type == "cuda"
         grow = self.k + 1 if speculative else 1  # most tokens one launch can commit
         pending = deque()
+        # one verify span for the whole loop when overlapping: a launch's own span would also hold the wait for
+        # the step queued before it
+        t_loop = clock.start() if ahead else None
         while True:
             # launch until one step is queued beyond the one to read next (ahead), while the queued ones
             # might still leave tokens to make and the cache has room for the furthest they could reach
             while (not pending or ahead and len(pending) < 2 and len(out) + len(pending) < max_new
                    and L + grow * len(pending) + self.k + 1 <= self.max_len):
-                t0 = clock.start()
+                t0 = None if ahead else clock.start()
                 state, res = self._launch(state, speculative, L + grow * len(pending))
-                clock.stop("verify", t0)
+                if t0 is not None:
+                    clock.stop("verify", t0)
                 pending.append(self._to_host(res))
             buf, ev = pending.popleft()
             if ev is not None:
@@ -499,6 +503,8 @@ class Decoder:
             for t in new:
                 out.append(t)
                 if t in stop or len(out) >= max_new:
+                    if t_loop is not None:
+                        clock.stop("verify", t_loop)
                     return
             L += len(new)
 

@@ -303,6 +303,7 @@ def test_overlapped_steps_and_rounds_decode_losslessly(smol, prompt_set, plain_o
                 g = dec.generate(ids, NEW, smol.eot_token_ids, speculative=speculative)
                 assert g.tokens == ref[:NEW], (k, speculative, smol.tokenizer.decode(ids[-12:]))
                 extra.append(launched[-1] - g.target_forwards)
+                assert 0 < g.verify_seconds and g.prefill_seconds + g.verify_seconds <= g.seconds
     assert set(extra) <= {0, 1} and 1 in extra, extra
     # a generation that stops on its first token launches nothing
     launched.append(0)
