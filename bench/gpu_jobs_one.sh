@@ -22,7 +22,8 @@
 #   allturns_regen_partN.tgz, pieces of one tgz under the 16 MiB a file: `cat allturns_regen_part*.tgz > x.tgz`;
 # - beside it, the twelfth session's run for 6 epochs instead of 3 (3 TTT steps, data.original_rest, the carried
 #   first answers), with the feature cache set to 90 GB so both fit: does a second pass of 3 epochs still add
-#   (validation step-0 accuracy 0.646 after 3)? Then decoding once the regen is done, the norms in the order 2,1.
+#   (validation step-0 accuracy 0.646 after 3)? Then decoding once the regen is done, with a trained drafter the
+#   first time with and without the overlapped loop (Decoder.overlap: -0.59 ms a round with an untrained drafter).
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
@@ -44,6 +45,6 @@ NO_REGEN_TGZ=1 keep $run e6
 wait $regen_pid
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 400 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,5,7 --max-new-tokens 256 --budget 40 --skip-hf --norm 2,1 --out $S/decode_sharegpt.json
+    --k 3,5,7 --max-new-tokens 256 --budget 40 --skip-hf --overlap 1,0 --out $S/decode_sharegpt.json
 fi
 touch $S/finished_$tag
