@@ -148,6 +148,10 @@ def main(argv=None) -> int:
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), or 0,1 to time both (the 0 methods, their "
                          "plain baseline included, get an _ovl0 suffix)")
+    ap.add_argument("--ew", default="0",
+                    help="Decoder.compile_elementwise: 0 (the default), 1 (the target's rope, residual add + norm and "
+                         "silu * up as torch.compile'd kernels in its steps and verify passes), or 0,1 to time both "
+                         "(the 1 methods, their plain baseline included, get an _ew1 suffix)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -210,12 +214,14 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    saved = FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap
-    for norm, gqa, ovl in [(int(n), int(x), int(o)) for n in a.norm.split(",") for x in a.gqa.split(",")
-                           for o in a.overlap.split(",")]:
+    saved = (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
+             Decoder.compile_elementwise)
+    for norm, gqa, ovl, ew in [(int(n), int(x), int(o), int(e)) for n in a.norm.split(",") for x in a.gqa.split(",")
+                               for o in a.overlap.split(",") for e in a.ew.split(",")]:
         FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
-        Decoder.overlap = bool(ovl)
-        sfx = ("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
+        Decoder.overlap, Decoder.compile_elementwise = bool(ovl), bool(ew)
+        sfx = (("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
+               + ("_ew1" if ew else ""))
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
@@ -233,7 +239,8 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx})
                     dec.close()
-    FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap = saved
+    (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
+     Decoder.compile_elementwise) = saved
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

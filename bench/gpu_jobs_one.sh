@@ -23,7 +23,8 @@
 # - beside it, the twelfth session's run for 6 epochs instead of 3 (3 TTT steps, data.original_rest, the carried
 #   first answers), with the feature cache set to 90 GB so both fit: does a second pass of 3 epochs still add
 #   (validation step-0 accuracy 0.646 after 3)? Then decoding once the regen is done, with a trained drafter the
-#   first time with and without the overlapped loop (Decoder.overlap: -0.59 ms a round with an untrained drafter).
+#   first time with and without the overlapped loop (Decoder.overlap: -0.59 ms a round with an untrained drafter),
+#   then with the target's elementwise work compiled (Decoder.compile_elementwise, about 7 kernels fewer a layer).
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
@@ -46,5 +47,7 @@ wait $regen_pid
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 400 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
     --k 3,5,7 --max-new-tokens 256 --budget 40 --skip-hf --overlap 1,0 --out $S/decode_sharegpt.json
+  job decode_ew timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
+    --k 3 --max-new-tokens 256 --budget 30 --skip-hf --ew 0,1 --out $S/decode_ew.json
 fi
 touch $S/finished_$tag

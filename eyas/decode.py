@@ -291,6 +291,9 @@ class Decoder:
     # queue the next plain step or fused round before reading the last one's tokens (Decoder._pipelined):
     # None = on a GPU only (on a CPU the work is synchronous, so it would only add a dropped step at the end)
     overlap: bool | None = None
+    # the target's steps and verify passes with FastLM.compile_elementwise (rope, add+norm, silu*mul compiled):
+    # off until timed on a GPU (bench/bench_decode.py --ew 0,1)
+    compile_elementwise = False
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -317,6 +320,8 @@ class Decoder:
             raise EyasError(f"the fast decoder cannot run this target: {why}")
         self.engine = "fast" if ok and engine != "hf" else "hf"
         self.runner = FastTargetRunner(target, max_len) if self.engine == "fast" else TargetRunner(target, max_len)
+        if self.engine == "fast":
+            self.runner.lm.compile_elementwise = bool(self.compile_elementwise)
         # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
         # CUDA graph and no host work between its parts; its time is reported as verify time.
         # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)

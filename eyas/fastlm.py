@@ -102,6 +102,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _add_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float, one_kernel: bool):
+    """(h + d, the RMSNorm of h + d): a residual add and the norm after it."""
+    h = h + d
+    return h, llama_rms_norm(h, weight, eps, one_kernel=one_kernel)
+
+
+_COMPILED: dict = {}
+
+
+def compiled(fn):
+    """fn through torch.compile (static shapes, whole graph), once per function: for FastLM.compile_elementwise,
+    each compiled function one kernel where eager runs several (rope 5, add and norm 2, silu and multiply 2)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[fn]
+
+
 def held_fusion(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The (weight, bias) fuse_linears gave these layers, while every layer's weight is still a view of it;
     None if they were never fused or have new weights since (a .to() or load_state_dict)."""
@@ -168,6 +189,11 @@ class FastLM:
     # docstring); False folds every call (bench/bench_decode.py --gqa 0 times it)
     gqa_steps = True
     GQA_MAX_T = 16
+    # calls other than one-off prefills run rope, each residual add with the norm after it, and the MLP's
+    # silu-and-multiply as torch.compile'd kernels (`compiled`): about 7 kernels fewer a layer. Off by default and
+    # per instance (the decoder sets it from Decoder.compile_elementwise): not yet timed on a GPU; each new call
+    # shape compiles once, so prefills of varying length stay eager
+    compile_elementwise = False
 
     def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
         ok, why = supported(model)
@@ -293,18 +319,33 @@ class FastLM:
         # qpos' strides. (A one-token call's indices already agree.)
         ri = idx[:, None] if T == 1 else torch.zeros_like(qpos).add_(idx[:, None])
         write_at = (ri, slice(None), qpos)
+        ew = self.compile_elementwise and not one_off
+        rotate = compiled(_rotate) if ew else _rotate
+        pend = None  # the last MLP's output, added to h together with the next norm (add_norm)
+
+        def add_norm(h, d, module):
+            """(h + d, module's norm of it): one compiled kernel with `ew` where the norm is Llama-style."""
+            eps = getattr(module, "variance_epsilon", None)
+            if ew and self.fused_norm and eps is not None and getattr(module, "weight", None) is not None:
+                return compiled(_add_norm)(h, d, module.weight, eps, self.norm_one_kernel)
+            h = h + d
+            return h, self._norm(module, h)
+
         for i, layer in enumerate(self.layers):
+            if pend is not None:
+                h, x = add_norm(h, pend, layer.input_layernorm)
+            else:
+                x = self._norm(layer.input_layernorm, h)
             if want_aux and i in self.aux_layers:
                 grab[i] = h
             attn = layer.self_attn
-            x = self._norm(layer.input_layernorm, h)
             if self.qkv[i] is not None:
                 qkv = F.linear(x, *self.qkv[i]).view(b, T, nh + 2 * nkv, D)
-                qk = _rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
+                qk = rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
                 q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv:]
             else:
-                q = _rotate(attn.q_proj(x).view(b, T, nh, D), cos, sin)
-                k = _rotate(attn.k_proj(x).view(b, T, nkv, D), cos, sin)
+                q = rotate(attn.q_proj(x).view(b, T, nh, D), cos, sin)
+                k = rotate(attn.k_proj(x).view(b, T, nkv, D), cos, sin)
                 v = attn.v_proj(x).view(b, T, nkv, D)
             kc, vc = self.k[i], self.v[i]
             kc[write_at] = k
@@ -325,16 +366,16 @@ class FastLM:
             if not gqa:
                 o = o.reshape(b, self.n_heads, T, self.head_dim)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
-            h = h + attn.o_proj(o)
-            x = self._norm(layer.post_attention_layernorm, h)
+            h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
             if self.gate_up[i] is not None:
                 gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
-                h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+                silu = ew and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+                pend = layer.mlp.down_proj(compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up)
             else:
-                h = h + layer.mlp(x)
+                pend = layer.mlp(x)
+        h, final = add_norm(h, pend, self.base.norm)
         if want_aux and n in self.aux_layers:
             grab[n] = h
-        final = self._norm(self.base.norm, h)
         if last_idx is not None:
             final = final.gather(1, last_idx.to(self.device, torch.long).view(b, 1, 1).expand(b, 1, final.shape[-1]))
         elif last_only:

@@ -311,6 +311,32 @@ def test_overlapped_steps_and_rounds_decode_losslessly(smol, prompt_set, plain_o
     assert len(g.tokens) == 1 and launched[-1] == 0
 
 
+def test_compiled_elementwise_target_decodes_losslessly(smol, prompt_set, plain_outputs, trained, monkeypatch):
+    """Decoder.compile_elementwise (FastLM's rope, residual add + norm and silu * up as torch.compile'd kernels on
+    its steps and verify passes; prefills stay eager): a step's logits and aux states match the eager forward's,
+    and plain and K=3 speculative decoding give the eager plain output, token for token."""
+    from eyas.fastlm import FastLM
+
+    ids = torch.tensor([prompt_set[0]])
+    n = ids.shape[1]
+    lms = {}
+    for ew in (False, True):
+        lm = FastLM(smol.model, 1, 256, smol.aux_layers)
+        lm.compile_elementwise = ew
+        with torch.no_grad():
+            lm.forward(ids, torch.tensor([0]), one_off=True)  # the prefill, eager either way
+            lms[ew] = lm.forward(torch.tensor([[plain_outputs[0][0], plain_outputs[0][1], 17, 99]]),
+                                 torch.tensor([n]), want_aux=True)
+    for a, b in zip(lms[False], lms[True]):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(Decoder, "compile_elementwise", True)
+    dec = Decoder(smol, trained, k=3, max_len=256, fused=True)
+    assert dec.runner.lm.compile_elementwise
+    for ids, ref in list(zip(prompt_set, plain_outputs))[:3]:
+        assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens == ref[:NEW]
+        assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=True).tokens == ref[:NEW]
+
+
 # ---------------------------------------------------------------------------------------------
 # rollback: rejections forced at every draft position
 
