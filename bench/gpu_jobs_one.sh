@@ -50,4 +50,5 @@ if [ -d $run/draft ]; then
   job decode_ew timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
     --k 3 --max-new-tokens 256 --budget 30 --skip-hf --ew 0,1 --out $S/decode_ew.json
 fi
+job profile_round timeout 150 python3 bench/profile_round.py --parts 0 --overlap 1,0 --out $S/round.json
 touch $S/finished_$tag
