@@ -20,7 +20,7 @@
 #   shards are written whole as they finish, so the session after resumes from them): the data that should lift tau
 #   most (two regenerated turns gave 3.02 against 2.88 in the sixth session's eval). Its shards come back as
 #   allturns_regen_partN.tgz, pieces of one tgz under the 16 MiB a file: `cat allturns_regen_part*.tgz > x.tgz`;
-# - beside it, the twelfth session's run for 6 epochs instead of 3 (3 TTT steps, data.original_rest, the carried
+# - beside it, the twelfth session's run for 5 epochs instead of 3 (6 would not leave time to decode) (3 TTT steps, data.original_rest, the carried
 #   first answers), with the feature cache set to 90 GB so both fit: does a second pass of 3 epochs still add
 #   (validation step-0 accuracy 0.646 after 3)? Then decoding once the regen is done, with a trained drafter the
 #   first time with and without the overlapped loop (Decoder.overlap: -0.59 ms a round with an untrained drafter),
@@ -40,15 +40,15 @@ if [ -f .carry/smolD_regen.tgz ] && [ ! -d $run/data/regen ]; then
   mkdir -p $run/data && tar xzf .carry/smolD_regen.tgz -C $run/data
 fi
 sleep 30  # the regen's KV cache is allocated before the training's feature cache measures what is free
-job pipeline_e6 python3 -m eyas run --out $run --set data.original_rest=true --set train.epochs=6 \
+job pipeline_e5 python3 -m eyas run --out $run --set data.original_rest=true --set train.epochs=5 \
   --set train.feature_cache_gb=90
-NO_REGEN_TGZ=1 keep $run e6
+NO_REGEN_TGZ=1 keep $run e5
 wait $regen_pid
 if [ -d $run/draft ]; then
   job decode_sharegpt timeout 400 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,5,7 --max-new-tokens 256 --budget 40 --skip-hf --overlap 1,0 --out $S/decode_sharegpt.json
+    --k 3,5,7 --max-new-tokens 256 --budget 30 --skip-hf --overlap 1,0 --out $S/decode_sharegpt.json
   job decode_ew timeout 300 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3 --max-new-tokens 256 --budget 30 --skip-hf --ew 0,1 --out $S/decode_ew.json
+    --k 3 --max-new-tokens 256 --budget 25 --skip-hf --ew 0,1 --out $S/decode_ew.json
 fi
 job profile_round timeout 150 python3 bench/profile_round.py --parts 0 --overlap 1,0 --out $S/round.json
 touch $S/finished_$tag
