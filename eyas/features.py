@@ -488,8 +488,13 @@ def _shard_name(rank: int, k: int) -> str:
     return f"shard-{rank:03d}-{k:05d}.safetensors"
 
 
+# plan keys added after manifests were first written, with the value an older manifest without them stands for
+PLAN_DEFAULTS = {"norm": "hf"}
+
+
 def _check_manifest(path: Path, want: dict) -> None:
-    have = read_json(path)
+    have = {**PLAN_DEFAULTS, **read_json(path)}
+    want = {**PLAN_DEFAULTS, **want}
     diffs = [k for k in want if have.get(k) != want[k]]
     if not diffs:
         return

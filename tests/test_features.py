@@ -421,3 +421,18 @@ def test_capture_with_the_decoders_norm_rounding():
     for norm, want in (("hf", hf0), ("one_kernel", one)):
         s = OnlineFeatures(t, Toks(), norm=norm).get([0])[0]
         assert torch.equal(s.aux, want[0])
+
+
+def test_extraction_with_the_decoders_norm_is_its_own_plan(tiny, tmp_path):
+    """features.norm=one_kernel: the shards hold what Target.capture(norm="one_kernel") gives, the manifest says
+    which norm made them, and finishing them with the other norm is refused, naming the setting."""
+    run = tmp_path / "run"
+    write_tokens(run, tiny, 3, 48)
+    run_extract(tiny_cfg(run, dtype="fp32", norm="one_kernel"), tiny)
+    feats = OfflineFeatures(run)
+    assert feats.manifest["norm"] == "one_kernel"
+    s = feats.get([0])[0]
+    aux, final = tiny.capture(s.input_ids[None], norm="one_kernel")
+    assert torch.equal(s.aux, aux[0]) and torch.equal(s.final, final[0])
+    with pytest.raises(EyasError, match=r"other settings \(norm: 'one_kernel' -> 'hf'"):
+        run_extract(tiny_cfg(run, dtype="fp32"), tiny)
