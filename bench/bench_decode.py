@@ -210,7 +210,8 @@ def main(argv=None) -> int:
         return {**res, "gpu": state} if state else res
 
     def engine_facts(dec) -> dict:
-        return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays)}
+        return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),
+                "overlap": dec.overlapped}
 
     from eyas.fastlm import FastLM
 

@@ -445,6 +445,11 @@ class Decoder:
         return torch.cat([a, drafts[0], nxt]), h_last, logits_last, pos0 + a + 1
 
     # -- generation ------------------------------------------------------------------------------
+    @property
+    def overlapped(self) -> bool:
+        """Whether plain steps and fused rounds are queued ahead of the host's reads (Decoder.overlap; None: on a GPU)."""
+        return bool(self.overlap) if self.overlap is not None else self.device.type == "cuda"
+
     def _launch(self, state, speculative: bool, bound: int):
         """Queue one plain step or fused greedy round on the device, with no host sync. state: plain
         (last token [1], its position as an int); speculative (last token [1], drafter hidden [1, 1, H],
@@ -479,7 +484,7 @@ class Decoder:
         length, which are masked by position and overwritten before anything attends to them)."""
         from collections import deque
 
-        ahead = self.overlap if self.overlap is not None else self.device.type == "cuda"
+        ahead = self.overlapped
         grow = self.k + 1 if speculative else 1  # most tokens one launch can commit
         pending = deque()
         # one verify span for the whole loop when overlapping: a launch's own span would also hold the wait for

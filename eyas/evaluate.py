@@ -253,6 +253,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "engine": dec.engine,  # fast: eyas' own static-cache forward; hf: transformers' StaticCache
         "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),  # off also when a check failed
         "fused_round": dec.fused,  # drafts + verify + rebuild as one step; draft time counted in verify_s
+        "overlap": dec.overlapped,  # steps queued before the last one is read: verify_s spans the whole loop
     }
 
 

@@ -39,6 +39,7 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert rep["prompts"] == {"set": "p.jsonl", "count": 3, "conversations": 2}  # each user turn answered
     assert rep["dtype"] == "float32"  # eval.dtype overrides target.dtype while evaluating
     assert rep["fused_round"] is False  # eval.round=auto runs stepwise on a CPU
+    assert rep["overlap"] is False  # and reads each plain step before the next (Decoder.overlap: GPU only)
     assert rep["k"] == 2 and len(rep["per_position_acceptance"]) == 2
     assert len(rep["accepted_length_histogram"]) == 3 and sum(rep["accepted_length_histogram"]) == rep["verify_rounds"]
     assert 1.0 <= rep["acceptance_length"] <= 3.0
