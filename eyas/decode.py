@@ -217,6 +217,16 @@ def _emitted(packed: list[int]) -> tuple[int, list[int]]:
     return na, packed[1:1 + na] + [packed[-1]]
 
 
+def _commit(out: list[int], new: list[int], stop: set, max_new: int) -> bool:
+    """Append a step's or round's tokens to `out` up to the first stop token or the max_new-th token;
+    True when the generation ends there."""
+    for t in new:
+        out.append(t)
+        if t in stop or len(out) >= max_new:
+            return True
+    return False
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -510,12 +520,10 @@ class Decoder:
             else:
                 new = vals
             gen.target_forwards += 1
-            for t in new:
-                out.append(t)
-                if t in stop or len(out) >= max_new:
-                    if t_loop is not None:
-                        clock.stop("verify", t_loop)
-                    return
+            if _commit(out, new, stop, max_new):
+                if t_loop is not None:
+                    clock.stop("verify", t_loop)
+                return
             L += len(new)
 
     @torch.no_grad()
@@ -575,10 +583,8 @@ class Decoder:
             h_last, logits_last = h[:, na:na + 1], dl[:, na]
             last_dev = nxt.view(1)  # the round's last emitted token is always the target's
             clock.stop("draft", t0)
-            for t in new:
-                out.append(t)
-                if t in stop or len(out) >= max_new_tokens:
-                    break
+            if _commit(out, new, stop, max_new_tokens):
+                break
             L += len(new)
         _sync(self.device)
         gen.seconds = time.perf_counter() - t_start

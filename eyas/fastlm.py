@@ -96,6 +96,13 @@ def attended_slots(end: int, max_len: int, span: int = SPAN) -> int:
     return min(max_len, -(-int(end) // span) * span)
 
 
+def llama_norm_eps(module) -> float | None:
+    """The epsilon of an HF Llama-style RMSNorm module (a weight and a variance_epsilon), which
+    llama_rms_norm can run in its place; None for any other module."""
+    eps = getattr(module, "variance_epsilon", None)
+    return eps if eps is not None and isinstance(getattr(module, "weight", None), torch.Tensor) else None
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rope on x [b, T, h, D] with cos/sin [b, T, 1, D] (halves layout, as HF Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -244,8 +251,8 @@ class FastLM:
 
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """An HF Llama-style RMSNorm module applied to x, through the fused kernel when fused_norm is on."""
-        eps = getattr(module, "variance_epsilon", None)
-        if not self.fused_norm or eps is None or getattr(module, "weight", None) is None:
+        eps = llama_norm_eps(module)
+        if not self.fused_norm or eps is None:
             return module(x)
         return llama_rms_norm(x, module.weight, eps, one_kernel=self.norm_one_kernel)
 
@@ -325,8 +332,8 @@ class FastLM:
 
         def add_norm(h, d, module):
             """(h + d, module's norm of it): one compiled kernel with `ew` where the norm is Llama-style."""
-            eps = getattr(module, "variance_epsilon", None)
-            if ew and self.fused_norm and eps is not None and getattr(module, "weight", None) is not None:
+            eps = llama_norm_eps(module)
+            if ew and self.fused_norm and eps is not None:
                 return compiled(_add_norm)(h, d, module.weight, eps, self.norm_one_kernel)
             h = h + d
             return h, self._norm(module, h)

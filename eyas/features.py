@@ -532,7 +532,8 @@ def extract_split(cfg: Config, target, split: str) -> dict:
     plan = {"format": FORMAT, "split": split, "target": target.identity(), "dtype": dtype, "hidden_size": H,
             "aux_layers": list(target.aux_layers), "tokens_sha256": tokens_sha256(tokens), "world_size": world,
             "shard_tokens": shard_tokens,
-            **({"norm": cfg.features.norm} if cfg.features.norm != "hf" else {})}  # plans before the option: hf
+            # a key added later joins the plan only off its default, so older plans (and their keys) stay valid
+            **{k: v for k, v in {"norm": cfg.features.norm}.items() if v != PLAN_DEFAULTS[k]}}
     plan_key = sha256_json(plan)[:16]
     manifest_path = d / "manifest.json"
     if manifest_path.exists():

@@ -178,13 +178,6 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 CAPTURE_WITHOUT_CUDNN = True
 
 
-def rms_norms(model) -> list[torch.nn.Module]:
-    """The model's Llama-style RMSNorm modules (a weight and a variance_epsilon, as FastLM fuses them)."""
-    return [m for m in model.modules()
-            if type(m).__name__.endswith("RMSNorm") and getattr(m, "variance_epsilon", None) is not None
-            and isinstance(getattr(m, "weight", None), torch.Tensor)]
-
-
 @contextlib.contextmanager
 def norms_one_kernel(model, on: bool = True):
     """Within: each of the model's RMSNorm modules runs as one fused kernel in the input's dtype
@@ -192,9 +185,9 @@ def norms_one_kernel(model, on: bool = True):
     if not on:
         yield
         return
-    from .fastlm import llama_rms_norm
+    from .fastlm import llama_norm_eps, llama_rms_norm
 
-    mods = rms_norms(model)
+    mods = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and llama_norm_eps(m) is not None]
     for m in mods:
         m.forward = functools.partial(lambda mod, x: llama_rms_norm(x, mod.weight, mod.variance_epsilon,
                                                                     one_kernel=True), m)
