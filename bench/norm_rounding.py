@@ -51,15 +51,16 @@ def main() -> None:
     finally:
         FastLM.fused_norm, FastLM.norm_one_kernel = saved
     H = t.model.config.hidden_size
-    print(f"aux layers {t.aux_layers}; one kernel against HF's rounding")
-    for ids, (l0, a0), (l1, a1) in zip(texts, runs[False], runs[True]):
-        rel = [float((a1[..., j * H:(j + 1) * H] - a0[..., j * H:(j + 1) * H]).norm()
-                     / a0[..., j * H:(j + 1) * H].norm()) for j in range(len(t.aux_layers))]
-        same = float((l0.argmax(-1) == l1.argmax(-1)).float().mean())
-        print(f"{len(ids):4d} tokens: aux relative difference {[round(r, 4) for r in rel]}, same top token {same:.4f}")
 
     def rel(a, b):
+        """The relative difference of a from b."""
         return float((a - b).norm() / b.norm())
+
+    print(f"aux layers {t.aux_layers}; one kernel against HF's rounding")
+    for ids, (l0, a0), (l1, a1) in zip(texts, runs[False], runs[True]):
+        per = [rel(a1[..., j * H:(j + 1) * H], a0[..., j * H:(j + 1) * H]) for j in range(len(t.aux_layers))]
+        same = float((l0.argmax(-1) == l1.argmax(-1)).float().mean())
+        print(f"{len(ids):4d} tokens: aux relative difference {[round(r, 4) for r in per]}, same top token {same:.4f}")
 
     print("captured states (all aux layers) against the decoder's forward, relative difference:")
     for n, cs in caps.items():
