@@ -16,7 +16,7 @@
 # shards, tokenize 78, train 746, eval 50), decode_sharegpt with K=3,5,7 and two norms 168 s, HumanEval 53 s, GPU tests
 # 54 s.
 # The next session's plan, two chains side by side on the one GPU (so their speeds are not figures to report):
-# - every turn of ShareGPT regenerated (regen.turns=0) into /tmp/allturns, cut off after 1,150 s if not done (its
+# - every turn of ShareGPT regenerated (regen.turns=0) into /tmp/allturns, cut off after 1,000 s if not done (its
 #   shards are written whole as they finish, so the session after resumes from them): the data that should lift tau
 #   most (two regenerated turns gave 3.02 against 2.88 in the sixth session's eval). Its shards come back as
 #   allturns_regen_partN.tgz, pieces of one tgz under the 16 MiB a file: `cat allturns_regen_part*.tgz > x.tgz`;
@@ -28,7 +28,7 @@
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
-( job regen_all timeout 1150 python3 -m eyas regen --out /tmp/allturns --set regen.limit=20000 --set regen.turns=0
+( job regen_all timeout 1000 python3 -m eyas regen --out /tmp/allturns --set regen.limit=20000 --set regen.turns=0
   if [ -d /tmp/allturns/data/regen ]; then
     tar czf /tmp/allturns_regen.tgz -C /tmp/allturns/data regen && split -b 15M -d -a 1 /tmp/allturns_regen.tgz \
       $S/allturns_regen_part && for f in $S/allturns_regen_part?; do mv $f $f.tgz; done
