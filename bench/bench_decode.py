@@ -152,6 +152,10 @@ def main(argv=None) -> int:
                     help="Decoder.compile_elementwise: 0 (the default), 1 (the target's rope, residual add + norm and "
                          "silu * up as torch.compile'd kernels in its steps and verify passes), or 0,1 to time both "
                          "(the 1 methods, their plain baseline included, get an _ew1 suffix)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="skip Decoder.warm_up before each method (the fourteenth session's and earlier runs had none: "
+                         "a method then builds its graphs and per-shape kernels for each longer span of the cache "
+                         "inside its timed prompts, and the first method to use a shape pays for it)")
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
@@ -209,6 +213,16 @@ def main(argv=None) -> int:
             state = w.stop()
         return {**res, "gpu": state} if state else res
 
+    def warm_up(dec, speculative: bool) -> float:
+        """Decoder.warm_up before a method is timed (unless --no-warm-up): every graph and per-shape kernel its
+        generations need, built here rather than in the first prompt that reaches a longer span of the cache.
+        -> its seconds."""
+        if a.no_warm_up:
+            return 0.0
+        t0 = time.perf_counter()
+        dec.warm_up(plain=not speculative, speculative=speculative)
+        return round(time.perf_counter() - t0, 3)
+
     def engine_facts(dec) -> dict:
         return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),
                 "overlap": dec.overlapped}
@@ -224,21 +238,23 @@ def main(argv=None) -> int:
         sfx = (("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
                + ("_ew1" if ew else ""))
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
+        warm_s = warm_up(plain, False)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
         reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
-        record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx})
+        record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx, "warm_up_s": warm_s})
         plain.close()
         for k in ks:
             for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
                 for dfuse in [int(x) for x in a.draft_fuse.split(",")]:
                     Decoder.fuse_drafter = bool(dfuse)
                     dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
+                    warm_s = warm_up(dec, True)
                     run_engine(dec, warm, 32, stop, True, 1e9)
                     res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
                     res.pop("outputs")
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
-                           {**res, **engine_facts(dec), "variant": sfx})
+                           {**res, **engine_facts(dec), "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
     (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
      Decoder.compile_elementwise) = saved

@@ -8,7 +8,7 @@ eager drafter step and one eager verify pass launch.
 Without --draft the drafter is untrained (the default SmolLM2 GPU shape: MLP 6,144, 32,000-token head);
 its acceptance does not matter here, since a fused round always runs K drafter steps, one verify and one
 rebuild. Times: device-synchronised wall time per plain step (new tokens) and per round (Generation
-draft and verify seconds over rounds), after one warm-up generation, over --tokens new tokens; and each
+draft and verify seconds over rounds), after Decoder.warm_up and one warm-up generation, over --tokens new tokens; and each
 part of a round captured alone as a CUDA graph (`parts_ms`: the target's one-token forward, the verify
 pass over K+1 tokens, one drafter step, the drafter's rebuild over K+1 tokens, and their sum as a round
 runs them), with the top kernels of each eager call by device time.
@@ -159,6 +159,7 @@ def main():
     def measure(res, fuses):
         """This script's figures, with the target's multi-token calls as FastLM.gqa_steps now sets them, into res."""
         plain = Decoder(target, None, k=1, max_len=max_len, compile=dev.type == "cuda")
+        plain.warm_up(speculative=False)  # every span's graph and kernels, before anything is timed
         plain.generate(prompt, 32, (), speculative=False)
         g = plain.generate(prompt, a.tokens, (), speculative=False)
         res["plain_step_ms"] = round(1e3 * g.seconds / len(g.tokens), 4)
@@ -180,6 +181,7 @@ def main():
             for fuse in fuses:
                 Decoder.fuse_drafter = fuse
                 dec = Decoder(target, drafter, k=k, max_len=max_len, compile=dev.type == "cuda")
+                dec.warm_up(plain=False)
                 dec.generate(prompt, 32, ())
                 g = dec.generate(prompt, a.tokens, ())
                 name = f"round_k{k}" + ("" if fuse else "_unfused_drafter")

@@ -526,6 +526,52 @@ class Decoder:
                 return
             L += len(new)
 
+    def step_calls(self, plain: bool = True, speculative: bool = True) -> list[tuple]:
+        """Every fixed-shape step a generation within max_len can make, as (name, args, upto): for each span of
+        attended cache slots, the plain step, and the fused round or (sampling, stepwise rounds) the drafter
+        step, the verify pass and the drafter rebuild. Positions lie inside the span; the inputs are zeros."""
+        if self.engine != "fast":
+            return []
+        dev, k = self.device, self.k
+        uptos = sorted({self._upto(e) for e in range(1, self.max_len + 1)})
+        calls = []
+        for u in uptos:
+            p = max(0, min(u, self.max_len) - (k + 1))  # room for K + 1 positions below the span's end
+            tok = torch.zeros(1, dtype=torch.long, device=dev)
+            if plain:
+                calls.append(("verify", (tok.view(1, 1), self._pos(p, 1)), u))
+            if speculative and self.drafter is not None:
+                c = self.drafter.config
+                h = torch.zeros(1, 1, c.hidden_size, device=dev, dtype=self.dtype)
+                if self.fused:
+                    lg = torch.zeros(1, c.draft_vocab_size, device=dev, dtype=self.dtype)
+                    calls.append(("round", (tok, h, lg, self._pos(p, 1)), u))
+                else:
+                    aux = torch.zeros(1, k + 1, len(c.aux_layers) * c.target_hidden_size, device=dev, dtype=self.dtype)
+                    ids = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+                    calls += [("draft", (tok.view(1, 1), h, self._pos(p, 1)), u),
+                              ("verify", (ids, self._pos(p, k + 1)), u),
+                              ("draft", (ids, aux, self._pos(p, k + 1)), u)]
+        return calls
+
+    @torch.no_grad()
+    def warm_up(self, plain: bool = True, speculative: bool = True) -> int:
+        """Run every fixed-shape step a generation can make (step_calls) before anything is timed: under CUDA
+        graphs each is captured and checked against eager runs here, and kernels that are built per shape
+        (compiled elementwise kernels, attention plans) are built here, instead of in the first generation that
+        reaches a longer span of the cache. The steps write cache slots that every generation overwrites before
+        attending to them (its prefill and its own steps write each slot below its committed length; slots
+        past it are masked by position). -> the number of calls made."""
+        # under graphs: the capture and its eager checks (every call until `check` of them are done)
+        reps = max(1, self.graphs.check) if self.graphs.enabled else 1
+        n = 0
+        for name, args, upto in self.step_calls(plain, speculative):
+            for _ in range(reps):
+                self._call(name, *args, upto=upto)
+                n += 1
+        _sync(self.device)
+        return n
+
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
         """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any

@@ -188,7 +188,10 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
     try:
-        # warm-up (compilation, allocator, kernels) on a short prompt, not timed
+        # warm-up, not timed: every fixed-shape step on a GPU (graphs and per-shape kernels for every span of the
+        # cache, which later turns reach), then a short generation (allocator, prefill kernels)
+        if target.device.type == "cuda":
+            dec.warm_up(plain=baseline, speculative=True)
         warm = prompt_ids(tok, [{"role": "user", "content": "Hello! Say something short."}])
         dec.generate(warm, min(16, max_new_tokens), stop, speculative=True)
         if baseline:

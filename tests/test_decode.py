@@ -431,3 +431,39 @@ def test_generation_times_its_phases(tiny, fused):
         assert g.prefill_seconds > 0 and g.verify_seconds > 0
         assert g.prefill_seconds + g.draft_seconds + g.verify_seconds <= g.seconds
         assert (g.draft_seconds > 0) == (speculative and not fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused_overlap"])
+def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, monkeypatch):
+    """Decoder.warm_up runs, before anything is timed, every fixed-shape step (name, input shapes, attended cache
+    span) that generations reaching any span of the cache make: the generations below, which cross from the
+    first span into the second and into the last (shorter) one, make no step it did not make. The steps it ran
+    leave the output unchanged: plain and speculative tokens equal a decoder's that was never warmed up."""
+    if fused:
+        monkeypatch.setattr(Decoder, "overlap", True)
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, tiny.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
+    outs = {}
+    for warm in (True, False):
+        dec = Decoder(tiny, d, k=3, max_len=600, fused=fused)
+        assert dec.engine == "fast" and dec.fused == fused
+        seen = []
+        real = dec._call
+
+        def recording(name, *args, upto):
+            seen.append((name, tuple(tuple(a.shape) for a in args), upto))
+            return real(name, *args, upto=upto)
+
+        dec._call = recording
+        if warm:
+            assert dec.warm_up() == len(seen)
+            warmed = set(seen)
+            assert {u for *_, u in warmed} == {256, 512, 600}
+            seen.clear()
+        outs[warm] = [dec.generate(ids, 40, (), speculative=s).tokens for ids in prompts for s in (False, True)]
+        if warm:
+            assert {u for *_, u in seen} == {256, 512, 600}  # the generations did reach every span
+            assert set(seen) <= warmed, set(seen) - warmed
+    assert outs[True] == outs[False]
