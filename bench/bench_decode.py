@@ -148,10 +148,11 @@ def main(argv=None) -> int:
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), or 0,1 to time both (the 0 methods, their "
                          "plain baseline included, get an _ovl0 suffix)")
-    ap.add_argument("--ew", default="0",
-                    help="Decoder.compile_elementwise: 0 (the default), 1 (the target's rope, residual add + norm and "
-                         "silu * up as torch.compile'd kernels in its steps and verify passes), or 0,1 to time both "
-                         "(the 1 methods, their plain baseline included, get an _ew1 suffix)")
+    ap.add_argument("--ew", default="1",
+                    help="Decoder.compile_elementwise: 1 (the GPU default since the fourteenth session: the target's "
+                         "rope, residual add + norm and silu * up as torch.compile'd kernels in its steps and verify "
+                         "passes), 0 (eager), or 0,1 to time both (the 0 methods, their plain baseline included, get an "
+                         "_ew0 suffix; the fourteenth session's runs, when 0 was the default, named the 1 methods _ew1)")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip Decoder.warm_up before each method (the fourteenth session's and earlier runs had none: "
                          "a method then builds its graphs and per-shape kernels for each longer span of the cache "
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
 
     def engine_facts(dec) -> dict:
         return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),
-                "overlap": dec.overlapped}
+                "overlap": dec.overlapped, "compiled_elementwise": dec.elementwise_compiled}
 
     from eyas.fastlm import FastLM
 
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
         FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
         Decoder.overlap, Decoder.compile_elementwise = bool(ovl), bool(ew)
         sfx = (("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
-               + ("_ew1" if ew else ""))
+               + ("" if ew else "_ew0"))
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         warm_s = warm_up(plain, False)
         run_engine(plain, warm, 32, stop, False, 1e9)

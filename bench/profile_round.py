@@ -154,7 +154,8 @@ def main():
                                                                        "keeper who finds a map in a bottle."}])
     max_len = len(prompt) + max(a.tokens, 32) + 16  # the warm-up generates 32; K + 1 more at most
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained"}
+           "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained",
+           "compiled_elementwise": Decoder.compile_elementwise is not False and dev.type == "cuda"}
 
     def measure(res, fuses):
         """This script's figures, with the target's multi-token calls as FastLM.gqa_steps now sets them, into res."""

@@ -301,9 +301,11 @@ class Decoder:
     # queue the next plain step or fused round before reading the last one's tokens (Decoder._pipelined):
     # None = on a GPU only (on a CPU the work is synchronous, so it would only add a dropped step at the end)
     overlap: bool | None = None
-    # the target's steps and verify passes with FastLM.compile_elementwise (rope, add+norm, silu*mul compiled):
-    # off until timed on a GPU (bench/bench_decode.py --ew 0,1)
-    compile_elementwise = False
+    # the target's steps and verify passes with FastLM.compile_elementwise (rope, add+norm, silu*mul compiled).
+    # None = on a GPU only: on an H200 it took a SmolLM2 plain step from 1.83 to 1.37 ms and a K=3 round from
+    # 2.61 to 1.92 ms (BENCHMARKS.md, fourteenth session; bench/bench_decode.py --ew 0,1); on a CPU, compiling
+    # costs seconds a shape for little gain
+    compile_elementwise: bool | None = None
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -331,7 +333,7 @@ class Decoder:
         self.engine = "fast" if ok and engine != "hf" else "hf"
         self.runner = FastTargetRunner(target, max_len) if self.engine == "fast" else TargetRunner(target, max_len)
         if self.engine == "fast":
-            self.runner.lm.compile_elementwise = bool(self.compile_elementwise)
+            self.runner.lm.compile_elementwise = self.elementwise_compiled
         # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
         # CUDA graph and no host work between its parts; its time is reported as verify time.
         # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)
@@ -455,6 +457,13 @@ class Decoder:
         return torch.cat([a, drafts[0], nxt]), h_last, logits_last, pos0 + a + 1
 
     # -- generation ------------------------------------------------------------------------------
+    @property
+    def elementwise_compiled(self) -> bool:
+        """Whether the target's elementwise work runs as compiled kernels (Decoder.compile_elementwise; None: on a
+        GPU, with eyas' own forward)."""
+        ew = self.compile_elementwise
+        return self.engine == "fast" and (bool(ew) if ew is not None else self.device.type == "cuda")
+
     @property
     def overlapped(self) -> bool:
         """Whether plain steps and fused rounds are queued ahead of the host's reads (Decoder.overlap; None: on a GPU)."""

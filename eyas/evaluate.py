@@ -257,6 +257,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),  # off also when a check failed
         "fused_round": dec.fused,  # drafts + verify + rebuild as one step; draft time counted in verify_s
         "overlap": dec.overlapped,  # steps queued before the last one is read: verify_s spans the whole loop
+        "compiled_elementwise": dec.elementwise_compiled,  # the target's rope, add+norm, silu*mul compiled
     }
 
 

@@ -120,13 +120,29 @@ def _add_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float
 
 
 _COMPILED: dict = {}
+_EAGER: set = set()  # functions whose compiled form failed here: eager for the rest of the process
 
 
 def compiled(fn):
     """fn through torch.compile (static shapes, whole graph), once per function: for FastLM.compile_elementwise,
-    each compiled function one kernel where eager runs several (rope 5, add and norm 2, silu and multiply 2)."""
+    each compiled function one kernel where eager runs several (rope 5, add and norm 2, silu and multiply 2).
+    Where compiling or running the compiled form fails (no Triton, no C compiler, an unsupported device), the
+    failure is logged once and fn runs eagerly from then on: the same operations, so the same results up to
+    rounding."""
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+        fast = torch.compile(fn, dynamic=False, fullgraph=True)
+
+        def run(*args):
+            if fn not in _EAGER:
+                try:
+                    return fast(*args)
+                except Exception as e:  # noqa: BLE001 - depends on the compiler stack; eager is always correct
+                    _EAGER.add(fn)
+                    log(f"compiled {fn.__name__} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                        "running it eagerly")
+            return fn(*args)
+
+        _COMPILED[fn] = run
     return _COMPILED[fn]
 
 
@@ -197,8 +213,8 @@ class FastLM:
     gqa_steps = True
     GQA_MAX_T = 16
     # calls other than one-off prefills run rope, each residual add with the norm after it, and the MLP's
-    # silu-and-multiply as torch.compile'd kernels (`compiled`): about 7 kernels fewer a layer. Off by default and
-    # per instance (the decoder sets it from Decoder.compile_elementwise): not yet timed on a GPU; each new call
+    # silu-and-multiply as torch.compile'd kernels (`compiled`): about 7 kernels fewer a layer. Off by default here
+    # and per instance (the decoder sets it from Decoder.compile_elementwise, on by default on a GPU); each new call
     # shape compiles once, so prefills of varying length stay eager
     compile_elementwise = False
 

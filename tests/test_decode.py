@@ -467,3 +467,61 @@ def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, monkeypatch):
             assert {u for *_, u in seen} == {256, 512, 600}  # the generations did reach every span
             assert set(seen) <= warmed, set(seen) - warmed
     assert outs[True] == outs[False]
+
+
+def test_failed_compile_falls_back_to_eager(tiny, monkeypatch, capsys):
+    """Decoder.compile_elementwise where torch.compile cannot build kernels (no Triton, no C compiler): each
+    compiled function logs its failure once and runs eagerly, and decoding gives the eager decoder's tokens."""
+    import eyas.fastlm as fastlm
+
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "Tell me about hawks."}])
+    monkeypatch.setattr(Decoder, "compile_elementwise", False)
+    ref = [Decoder(tiny, d, k=3, max_len=128).generate(ids, 12, (), speculative=s).tokens for s in (False, True)]
+
+    def broken(fn, **kw):
+        def run(*a):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(fastlm, "_COMPILED", {})
+    monkeypatch.setattr(fastlm, "_EAGER", set())
+    monkeypatch.setattr(Decoder, "compile_elementwise", True)
+    dec = Decoder(tiny, d, k=3, max_len=128)
+    assert dec.elementwise_compiled and dec.runner.lm.compile_elementwise
+    out = [dec.generate(ids, 12, (), speculative=s).tokens for s in (False, True)]
+    assert out == ref
+    err = capsys.readouterr().err
+    assert fastlm._EAGER == {fastlm._rotate, fastlm._add_norm, fastlm._silu_mul}
+    for name in ("_rotate", "_add_norm", "_silu_mul"):
+        assert err.count(f"compiled {name} failed (RuntimeError: no compiler here)") == 1, err
+
+
+@pytest.mark.gpu
+def test_warm_up_leaves_no_graph_to_capture_on_gpu():
+    """On a GPU, after Decoder.warm_up every graph a generation replays is captured and checked: generations that
+    cross every span of the cache capture nothing new and run no eager check, and their tokens equal an unwarmed
+    decoder's (in fp32 on the tiny model)."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    torch.manual_seed(0)
+    d = build_drafter(t, 512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, t.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
+    outs = {}
+    for warm in (True, False):
+        dec = Decoder(t, d, k=3, max_len=600, compile=True)
+        assert dec.fused and dec.graphs.enabled
+        if warm:
+            dec.warm_up()
+            keys = set(dec.graphs.graphs)
+            assert all(e[3] >= dec.graphs.check for e in dec.graphs.graphs.values())
+        outs[warm] = [dec.generate(ids, 40, (), speculative=s).tokens for ids in prompts for s in (False, True)]
+        assert dec.graphs.enabled
+        if warm:
+            assert set(dec.graphs.graphs) == keys
+    assert outs[True] == outs[False]
