@@ -433,6 +433,15 @@ def test_generation_times_its_phases(tiny, fused):
         assert (g.draft_seconds > 0) == (speculative and not fused)
 
 
+def _drafter_and_spanning_prompts(target):
+    """An untrained drafter and three random prompts whose 40-token generations, in a 600-slot cache, stay in the
+    first 256-slot span, cross into the second, and cross into the last (shorter) one."""
+    torch.manual_seed(0)
+    d = build_drafter(target, 512)
+    g = torch.Generator().manual_seed(1)
+    return d, [torch.randint(10, target.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused_overlap"])
 def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, monkeypatch):
     """Decoder.warm_up runs, before anything is timed, every fixed-shape step (name, input shapes, attended cache
@@ -441,10 +450,7 @@ def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, monkeypatch):
     leave the output unchanged: plain and speculative tokens equal a decoder's that was never warmed up."""
     if fused:
         monkeypatch.setattr(Decoder, "overlap", True)
-    torch.manual_seed(0)
-    d = build_drafter(tiny, 512)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(10, tiny.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
+    d, prompts = _drafter_and_spanning_prompts(tiny)
     outs = {}
     for warm in (True, False):
         dec = Decoder(tiny, d, k=3, max_len=600, fused=fused)
@@ -508,10 +514,7 @@ def test_warm_up_leaves_no_graph_to_capture_on_gpu():
     from eyas.target import load_target
 
     t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
-    torch.manual_seed(0)
-    d = build_drafter(t, 512)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(10, t.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
+    d, prompts = _drafter_and_spanning_prompts(t)
     outs = {}
     for warm in (True, False):
         dec = Decoder(t, d, k=3, max_len=600, compile=True)
