@@ -15,7 +15,9 @@
 # The comparison: the fourteenth session's 5-epoch drafter on first answers plus the original later turns
 # (data.original_rest): eval tau 3.03; on 80 chat prompts (12,332 tokens, eager elementwise) tau 2.867 / 3.471 /
 # 3.703 at K=3 / 5 / 7. The decoding here runs with the compiled elementwise kernels (the default since then), whose
-# text differs (12,648 tokens; tau 2.928 at K=3 for that drafter), so compare on `--ew 0` too if time allows.
+# text differs (12,648 tokens; tau 2.928 at K=3 for that drafter), so compare on `--ew 0` too if time allows
+# (decode_order's K=3 is on the eager text). The pipeline's eval decodes with the compiled kernels too, so its tau is
+# on other text than the fourteenth session's eval (3.03).
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
@@ -23,6 +25,8 @@ run=/tmp/allrun
 if [ -f .carry/allturns_regen.tgz ] && [ ! -d $run/data/regen ]; then
   mkdir -p $run/data && tar xzf .carry/allturns_regen.tgz -C $run/data
 fi
+# the GPU tests beside the regeneration (correctness only; the new one: Decoder.warm_up leaves no graph to capture)
+job gputests timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode.py tests/test_fastlm.py &
 job pipeline_allturns python3 -m eyas run --out $run --set regen.turns=0 --set regen.limit=20000 --set train.epochs=5
 # every shard back, in pieces under the 16 MiB a returned file may have: `cat allturns_full_part*.tgz > x.tgz`
 if [ -f $run/data/regen/plan.json ]; then
@@ -40,4 +44,5 @@ if [ -d $run/draft ]; then
   job decode_order timeout 150 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
     --k 3 --max-new-tokens 256 --budget 12 --skip-hf --overlap 0,1 --ew 0 --out $S/decode_order.json
 fi
+wait
 touch $S/finished_$tag
