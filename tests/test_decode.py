@@ -335,6 +335,9 @@ def test_compiled_elementwise_target_decodes_losslessly(smol, prompt_set, plain_
     for ids, ref in list(zip(prompt_set, plain_outputs))[:3]:
         assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens == ref[:NEW]
         assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=True).tokens == ref[:NEW]
+    import eyas.fastlm
+
+    assert not eyas.fastlm._EAGER  # the compiled functions ran, none fell back to eager
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,9 +162,13 @@ def test_one_kernel_norm_is_close_to_hf_rounding_on_gpu():
     assert ((one.float() - hf.float()).abs() <= 2 * step).all()
 
 
-@pytest.mark.parametrize("gqa", [True, False], ids=["gqa", "folded"])
-def test_matches_hf_qwen2_with_biases(gqa, monkeypatch):
+@pytest.mark.parametrize("gqa,ew", [(True, False), (False, False), (True, True)], ids=["gqa", "folded", "gqa_compiled"])
+def test_matches_hf_qwen2_with_biases(gqa, ew, monkeypatch):
+    """FastLM against transformers on a small random Qwen2 (q/k/v biases), with the verify's attention through
+    enable_gqa or folded, and with the elementwise work compiled (FastLM.compile_elementwise, on under the decoder
+    on a GPU)."""
     monkeypatch.setattr(FastLM, "gqa_steps", gqa)
+    monkeypatch.setattr(FastLM, "compile_elementwise", ew)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -177,6 +181,10 @@ def test_matches_hf_qwen2_with_biases(gqa, monkeypatch):
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
     run_checks(model, [2, 3, 4], 256)
+    if ew:  # compiled, not fallen back to the eager functions
+        import eyas.fastlm
+
+        assert not eyas.fastlm._EAGER
 
 
 def test_refuses_what_it_does_not_implement():
