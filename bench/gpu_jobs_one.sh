@@ -23,7 +23,8 @@
 # - beside it, the twelfth session's run for 5 epochs instead of 3 (6 would not leave time to decode) (3 TTT steps, data.original_rest, the carried
 #   first answers), with the feature cache set to 90 GB so both fit: does a second pass of 3 epochs still add
 #   (validation step-0 accuracy 0.646 after 3)? Then decoding once the regen is done, with a trained drafter the
-#   first time with and without the overlapped loop (Decoder.overlap: -0.59 ms a round with an untrained drafter),
+#   first time with and without the overlapped loop (Decoder.overlap: -0.59 ms a round with an untrained drafter, a
+#   figure this session found confounded by run order),
 #   then with the target's elementwise work compiled (Decoder.compile_elementwise, about 7 kernels fewer a layer).
 S=$1; tag=$2
 source bench/gpu_lib.sh
