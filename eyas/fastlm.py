@@ -138,8 +138,8 @@ def compiled(fn):
                     return fast(*args)
                 except Exception as e:  # noqa: BLE001 - depends on the compiler stack; eager is always correct
                     _EAGER.add(fn)
-                    log(f"compiled {fn.__name__} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                        "running it eagerly")
+                    first = (str(e).splitlines() or [""])[0][:200]
+                    log(f"compiled {fn.__name__} failed ({type(e).__name__}: {first}); running it eagerly")
             return fn(*args)
 
         _COMPILED[fn] = run
