@@ -54,7 +54,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
     (from this function's "outputs"); a speculative method then reports how many of its prompts gave the
     same tokens (lossless greedy decoding gives all of them)."""
     toks = secs = 0.0
-    outputs, per_prompt = [], []
+    outputs, per_prompt, accepted = [], [], []
     acc, draft_s, verify_s, prefill_s, steps, done = [], 0.0, 0.0, 0.0, 0, 0
     t_end = time.perf_counter() + budget
     for ids in prompts:
@@ -69,6 +69,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
         outputs.append(list(g.tokens))
         if speculative:  # per prompt: new tokens, rounds, tokens accepted from the drafter
             per_prompt.append([len(g.tokens), len(g.accepted), int(sum(g.accepted))])
+            accepted.append([int(a) for a in g.accepted])  # each round's accepted drafts, in order
         done += 1
         if time.perf_counter() > t_end:
             break
@@ -82,7 +83,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
         hist = [acc.count(i) for i in range(k + 1)]
         res.update(acceptance_length=(sum(acc) + len(acc)) / max(1, len(acc)), accepted_length_histogram=hist,
                    per_position_acceptance=[sum(hist[i:]) / max(1, sum(hist[i - 1:])) for i in range(1, k + 1)],
-                   draft_s=draft_s, verify_s=verify_s, per_prompt=per_prompt)
+                   draft_s=draft_s, verify_s=verify_s, per_prompt=per_prompt, accepted_by_prompt=accepted)
     if reference is not None:
         both = min(len(outputs), len(reference))
         res["same_as_plain"] = f"{sum(o == r for o, r in zip(outputs, reference))}/{both}"
