@@ -337,9 +337,7 @@ class Decoder:
         # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
         # CUDA graph and no host work between its parts; its time is reported as verify time.
         # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)
-        if fused is None:
-            fused = self.device.type == "cuda"
-        self.fused = bool(fused) and temperature == 0 and self.engine == "fast"
+        self.fused = self._on_gpu_unless_set(fused) and temperature == 0 and self.engine == "fast"
         self.drafter = None
         if drafter is not None:
             from .draft import check_fits
@@ -457,17 +455,20 @@ class Decoder:
         return torch.cat([a, drafts[0], nxt]), h_last, logits_last, pos0 + a + 1
 
     # -- generation ------------------------------------------------------------------------------
+    def _on_gpu_unless_set(self, value: bool | None) -> bool:
+        """A setting whose None means: on where the decoder runs on a GPU."""
+        return bool(value) if value is not None else self.device.type == "cuda"
+
     @property
     def elementwise_compiled(self) -> bool:
         """Whether the target's elementwise work runs as compiled kernels (Decoder.compile_elementwise; None: on a
         GPU, with eyas' own forward)."""
-        ew = self.compile_elementwise
-        return self.engine == "fast" and (bool(ew) if ew is not None else self.device.type == "cuda")
+        return self.engine == "fast" and self._on_gpu_unless_set(self.compile_elementwise)
 
     @property
     def overlapped(self) -> bool:
         """Whether plain steps and fused rounds are queued ahead of the host's reads (Decoder.overlap; None: on a GPU)."""
-        return bool(self.overlap) if self.overlap is not None else self.device.type == "cuda"
+        return self._on_gpu_unless_set(self.overlap)
 
     def _launch(self, state, speculative: bool, bound: int):
         """Queue one plain step or fused greedy round on the device, with no host sync. state: plain
@@ -542,25 +543,25 @@ class Decoder:
         if self.engine != "fast":
             return []
         dev, k = self.device, self.k
-        uptos = sorted({self._upto(e) for e in range(1, self.max_len + 1)})
+        speculative = speculative and self.drafter is not None
+        tok = torch.zeros(1, dtype=torch.long, device=dev)
+        if speculative:
+            c = self.drafter.config
+            h = torch.zeros(1, 1, c.hidden_size, device=dev, dtype=self.dtype)
+            lg = torch.zeros(1, c.draft_vocab_size, device=dev, dtype=self.dtype)
+            aux = torch.zeros(1, k + 1, len(c.aux_layers) * c.target_hidden_size, device=dev, dtype=self.dtype)
+            ids = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
         calls = []
-        for u in uptos:
-            p = max(0, min(u, self.max_len) - (k + 1))  # room for K + 1 positions below the span's end
-            tok = torch.zeros(1, dtype=torch.long, device=dev)
+        for u in sorted({self._upto(e) for e in range(1, self.max_len + 1)}):  # u <= max_len
+            p = max(0, u - (k + 1))  # room for K + 1 positions below the span's end
             if plain:
                 calls.append(("verify", (tok.view(1, 1), self._pos(p, 1)), u))
-            if speculative and self.drafter is not None:
-                c = self.drafter.config
-                h = torch.zeros(1, 1, c.hidden_size, device=dev, dtype=self.dtype)
-                if self.fused:
-                    lg = torch.zeros(1, c.draft_vocab_size, device=dev, dtype=self.dtype)
-                    calls.append(("round", (tok, h, lg, self._pos(p, 1)), u))
-                else:
-                    aux = torch.zeros(1, k + 1, len(c.aux_layers) * c.target_hidden_size, device=dev, dtype=self.dtype)
-                    ids = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
-                    calls += [("draft", (tok.view(1, 1), h, self._pos(p, 1)), u),
-                              ("verify", (ids, self._pos(p, k + 1)), u),
-                              ("draft", (ids, aux, self._pos(p, k + 1)), u)]
+            if speculative and self.fused:
+                calls.append(("round", (tok, h, lg, self._pos(p, 1)), u))
+            elif speculative:
+                calls += [("draft", (tok.view(1, 1), h, self._pos(p, 1)), u),
+                          ("verify", (ids, self._pos(p, k + 1)), u),
+                          ("draft", (ids, aux, self._pos(p, k + 1)), u)]
         return calls
 
     @torch.no_grad()
