@@ -25,6 +25,21 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def bench_drafter(spec: str, target):
+    """The drafter a benchmark times: a drafter folder (eyas, or SGLang/vLLM via eyas.export), or "untrained" (or
+    empty): SmolLM2's GPU shape (MLP 6,144, 32,000-token head) with seed-0 random weights, whose rounds emit about
+    one token, for timing rounds and the lossless check."""
+    import torch
+
+    from eyas.draft import build_drafter
+    from eyas.evaluate import load_eval_drafter
+
+    if spec in ("", "untrained"):
+        torch.manual_seed(0)
+        return build_drafter(target, 32000, intermediate_size=6144)
+    return load_eval_drafter(spec, target)
+
+
 def load_prompts(name: str, limit: int, tokenizer) -> list[list[int]]:
     from eyas.config import DataConfig
     from eyas.data import read_dataset, select_split
@@ -166,7 +181,7 @@ def main(argv=None) -> int:
 
     from eyas.config import TargetConfig
     from eyas.decode import Decoder
-    from eyas.evaluate import _device_name, load_eval_drafter
+    from eyas.evaluate import _device_name
     from eyas.util import atomic_write_json
     from gpu_watch import GpuWatch
 
@@ -174,13 +189,7 @@ def main(argv=None) -> int:
 
     target = load_target(TargetConfig(name=a.target))
     dev = target.device
-    if a.draft == "untrained":  # timing and the lossless check without a trained drafter (tau about 1)
-        from eyas.draft import build_drafter
-
-        torch.manual_seed(0)
-        drafter = build_drafter(target, 32000, intermediate_size=6144)
-    else:
-        drafter = load_eval_drafter(a.draft, target)
+    drafter = bench_drafter(a.draft, target)
     prompts = load_prompts(a.prompts, a.limit, target.tokenizer)
     stop = target.eot_token_ids
     max_len = max(len(p) for p in prompts) + max(a.max_new_tokens, 32) + max(int(k) for k in a.k.split(",")) + 2

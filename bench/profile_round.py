@@ -138,18 +138,14 @@ def main():
     REPLAYS = a.replays
 
     from eyas.config import TargetConfig
+    from bench_decode import bench_drafter
     from eyas.decode import Decoder
-    from eyas.draft import build_drafter
-    from eyas.evaluate import load_eval_drafter, prompt_ids
+    from eyas.evaluate import prompt_ids
     from eyas.target import load_target
 
     target = load_target(TargetConfig(name=a.target))
     dev = target.device
-    if a.draft:
-        drafter = load_eval_drafter(a.draft, target)
-    else:
-        torch.manual_seed(0)
-        drafter = build_drafter(target, 32000, intermediate_size=6144)
+    drafter = bench_drafter(a.draft, target)
     prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": "Write a long story about a lighthouse "
                                                                        "keeper who finds a map in a bottle."}])
     max_len = len(prompt) + max(a.tokens, 32) + 16  # the warm-up generates 32; K + 1 more at most
