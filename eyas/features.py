@@ -51,7 +51,8 @@ def target_top(final: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 4096)
 
 
 @torch.no_grad()
-def compute_features(target, seqs: list[torch.Tensor], norm: str = "hf") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def compute_features(target, seqs: list[torch.Tensor],
+                     norm: str = "hf") -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One right-padded batch forward over `seqs` (1-D token tensors). With causal attention,
     padding on the right never changes the states of the real tokens, so no mask is needed.
     The batch is assembled on the host and sent in one copy. norm: the target's RMSNorm numerics
