@@ -33,7 +33,8 @@ from .config import Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, count_positions, loss_state, pack_samples, target_labels,
                   ttt_unroll)
-from .util import EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, stable_hash
+from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
+                   stable_hash, text_lines)
 
 # settings whose change makes a checkpoint belong to a different run
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
@@ -436,7 +437,7 @@ class Metrics:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # keep what the checkpoint covers; drop rows a killed run wrote after it
-            for line in self.path.read_text().splitlines():
+            for line in text_lines(self.path.read_text()):
                 try:
                     r = json.loads(line)
                 except json.JSONDecodeError:

@@ -92,6 +92,16 @@ def installed_file(package: str, rel: str) -> Path | None:
     return p if p.exists() else None
 
 
+def text_lines(text: str) -> list[str]:
+    """The lines of a JSONL or line-per-record text: split at "\n" only (a "\r" before it dropped). str.splitlines
+    would also split at U+2028, U+2029, U+0085 and other separators that JSON strings may hold unescaped (json.dumps
+    with ensure_ascii=False writes them as they are), cutting such a record in two."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def read_json(path: str | os.PathLike) -> Any:
     path = Path(path)
     try:

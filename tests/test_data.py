@@ -129,3 +129,22 @@ def test_fragment_opening_with_an_answer_starts_at_the_first_user_turn(tmp_path)
                                      '{"from": "human", "value": "thanks, and?"}, {"from": "gpt", "value": "More."}]}]')
     convs, rep = read_dataset(str(tmp_path / "f.json"))
     assert [t.role for t in convs[0].turns] == ["user", "assistant"] and rep.n_skipped == 0
+
+
+def test_jsonl_records_holding_unicode_line_separators_stay_whole(tmp_path):
+    # json.dumps(ensure_ascii=False), as the regen shards are written, leaves U+2028, U+2029 and U+0085 unescaped;
+    # a reader splitting with str.splitlines cut such a record in two (7 of the fifteenth GPU session's 16,199
+    # regenerated conversations were dropped as invalid JSON)
+    import json
+
+    from eyas.data.regen import validation_report
+
+    text = "line one\u2028line two\u2029and\x85three"
+    rec = {"id": "x1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}]}
+    other = {"id": "x2", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    f = tmp_path / "shard-00000.jsonl"
+    f.write_text(json.dumps(rec, ensure_ascii=False) + "\r\n" + json.dumps(other) + "\n", encoding="utf-8")
+    convs, rep = read_messages_jsonl(f)
+    assert rep.n_skipped == 0 and [c.id for c in convs] == ["x1", "x2"]
+    assert convs[0].turns[1].content == text
+    assert validation_report(tmp_path)["records"] == 2

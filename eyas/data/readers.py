@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..util import EyasError, installed_file, stable_hash
+from ..util import EyasError, installed_file, stable_hash, text_lines
 from .conversation import ROLES, Conversation, Turn
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -174,7 +174,7 @@ def read_messages_jsonl(path: str | Path, strict: bool = False, limit: int = 0) 
     path = Path(path)
     rep = ReadReport(str(path))
     out: list[Conversation] = []
-    for lineno, line in enumerate(_open_text(path).splitlines(), 1):
+    for lineno, line in enumerate(text_lines(_open_text(path)), 1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -200,7 +200,7 @@ def read_prompts_txt(path: str | Path, strict: bool = False, limit: int = 0) -> 
     path = Path(path)
     rep = ReadReport(str(path))
     out = []
-    for lineno, line in enumerate(_open_text(path).splitlines(), 1):
+    for lineno, line in enumerate(text_lines(_open_text(path)), 1):
         if line.strip():
             out.append(Conversation(f"{path.stem}:{lineno}", [Turn("user", line.strip())]))
             rep.records += 1
@@ -245,7 +245,7 @@ def read_humaneval(path: str | Path | None = None, strict: bool = False, limit: 
     path = Path(path) if path else humaneval_path()
     rep = ReadReport(str(path))
     out = []
-    for lineno, line in enumerate(_open_text(path).splitlines(), 1):
+    for lineno, line in enumerate(text_lines(_open_text(path)), 1):
         if not line.strip():
             continue
         try:

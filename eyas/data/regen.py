@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import Config, RegenConfig
 from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrier, dist_env, human_bytes, log,
-                    progress, read_json, stable_hash, to_device)
+                    progress, read_json, stable_hash, text_lines, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
 from .readers import read_dataset, select_split
@@ -777,7 +777,7 @@ def validation_report(path: str | Path) -> dict:
     prompt_toks, completion_toks, turns_per = [], [], []
     ids: list[str] = []
     for f in shards:
-        for lineno, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        for lineno, line in enumerate(text_lines(f.read_text(encoding="utf-8")), 1):
             if not line.strip():
                 continue
             try:
