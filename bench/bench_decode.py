@@ -5,7 +5,9 @@ vs transformers `generate` (dynamic cache, static cache, prompt-lookup decoding)
         --limit 80 --k 3 --out results.json
 
 Each method gets a warm-up and a time box (--budget seconds); tokens/s = new tokens / device-synced
-wall time over the prompts it finished. On a GPU, each method's entry also says what the card's SM clock,
+wall time over the prompts it finished. A faster method finishes more prompts in its box, so each speculative
+method also gets its speedup on the prompts both it and its plain baseline finished
+(speedup_vs_plain_same_prompts, from each prompt's seconds). On a GPU, each method's entry also says what the card's SM clock,
 temperature and power did while it ran ("gpu", bench/gpu_watch.py): the same method ran up to 13% slower
 straight after a training run (BENCHMARKS.md, thirteenth session). ShareGPT prompts are the first user turn of held-out
 (test-split) conversations.
@@ -69,7 +71,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
     (from this function's "outputs"); a speculative method then reports how many of its prompts gave the
     same tokens (lossless greedy decoding gives all of them)."""
     toks = secs = 0.0
-    outputs, per_prompt, accepted = [], [], []
+    outputs, per_prompt, accepted, seconds_by_prompt = [], [], [], []
     acc, draft_s, verify_s, prefill_s, steps, done = [], 0.0, 0.0, 0.0, 0, 0
     t_end = time.perf_counter() + budget
     for ids in prompts:
@@ -82,6 +84,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
         prefill_s += g.prefill_seconds
         steps += g.target_forwards
         outputs.append(list(g.tokens))
+        seconds_by_prompt.append(round(g.seconds, 6))
         if speculative:  # per prompt: new tokens, rounds, tokens accepted from the drafter
             per_prompt.append([len(g.tokens), len(g.accepted), int(sum(g.accepted))])
             accepted.append([int(a) for a in g.accepted])  # each round's accepted drafts, in order
@@ -103,7 +106,19 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
         both = min(len(outputs), len(reference))
         res["same_as_plain"] = f"{sum(o == r for o, r in zip(outputs, reference))}/{both}"
     res["outputs"] = outputs
+    res["seconds_by_prompt"] = seconds_by_prompt
     return res
+
+
+def same_prompts_speedup(spec: dict, plain: dict) -> float | None:
+    """plain's seconds over spec's on the prompts both finished (each method's time box can end after a different
+    number of prompts, and a prompt's cost per token grows with its context, so tok/s over different prompts is
+    not a like-for-like ratio; greedy lossless decoding writes the same tokens, so this is the tok/s ratio on them)."""
+    a, b = spec.get("seconds_by_prompt"), plain.get("seconds_by_prompt")
+    if not a or not b:
+        return None
+    n = min(len(a), len(b))
+    return sum(b[:n]) / sum(a[:n]) if sum(a[:n]) else None
 
 
 def run_hf(model, prompts, max_new, stop, budget, device, **gen_kw):
@@ -279,17 +294,21 @@ def main(argv=None) -> int:
             except Exception as e:  # a baseline that does not run here is reported, not fatal
                 results["methods"][name] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"{name}: failed ({e})", flush=True)
-    plain_of = {n: r["tokens_per_s"] for n, r in results["methods"].items() if n.startswith("eyas_plain")}
+    plains = {n: r for n, r in results["methods"].items() if n.startswith("eyas_plain")}
+    plain_of = {n: r["tokens_per_s"] for n, r in plains.items()}
     hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
     for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
         r = results["methods"][name]
         base = plain_of.get("eyas_plain" + r.get("variant", ""))  # the same target forward
         r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
+        if "eyas_plain" + r.get("variant", "") in plains:  # the same ratio on the prompts both finished
+            r["speedup_vs_plain_same_prompts"] = same_prompts_speedup(r, plains["eyas_plain" + r.get("variant", "")])
         # against the fastest plain method of the run, whichever norm and cache layout it used
         r["speedup_vs_fastest_plain"] = r["tokens_per_s"] / max(plain_of.values()) if plain_of else None
         r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None
     atomic_write_json(a.out, results)
     print(json.dumps({n: {k: v for k, v in r.items() if k in ("tokens_per_s", "acceptance_length", "speedup_vs_plain",
+                                                              "speedup_vs_plain_same_prompts",
                                                               "speedup_vs_fastest_plain", "speedup_vs_best_hf", "same_as_plain")}
                       for n, r in results["methods"].items()}, indent=1))
     return 0

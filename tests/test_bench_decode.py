@@ -1,0 +1,17 @@
+"""bench/bench_decode.py's speedup on the prompts both methods finished, on hand-made results."""
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "bench" / "bench_decode.py")
+bd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bd)
+
+
+def test_speedup_counts_only_the_prompts_both_finished():
+    # plain's box ended after 2 prompts (3 s), the speculative method's after 3; its third prompt (9 s) is left out
+    plain = {"seconds_by_prompt": [1.0, 2.0]}
+    fast = {"seconds_by_prompt": [0.5, 0.5, 9.0]}
+    assert bd.same_prompts_speedup(fast, plain) == 3.0
+    assert bd.same_prompts_speedup(plain, fast) == 1.0 / 3.0  # and the other way round: 1 s against 3
+    assert bd.same_prompts_speedup({}, plain) is None  # a report from before the field has no such ratio
