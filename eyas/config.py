@@ -69,6 +69,9 @@ class RegenConfig:
     split: str = opt("train", "which split of the data set to regenerate", choices=("train", "val", "test", "all"))
     limit: int = opt(0, "regenerate at most this many conversations (0 = all in the split)")
     turns: int = opt(0, "regenerate the first N assistant turns of each conversation (0 = all)")
+    samples: int = opt(1, "answers sampled per conversation: N > 1 regenerates each one N times with its own seeds "
+                          "(sample s > 1 as shard-sS-*.jsonl, record ids suffixed ~sampleS, kept on the same side of "
+                          "every split as the first; data.original_rest continues the first sample only)")
     max_new_tokens: int = opt(512, "maximum tokens generated per assistant turn")
     temperature: float = opt(0.8, "sampling temperature (0 = greedy)")
     top_p: float = opt(0.95, "nucleus sampling threshold")

@@ -96,12 +96,21 @@ EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel",
                   "train.feature_cache_gb", "train.parallel"}
 
 
+# settings added after runs were made, at the value that does what those runs did: left out of the stage keys while
+# at that value, so a run made before them resumes instead of starting over
+KEYED_WHEN_CHANGED = {"regen.samples": 1}
+
+
 def stage_keys(cfg: C.Config) -> dict[str, str]:
     """A key per stage: a hash of the settings it reads (less EXECUTION_ONLY) and of the stage before it."""
     d = C.to_dict(cfg)
     for key in EXECUTION_ONLY:
         sec, _, field = key.partition(".")
         d[sec].pop(field, None)
+    for key, old in KEYED_WHEN_CHANGED.items():
+        sec, _, field = key.partition(".")
+        if d[sec].get(field) == old:
+            d[sec].pop(field)
     keys, prev = {}, ""
     for name, _, reads, _ in STAGES:
         part = {}

@@ -323,6 +323,58 @@ def test_torchrun_two_processes_split_the_shards(tmp_path, tiny):
     assert a == b
 
 
+@pytest.mark.parametrize("engine", ["static", "continuous", "generate"])
+def test_samples_add_answers_beside_a_finished_run(tmp_path, tiny, engine):
+    """regen.samples=2 over a finished one-sample run: the first sample's shards are kept as they are (the same plan),
+    the second gets its own shards, ids and seeds; the split and data.original_rest treat it as its first's copy."""
+    _samples_beside_a_finished_run(tmp_path, tiny, engine)
+
+
+@pytest.mark.gpu
+def test_samples_add_answers_beside_a_finished_run_on_cuda(tmp_path):
+    """The same on a GPU, where the static engine samples inside CUDA graphs from the CUDA generator."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    _samples_beside_a_finished_run(tmp_path, load_target(TargetConfig(name="tiny", dtype="float32", device="cuda")),
+                                   "static")
+
+
+def _samples_beside_a_finished_run(tmp_path, tiny, engine):
+    from eyas.data.prepare import training_conversations
+    from eyas.data.readers import split_of
+
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(7)])
+    one = run_regen(tiny_cfg(tmp_path, src, engine=engine, temperature=0.8, turns=1), target=tiny)
+    d = regen_dir(tmp_path / "run")
+    first = {f.name: f.read_bytes() for f in d.glob("shard-*.jsonl")}
+    assert one["records"] == 7 and one["samples"] == 1 and len(first) == 3
+    cfg = tiny_cfg(tmp_path, src, engine=engine, temperature=0.8, turns=1, samples=2)
+    two = run_regen(cfg, target=tiny)
+    assert {f.name: f.read_bytes() for f in d.glob("shard-0*.jsonl")} == first  # untouched
+    assert sorted(f.name for f in d.glob("shard-s2-*.jsonl")) == [f"shard-s2-0000{k}.jsonl" for k in range(3)]
+    assert two["records"] == two["planned"] == 14 and two["complete"] and two["duplicates"] == 0
+    assert two["samples"] == 2 and two["shards_total"] == 6
+    convs = {c.id: c for c in read_dataset(str(d))[0]}
+    assert sorted(convs) == sorted([f"c{i}" for i in range(7)] + [f"c{i}~sample2" for i in range(7)])
+    copy = convs["c0~sample2"]
+    assert copy.meta["sampling"]["sample"] == 2 and "sample" not in convs["c0"].meta["sampling"]
+    assert copy.turns[0].content == convs["c0"].turns[0].content  # the same prompt ...
+    differ = sum(convs[f"c{i}~sample2"].turns[-1].content != convs[f"c{i}"].turns[-1].content for i in range(7))
+    assert differ >= 6  # ... answered with its own seeds (random weights at 0.8 repeat a 12-token answer rarely)
+    # every sample of a conversation on the same side of a split
+    for i in range(200):
+        assert split_of(f"x{i}_3~sample2", 0.3, 0.2) == split_of(f"x{i}_3", 0.3, 0.2) == split_of(f"x{i}", 0.3, 0.2)
+    # data.original_rest continues the first sample only: its later turn once, not once per sample
+    cfg.data.original_rest = True
+    train, _ = training_conversations(cfg)
+    n = {c.id: c.n_assistant() for c in train}
+    assert n["c0"] == 2 and n["c0~sample2"] == 1
+    assert run_regen(cfg, target=tiny)["records"] == 14  # a rerun finds both samples done
+    with pytest.raises(EyasError, match="greedy answers are the same"):
+        run_regen(tiny_cfg(tmp_path, src, temperature=0.0, samples=2), target=tiny)
+
+
 def test_embedded_engines_agree(tmp_path, tiny):
     src = write_jsonl(tmp_path / "d.jsonl", [["hi"], ["a much longer question about many things"], ["x"]])
     runs = {}

@@ -41,12 +41,31 @@ from .server import ServerBackend, TurnResult, split_reasoning
 PLAN_VERSION = 1
 
 
-def shard_path(d: Path, k: int) -> Path:
-    return d / f"shard-{k:05d}.jsonl"
+def _shard_stem(k: int, sample: int) -> str:
+    return f"shard-{k:05d}" if sample == 1 else f"shard-s{sample}-{k:05d}"
 
 
-def errors_path(d: Path, k: int) -> Path:
-    return d / f"shard-{k:05d}.errors.json"
+def shard_path(d: Path, k: int, sample: int = 1) -> Path:
+    return d / f"{_shard_stem(k, sample)}.jsonl"
+
+
+def errors_path(d: Path, k: int, sample: int = 1) -> Path:
+    return d / f"{_shard_stem(k, sample)}.errors.json"
+
+
+def plan_path(d: Path, sample: int = 1) -> Path:
+    return d / ("plan.json" if sample == 1 else f"plan-s{sample}.json")
+
+
+SAMPLE_SUFFIX = "~sample"
+
+
+def sample_copy(conv: Conversation, sample: int) -> Conversation:
+    """The conversation to regenerate as its sample `sample` (> 1): its id suffixed, so its seeds, shards and
+    records are its own; `split_of` strips the suffix, so every sample of a conversation lands on the same side of
+    a split."""
+    return Conversation(f"{conv.id}{SAMPLE_SUFFIX}{sample}", list(conv.turns),
+                        {**conv.meta, "sample_of": conv.id, "sample": sample})
 
 
 # --------------------------------------------------------------------------- one conversation
@@ -149,6 +168,14 @@ def _render_prompt(tokenizer, messages: list[dict], reasoning: str) -> list[int]
 class _Embedded:
     """What both embedded engines share: prompt rendering, context limits, decoding of answers."""
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream (each engine draws from torch's default generator, seeded with regen.seed
+        when built): regen.samples' later samples start from a seed of their own, so a sample regenerated in a later
+        process than the first does not replay the first's draws over the same prompts."""
+        import torch
+
+        torch.manual_seed(seed)
+
     def __init__(self, target, rc: RegenConfig, reasoning: str, ctx_limit: int):
         self.t, self.rc, self.reasoning = target, rc, reasoning
         self.tok = target.tokenizer
@@ -203,21 +230,30 @@ class ContinuousEngine(_Embedded):
 
     def __init__(self, target, rc, reasoning, ctx_limit):
         super().__init__(target, rc, reasoning, ctx_limit)
+        self.lens: dict[str, int] = {}
+        self._start(rc.seed)
+
+    def _start(self, seed: int) -> None:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        self.lens: dict[str, int] = {}
-        on_gpu = target.device.type == "cuda"
-        if on_gpu:  # let transformers size the cache from free memory; CUDA graphs as it decides
-            cb = ContinuousBatchingConfig(max_requests_per_batch=self.batch, seed=rc.seed)
+        rc = self.rc
+        if self.t.device.type == "cuda":  # let transformers size the cache from free memory; CUDA graphs as it decides
+            cb = ContinuousBatchingConfig(max_requests_per_batch=self.batch, seed=seed)
         else:  # no memory probe on CPU: size the cache for the window of running sequences
             block = 32
             per_seq = min(self.ctx_limit, 1024) + rc.max_new_tokens
             cb = ContinuousBatchingConfig(block_size=block, num_blocks=max(64, math.ceil(self.batch * per_seq / block)),
-                                          max_batch_tokens=512, max_requests_per_batch=self.batch, seed=rc.seed,
+                                          max_batch_tokens=512, max_requests_per_batch=self.batch, seed=seed,
                                           use_cuda_graph=False)
-        self.manager = target.model.init_continuous_batching(generation_config=self.generation_config(),
+        self.manager = self.t.model.init_continuous_batching(generation_config=self.generation_config(),
                                                              continuous_batching_config=cb)
         self.manager.start()
+
+    def reseed(self, seed: int) -> None:
+        """The manager samples from a generator of its own, seeded when it starts: a new one (between samples,
+        with no request in flight)."""
+        self.close()
+        self._start(seed)
 
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
         p = self.prepare(rid, messages)
@@ -563,17 +599,19 @@ def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
 # --------------------------------------------------------------------------- the stage
 
 
-def sampling_settings(cfg: Config) -> dict:
+def sampling_settings(cfg: Config, sample: int = 1) -> dict:
+    """What a record says it was sampled with; a sample after the first also says which it is (the first's
+    settings are the same as a run with regen.samples=1, so such a run's shards count as the first sample)."""
     rc = cfg.regen
     return {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p, "seed": rc.seed,
-            "turns": rc.turns, "reasoning": cfg.data.reasoning}
+            "turns": rc.turns, "reasoning": cfg.data.reasoning, **({"sample": sample} if sample > 1 else {})}
 
 
-def _plan(d: Path, cfg: Config, ids: list[str], identity: dict) -> dict:
+def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int = 1) -> dict:
     plan = {"version": PLAN_VERSION, "source": cfg.data.source, "split": cfg.regen.split,
-            "settings": sampling_settings(cfg), "generator": identity, "shard_size": cfg.regen.shard_size,
+            "settings": sampling_settings(cfg, sample), "generator": identity, "shard_size": cfg.regen.shard_size,
             "ids": ids}
-    path = d / "plan.json"
+    path = plan_path(d, sample)
     if path.exists():
         old = read_json(path)
         for k in ("source", "split", "settings", "generator", "shard_size", "ids"):
@@ -596,6 +634,11 @@ def _check_cfg(rc: RegenConfig) -> None:
         raise EyasError(f"regen: temperature must be >= 0 and top_p in (0, 1] (got {rc.temperature}, {rc.top_p})")
     if rc.turns < 0 or rc.limit < 0 or rc.retries < 0:
         raise EyasError("regen.turns, regen.limit and regen.retries must not be negative")
+    if rc.samples < 1:
+        raise EyasError(f"regen.samples must be at least 1, got {rc.samples}")
+    if rc.samples > 1 and rc.temperature == 0:
+        raise EyasError(f"regen.samples={rc.samples} with regen.temperature=0: greedy answers are the same every "
+                        f"time; sample at a temperature above 0 or keep one sample")
 
 
 def run_regen(cfg: Config, target=None) -> dict:
@@ -649,12 +692,15 @@ def run_regen(cfg: Config, target=None) -> dict:
         ident = backend.describe()
         identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
         try:
-            if rank == 0:  # rank 0 writes the plan (or checks the one there); the others then check it
-                plan = _plan(d, cfg, [c.id for c in convs], identity)
-            dist_barrier()
-            if rank != 0:
-                plan = _plan(d, cfg, [c.id for c in convs], identity)
-            _drive(backend, convs, plan, d, rc, sampling_settings(cfg), ident, rank, world)
+            for sample in range(1, rc.samples + 1):
+                these = convs if sample == 1 else [sample_copy(c, sample) for c in convs]
+                if rank == 0:  # rank 0 writes the plan (or checks the one there); the others then check it
+                    plan = _plan(d, cfg, [c.id for c in these], identity, sample)
+                dist_barrier()
+                if rank != 0:
+                    plan = _plan(d, cfg, [c.id for c in these], identity, sample)
+                _drive(backend, these, plan, d, rc, sampling_settings(cfg, sample), ident, rank, world, sample,
+                       rc.samples)
         finally:
             backend.close()
         dist_barrier()  # every rank's shards written
@@ -674,26 +720,30 @@ def run_regen(cfg: Config, target=None) -> dict:
 
 
 def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenConfig, settings: dict,
-           ident: dict, rank: int = 0, world: int = 1) -> None:
+           ident: dict, rank: int = 0, world: int = 1, sample: int = 1, samples: int = 1) -> None:
     size = plan["shard_size"]
     n_shards = math.ceil(len(convs) / size)
     mine = [k for k in range(n_shards) if k % world == rank]
-    todo = [k for k in mine if not shard_path(d, k).exists()]
+    todo = [k for k in mine if not shard_path(d, k, sample).exists()]
+    of = f"sample {sample} of {samples}: " if samples > 1 else ""
+    if sample > 1 and hasattr(backend, "reseed"):  # (a server gets each request's own seed, from its record id)
+        backend.reseed((rc.seed * 1_000_003 + sample) % (1 << 31))
     work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
     backend_meta = {k: v for k, v in ident.items() if k != "endpoints"}
     if world > 1:  # every process says what it takes (log() speaks for rank 0 only)
-        print(f"regen: rank {rank} of {world} regenerates {len(todo)} of its {len(mine)} shards "
+        print(f"regen: {of}rank {rank} of {world} regenerates {len(todo)} of its {len(mine)} shards "
               f"({len(work)} conversations)", file=sys.stderr, flush=True)
     if not work:
         return
     if len(todo) < len(mine):
-        log(f"regen: resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
+        log(f"regen: {of}resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
             + (f" (rank {rank} of {world})" if world > 1 else ""))
     done_by_shard: dict[int, dict[int, ConvState]] = {k: {} for k in todo}
     active: dict[str, ConvState] = {}
     nxt = 0
     t0, toks = time.time(), 0
-    bar = progress(total=len(work), desc="regen" + (f" rank {rank}" if world > 1 else ""), unit="conv",
+    bar = progress(total=len(work), desc="regen" + (f" sample {sample}/{samples}" if samples > 1 else "")
+                   + (f" rank {rank}" if world > 1 else ""), unit="conv",
                    **({} if rank == 0 else {"disable": True}))
 
     def finish(st: ConvState) -> None:
@@ -701,7 +751,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         done_by_shard[k][st.index] = st
         bar.update(1)
         if len(done_by_shard[k]) == min(len(convs), (k + 1) * size) - k * size:
-            _write_shard(d, k, [done_by_shard[k][i] for i in sorted(done_by_shard[k])], settings, backend_meta)
+            _write_shard(d, k, [done_by_shard[k][i] for i in sorted(done_by_shard[k])], settings, backend_meta,
+                         sample)
             del done_by_shard[k]
 
     def ask(st: ConvState) -> None:
@@ -736,7 +787,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         bar.close()
 
 
-def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backend_meta: dict) -> None:
+def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backend_meta: dict,
+                 sample: int = 1) -> None:
     lines, errors = [], []
     for st in states:
         if st.error or st.n_answers == 0:
@@ -747,8 +799,8 @@ def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backe
             continue
         lines.append(json.dumps(st.record(settings, backend_meta), ensure_ascii=False))
     # errors first: a shard file present means its errors file is complete too
-    atomic_write_json(errors_path(d, k), {"shard": k, "errors": errors})
-    atomic_write_text(shard_path(d, k), "".join(line + "\n" for line in lines))
+    atomic_write_json(errors_path(d, k, sample), {"shard": k, "errors": errors})
+    atomic_write_text(shard_path(d, k, sample), "".join(line + "\n" for line in lines))
 
 
 # --------------------------------------------------------------------------- validation report
@@ -768,8 +820,9 @@ def validation_report(path: str | Path) -> dict:
     d = regen_dir(p) if (regen_dir(p)).is_dir() else p
     if not d.is_dir():
         raise EyasError(f"{p}: no regenerated data here (expected {regen_dir(p)} or a folder of shard-*.jsonl)")
-    shards = sorted(d.glob("shard-*.jsonl"))
+    shards = sorted(d.glob("shard-*.jsonl"))  # every sample's
     plan = read_json(d / "plan.json") if (d / "plan.json").exists() else None
+    plans = [plan] + [read_json(f) for f in sorted(d.glob("plan-s*.json"))] if plan else []
     records, bad_lines, turns, truncated, empty, with_reasoning = 0, 0, 0, 0, 0, 0
     errors: Counter = Counter()
     retries: Counter = Counter()
@@ -812,8 +865,8 @@ def validation_report(path: str | Path) -> dict:
                 empty += e.get("kind") == "empty_answer"
     if bad_lines:
         errors["unreadable_record"] += bad_lines
-    planned = len(plan["ids"]) if plan else None
-    n_shards = math.ceil(planned / plan["shard_size"]) if plan else len(shards)
+    planned = sum(len(p["ids"]) for p in plans) if plans else None
+    n_shards = sum(math.ceil(len(p["ids"]) / p["shard_size"]) for p in plans) if plans else len(shards)
     dup = len(ids) - len(set(ids))
     return {
         "dir": str(d), "planned": planned, "records": records, "shards_done": len(shards), "shards_total": n_shards,
@@ -825,4 +878,5 @@ def validation_report(path: str | Path) -> dict:
         "turns_per_conversation": _stats(turns_per), "prompt_tokens": _stats(prompt_toks),
         "completion_tokens": _stats(completion_toks),
         "settings": plan.get("settings") if plan else None, "generator": plan.get("generator") if plan else None,
+        "samples": len(plans) or None,
     }
