@@ -184,6 +184,11 @@ def main(argv=None) -> int:
                          "rope, residual add + norm and silu * up as torch.compile'd kernels in its steps and verify "
                          "passes), 0 (eager), or 0,1 to time both (the 0 methods, their plain baseline included, get an "
                          "_ew0 suffix; the fourteenth session's runs, when 0 was the default, named the 1 methods _ew1)")
+    ap.add_argument("--prefill", default="1",
+                    help="Decoder.graph_prefill: 1 (the default where CUDA graphs are on, since the fifteenth session: "
+                         "each prompt right-padded to a multiple of 128 tokens and prefilled as one CUDA graph per "
+                         "padded length), 0 (the eager prefill of the prompt's own length), or 0,1 to time both (the "
+                         "0 methods, their plain baseline included, get a _pf0 suffix)")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip Decoder.warm_up before each method (the fourteenth session's and earlier runs had none: "
                          "a method then builds its graphs and per-shape kernels for each longer span of the cache "
@@ -251,18 +256,21 @@ def main(argv=None) -> int:
 
     def engine_facts(dec) -> dict:
         return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),
-                "overlap": dec.overlapped, "compiled_elementwise": dec.elementwise_compiled}
+                "overlap": dec.overlapped, "compiled_elementwise": dec.elementwise_compiled,
+                "padded_prefill": dec.prefill_padded}
 
     from eyas.fastlm import FastLM
 
     saved = (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
-             Decoder.compile_elementwise)
-    for norm, gqa, ovl, ew in [(int(n), int(x), int(o), int(e)) for n in a.norm.split(",") for x in a.gqa.split(",")
-                               for o in a.overlap.split(",") for e in a.ew.split(",")]:
+             Decoder.compile_elementwise, Decoder.graph_prefill)
+    for norm, gqa, ovl, ew, pf in [(int(n), int(x), int(o), int(e), int(f)) for n in a.norm.split(",")
+                                   for x in a.gqa.split(",") for o in a.overlap.split(",") for e in a.ew.split(",")
+                                   for f in a.prefill.split(",")]:
         FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
         Decoder.overlap, Decoder.compile_elementwise = bool(ovl), bool(ew)
+        Decoder.graph_prefill = None if pf else False  # 1: where graphs are on (the default)
         sfx = (("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
-               + ("" if ew else "_ew0"))
+               + ("" if ew else "_ew0") + ("" if pf else "_pf0"))
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         warm_s = warm_up(plain, False)
         run_engine(plain, warm, 32, stop, False, 1e9)
@@ -283,7 +291,7 @@ def main(argv=None) -> int:
                            {**res, **engine_facts(dec), "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
     (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
-     Decoder.compile_elementwise) = saved
+     Decoder.compile_elementwise, Decoder.graph_prefill) = saved
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),

@@ -306,6 +306,11 @@ class Decoder:
     # 2.61 to 1.92 ms (BENCHMARKS.md, fourteenth session; bench/bench_decode.py --ew 0,1); on a CPU, compiling
     # costs seconds a shape for little gain
     compile_elementwise: bool | None = None
+    # the prompt's prefill as a fixed-shape step (greedy, eyas' forward): the prompt right-padded to a multiple of
+    # PREFILL_BUCKET tokens, so under CUDA graphs one graph per padded length replaces the eager prefill's hundreds
+    # of kernel launches from Python. None = where CUDA graphs are on; True also pads without graphs (tests)
+    graph_prefill: bool | None = None
+    PREFILL_BUCKET = 128
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -357,7 +362,8 @@ class Decoder:
     def _call(self, name: str, *args, upto: int):
         """Run a fixed-shape step: "draft" (drafter over ids, hidden, pos) or "verify" (target over
         ids, pos), attending to `upto` cache slots; under CUDA graphs, one graph per (step, shapes, upto)."""
-        fn = {"draft": self._drafter_fwd, "verify": self._target_fwd, "round": self._round_fwd}[name]
+        fn = {"draft": self._drafter_fwd, "verify": self._target_fwd, "round": self._round_fwd,
+              "prefill": self._prefill_fwd, "prefill_spec": self._prefill_spec_fwd}[name]
         if self.graphs.enabled:
             return self.graphs.run(f"{name}@{upto}", lambda *a: fn(*a, upto=upto), *args)
         return fn(*args, upto=upto)
@@ -384,6 +390,61 @@ class Decoder:
 
     def _target_fwd(self, ids, pos, upto: int):
         return self.runner.forward(ids, pos, upto=upto)
+
+    def _prefill_fwd(self, ids, last, upto: int):
+        """The target over a right-padded prompt ids [1, Tp] at positions 0.., its last real token at index last
+        [1] -> (the first new token [1] (greedy), aux [1, Tp, 3H]). The padding writes cache slots past the prompt,
+        which the generation overwrites before anything attends to them (each query sees slots up to its own
+        position); its outputs are dropped."""
+        logits, aux = self.runner.lm.forward(ids, torch.zeros(1, dtype=torch.long, device=ids.device), last_idx=last,
+                                             want_aux=True, upto=upto, one_off=True)
+        return logits[:, 0].argmax(-1), aux
+
+    def _prefill_spec_fwd(self, ids, last, upto: int):
+        """_prefill_fwd, then the drafter's prefill over the prompt shifted by one with the first new token at
+        index last -> (first [1], the drafter's hidden state [1, 1, H] and logits [1, Vd] at index last)."""
+        first, aux = self._prefill_fwd(ids, last, upto)
+        feed = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last.view(1, 1), first.view(1, 1))
+        with one_off_kernels(self.device):
+            h, dl = self._drafter_fwd(feed, aux, torch.arange(ids.shape[1], device=ids.device), upto)
+        at = last.view(1, 1, 1)
+        return (first, h.gather(1, at.expand(1, 1, h.shape[-1])),
+                dl.gather(1, at.expand(1, 1, dl.shape[-1]))[:, 0])
+
+    @property
+    def prefill_padded(self) -> bool:
+        """Whether prompts are prefilled right-padded to a multiple of PREFILL_BUCKET tokens, as fixed-shape steps
+        (Decoder.graph_prefill; None: where CUDA graphs are on). Greedy decoding on eyas' forward only."""
+        on = self.graphs.enabled if self.graph_prefill is None else bool(self.graph_prefill)
+        return on and self.engine == "fast" and self.temperature == 0
+
+    def _prefill_len(self, n: int) -> int | None:
+        """The padded length of an n-token prompt's prefill, or None for an unpadded one."""
+        if not self.prefill_padded:
+            return None
+        tp = -(-n // self.PREFILL_BUCKET) * self.PREFILL_BUCKET
+        return tp if tp <= self.max_len else None
+
+    def _prefill(self, ids, speculative: bool):
+        """The prompt ids [1, n] into the target's cache (and the drafter's) -> (the first new token [1]; with
+        `speculative`, the drafter's hidden state [1, 1, H] and logits [1, Vd] after it, else None, None)."""
+        n = ids.shape[1]
+        tp = self._prefill_len(n)
+        if tp is not None:  # one fixed-shape step (a CUDA graph per padded length)
+            padded = torch.zeros(1, tp, dtype=torch.long, device=self.device)
+            padded[:, :n] = ids
+            last = torch.full((1,), n - 1, dtype=torch.long, device=self.device)
+            res = self._call("prefill_spec" if speculative else "prefill", padded, last, upto=self._upto(tp))
+            return (res[0], res[1], res[2]) if speculative else (res[0], None, None)
+        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n), one_off=True)
+        first = self._pick(logits[:, -1])  # [1]
+        if not speculative:
+            return first, None, None
+        # the drafter's prefill: a shape seen once, so attention without per-shape plans (as the target's)
+        with one_off_kernels(self.device):
+            h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
+                                      self._upto(n))
+        return first, h[:, -1:], dl[:, -1]
 
     def _propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocab logits [1, Vd] -> (target token id [1], q over the target vocab [1, V] or None)."""
@@ -539,7 +600,8 @@ class Decoder:
     def step_calls(self, plain: bool = True, speculative: bool = True) -> list[tuple]:
         """Every fixed-shape step a generation within max_len can make, as (name, args, upto): for each span of
         attended cache slots, the plain step, and the fused round or (sampling, stepwise rounds) the drafter
-        step, the verify pass and the drafter rebuild. Positions lie inside the span; the inputs are zeros."""
+        step, the verify pass and the drafter rebuild; with padded prefills, the prefill of every padded length.
+        Positions lie inside the span; the inputs are zeros."""
         if self.engine != "fast":
             return []
         dev, k = self.device, self.k
@@ -562,6 +624,12 @@ class Decoder:
                 calls += [("draft", (tok.view(1, 1), h, self._pos(p, 1)), u),
                           ("verify", (ids, self._pos(p, k + 1)), u),
                           ("draft", (ids, aux, self._pos(p, k + 1)), u)]
+        if self.prefill_padded:  # every padded prompt length that fits
+            for tp in range(self.PREFILL_BUCKET, self.max_len + 1, self.PREFILL_BUCKET):
+                args = (torch.zeros(1, tp, dtype=torch.long, device=dev), torch.full((1,), tp - 1, device=dev))
+                for name, on in (("prefill", plain), ("prefill_spec", speculative)):
+                    if on:
+                        calls.append((name, args, self._upto(tp)))
         return calls
 
     @torch.no_grad()
@@ -604,14 +672,7 @@ class Decoder:
         gen = Generation(tokens=[], prompt_tokens=n)
 
         t0 = clock.start()
-        logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n), one_off=True)
-        first = self._pick(logits[:, -1])  # [1]
-        if speculative:
-            # the drafter's prefill: a shape seen once, so attention without per-shape plans (as the target's)
-            with one_off_kernels(self.device):
-                h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
-                                          self._upto(n))
-            h_last, logits_last = h[:, -1:], dl[:, -1]
+        first, h_last, logits_last = self._prefill(ids, speculative)
         clock.stop("prefill", t0)
         out = [int(first.item())]
         L = n + 1

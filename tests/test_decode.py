@@ -445,14 +445,17 @@ def _drafter_and_spanning_prompts(target):
     return d, [torch.randint(10, target.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused_overlap"])
-def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, monkeypatch):
+@pytest.mark.parametrize("fused,padded", [(False, False), (True, False), (True, True)],
+                         ids=["steps", "fused_overlap", "fused_overlap_padded_prefill"])
+def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, padded, monkeypatch):
     """Decoder.warm_up runs, before anything is timed, every fixed-shape step (name, input shapes, attended cache
     span) that generations reaching any span of the cache make: the generations below, which cross from the
-    first span into the second and into the last (shorter) one, make no step it did not make. The steps it ran
-    leave the output unchanged: plain and speculative tokens equal a decoder's that was never warmed up."""
+    first span into the second and into the last (shorter) one, make no step it did not make (with padded
+    prefills, the prefills among them). The steps it ran leave the output unchanged: plain and speculative tokens
+    equal a decoder's that was never warmed up."""
     if fused:
         monkeypatch.setattr(Decoder, "overlap", True)
+    monkeypatch.setattr(Decoder, "graph_prefill", padded)
     d, prompts = _drafter_and_spanning_prompts(tiny)
     outs = {}
     for warm in (True, False):
@@ -475,7 +478,37 @@ def test_warm_up_runs_every_step_a_generation_makes(tiny, fused, monkeypatch):
         if warm:
             assert {u for *_, u in seen} == {256, 512, 600}  # the generations did reach every span
             assert set(seen) <= warmed, set(seen) - warmed
+            # padded prefills of 128, 256 and 512 tokens for the prompts of 40, 240 and 500, plain and speculative
+            assert sorted(x[:2] for x in seen if x[0].startswith("prefill")) == sorted(
+                [(name, ((1, tp), (1,))) for tp in (128, 256, 512) for name in ("prefill", "prefill_spec")]
+                if padded else [])
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+def test_padded_prefill_gives_the_unpadded_generation(tiny, fused, monkeypatch):
+    """Decoder.graph_prefill pads each prompt to a multiple of PREFILL_BUCKET tokens (one CUDA graph per padded
+    length on a GPU): the padding's cache slots are overwritten before anything attends to them, so the tokens and
+    every round's accepted count equal the unpadded prefill's, for prompts shorter than a bucket, of exactly one,
+    and longer than one."""
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, tiny.vocab_size, (n,), generator=g).tolist() for n in (5, 128, 129, 300)]
+    runs = {}
+    for padded in (False, True):
+        monkeypatch.setattr(Decoder, "graph_prefill", padded)
+        dec = Decoder(tiny, d, k=3, max_len=512, fused=fused)
+        assert dec.prefill_padded == padded
+        assert [dec._prefill_len(len(p)) for p in prompts] == ([128, 128, 256, 384] if padded else [None] * 4)
+        gens = [dec.generate(p, 30, (), speculative=s) for p in prompts for s in (False, True)]
+        # the state the first round starts from: the first token, and the drafter's hidden state and logits after it
+        states = [dec._prefill(torch.tensor([p]), True) for p in prompts]
+        runs[padded] = [(x.tokens, x.accepted) for x in gens], states
+    assert runs[True][0] == runs[False][0]
+    for (f1, h1, l1), (f0, h0, l0) in zip(runs[True][1], runs[False][1]):
+        assert torch.equal(f1, f0) and h1.shape == h0.shape and l1.shape == l0.shape
+        assert torch.allclose(h1, h0, atol=1e-5) and torch.allclose(l1, l0, atol=1e-5)
 
 
 def test_failed_compile_falls_back_to_eager(tiny, monkeypatch, capsys):
@@ -531,3 +564,26 @@ def test_warm_up_leaves_no_graph_to_capture_on_gpu():
         if warm:
             assert set(dec.graphs.graphs) == keys
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_graphed_prefill_gives_the_eager_prefill_generation_on_gpu(monkeypatch):
+    """On a GPU with CUDA graphs, prompts prefilled padded as one graph per padded length (the default) give the
+    eager prefill's tokens and accepted counts (fp32, tiny model), and every prefill graph passed its checks."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    d, prompts = _drafter_and_spanning_prompts(t)
+    runs = {}
+    for pf in (None, False):
+        monkeypatch.setattr(Decoder, "graph_prefill", pf)
+        dec = Decoder(t, d, k=3, max_len=600, compile=True)
+        assert dec.prefill_padded == (pf is None)
+        gens = [dec.generate(ids, 40, (), speculative=s) for ids in prompts for s in (False, True)]
+        runs[pf] = [(g.tokens, g.accepted) for g in gens]
+        assert dec.graphs.enabled
+        if pf is None:
+            assert sorted(k[0] for k in dec.graphs.graphs if k[0].startswith("prefill")) == sorted(
+                f"{name}@{u}" for u in (256, 256, 512) for name in ("prefill", "prefill_spec"))
+    assert runs[None] == runs[False]
