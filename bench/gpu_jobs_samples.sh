@@ -13,7 +13,8 @@
 # Budget (1,800 s of device time): start and staging about 130 s; the second sample's regen about 270 (the first
 # sample's took 268 s in the twelfth session); tokenize 110; 5 epochs over about 27M tokens about 750 (the fifteenth
 # session trained 100.5M tokens in 585 s with every feature cached; here about 125 GB of features against a cache of
-# about 108, so some are recomputed); eval 45; then decoding, each cut off by its own timeout.
+# about 108, so some are recomputed); eval 45 (its warm-up now also captures a prefill graph per 128 tokens of its
+# 4,096-slot cache); then decoding (about 80 + 70 + 45 s), each cut off by its own timeout.
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
@@ -30,8 +31,14 @@ if [ -f $run/data/regen/plan-s2.json ]; then
 fi
 NO_REGEN_TGZ=1 keep $run samples2
 if [ -d $run/draft ]; then
+  # tau on the fourteenth session's text: its kernels (eager elementwise) and its prefill (unpadded: a padded
+  # prefill's products have other shapes, so bf16 can round the prompt's states differently)
   job decode_sharegpt timeout 200 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,5,7 --max-new-tokens 256 --budget 15 --skip-hf --ew 0 --out $S/decode_sharegpt.json
+    --k 3,5,7 --max-new-tokens 256 --budget 15 --skip-hf --ew 0 --prefill 0 --out $S/decode_sharegpt.json
+  # the prefill as one CUDA graph per padded length (Decoder.graph_prefill, new) against the eager prefill, with
+  # the other defaults: each prompt's prefill took 18-23 ms in the fifteenth session, 12-19% of a K=3-5 method's time
+  job decode_prefill timeout 150 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
+    --k 3,5 --max-new-tokens 256 --budget 12 --skip-hf --prefill 0,1 --out $S/decode_prefill.json
   job decode_humaneval timeout 120 python3 bench/bench_decode.py --draft $run/draft --prompts humaneval --limit 40 \
     --k 3,7 --max-new-tokens 256 --budget 10 --skip-hf --out $S/decode_humaneval.json
 fi
