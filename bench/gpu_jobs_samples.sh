@@ -19,9 +19,7 @@ S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
 run=/tmp/srun
-if [ -f .carry/smolD_regen.tgz ] && [ ! -d $run/data/regen ]; then
-  mkdir -p $run/data && tar xzf .carry/smolD_regen.tgz -C $run/data
-fi
+carried smolD_regen.tgz $run
 # the GPU tests beside the regeneration (correctness only)
 job gputests timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_decode.py tests/test_regen.py &
 job pipeline_samples2 python3 -m eyas run --out $run --set regen.samples=2

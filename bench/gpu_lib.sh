@@ -23,3 +23,6 @@ machine_info() {  # the GPUs, torch and transformers versions and the core count
     nproc
   } > $S/gpu.txt 2>&1
 }
+carried() {  # carried TGZ RUN: a regen folder carried in as .carry/TGZ, untarred into RUN/data unless RUN has one
+  if [ -f .carry/$1 ] && [ ! -d $2/data/regen ]; then mkdir -p $2/data && tar xzf .carry/$1 -C $2/data; fi
+}
