@@ -391,19 +391,23 @@ class Decoder:
     def _target_fwd(self, ids, pos, upto: int):
         return self.runner.forward(ids, pos, upto=upto)
 
-    def _prefill_fwd(self, ids, last, upto: int):
+    def _prefill_target(self, ids, last, upto: int, want_aux: bool):
         """The target over a right-padded prompt ids [1, Tp] at positions 0.., its last real token at index last
-        [1] -> (the first new token [1] (greedy), aux [1, Tp, 3H]). The padding writes cache slots past the prompt,
-        which the generation overwrites before anything attends to them (each query sees slots up to its own
-        position); its outputs are dropped."""
+        [1] -> (the first new token [1] (greedy), aux [1, Tp, 3H] or None). The padding writes cache slots past the
+        prompt, which the generation overwrites before anything attends to them (each query sees slots up to its
+        own position); its outputs are dropped."""
         logits, aux = self.runner.lm.forward(ids, torch.zeros(1, dtype=torch.long, device=ids.device), last_idx=last,
-                                             want_aux=True, upto=upto, one_off=True)
+                                             want_aux=want_aux, upto=upto, one_off=True)
         return logits[:, 0].argmax(-1), aux
 
+    def _prefill_fwd(self, ids, last, upto: int):
+        """The plain decoder's padded prefill (_prefill_target) -> (first [1],)."""
+        return self._prefill_target(ids, last, upto, False)[:1]
+
     def _prefill_spec_fwd(self, ids, last, upto: int):
-        """_prefill_fwd, then the drafter's prefill over the prompt shifted by one with the first new token at
-        index last -> (first [1], the drafter's hidden state [1, 1, H] and logits [1, Vd] at index last)."""
-        first, aux = self._prefill_fwd(ids, last, upto)
+        """The padded prefill (_prefill_target), then the drafter's over the prompt shifted by one with the first new
+        token at index last -> (first [1], the drafter's hidden state [1, 1, H] and logits [1, Vd] at index last)."""
+        first, aux = self._prefill_target(ids, last, upto, True)
         feed = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last.view(1, 1), first.view(1, 1))
         with one_off_kernels(self.device):
             h, dl = self._drafter_fwd(feed, aux, torch.arange(ids.shape[1], device=ids.device), upto)
