@@ -52,7 +52,7 @@ AUTO_GPU = {"regen.limit": 20000, "regen.turns": 1, "train.epochs": 8}
 # conversation's later turns with their original answers after its regenerated first one (the labels stay the
 # target's own distribution) and trains 5 epochs: τ 3.03 in the pipeline's eval (2.78 for the first turns alone,
 # 8 epochs), and 2.87 / 3.70 at K=3 / 7 on 80 chat prompts against 2.83 / 3.56 for every turn regenerated, also 5
-# epochs, after 1,000 s more regen (fourteenth and fifteenth GPU sessions; the regenerated later turns loop far
+# epochs, after about 800 s more regen (fourteenth and fifteenth GPU sessions; the regenerated later turns loop far
 # more than the original ones: bench/answer_stats.py)
 AUTO_GPU_PRESET = {"qwen-coder-0.5b": {"regen.limit": 10000},
                    "smollm2": {"train.draft_intermediate_size": 6144, "data.original_rest": True, "train.epochs": 5}}
