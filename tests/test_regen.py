@@ -213,6 +213,21 @@ def test_server_backend_retries_reasoning_and_records(tmp_path, server):
     assert validation_report(tmp_path / "run") == rep  # `eyas data --report` on the run directory
 
 
+def test_server_samples_ask_with_seeds_of_their_own(tmp_path, server):
+    """regen.samples=3 through the server backend: every conversation is asked three times, each sample with a seed
+    of its own (the server samples; its requests differ only by seed), and the records of samples 2 and 3 carry
+    their suffixed ids beside the first's."""
+    src = write_jsonl(tmp_path / "d.jsonl", [["alpha"], ["beta"]])
+    rep = run_regen(server_cfg(tmp_path, src, server.url, samples=3))
+    assert rep["complete"] and rep["planned"] == rep["records"] == 6 and rep["samples"] == 3
+    ids = sorted(c.id for c in read_dataset(str(regen_dir(tmp_path / "run")))[0])
+    assert ids == ["c0", "c0~sample2", "c0~sample3", "c1", "c1~sample2", "c1~sample3"]
+    seeds = {}
+    for b in server.requests:
+        seeds.setdefault(b["messages"][-1]["content"], []).append(b["seed"])
+    assert {k: len(set(v)) for k, v in seeds.items()} == {"alpha": 3, "beta": 3}
+
+
 def test_server_down_stops_with_progress_kept(tmp_path, server):
     src = write_jsonl(tmp_path / "d.jsonl", [["a"], ["b"], ["c"], ["d"]])
     cfg = server_cfg(tmp_path, src, server.url, shard_size=2, concurrency=1)
