@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tau_by_text import repeated_share  # noqa: E402  (bench/ is on sys.path when run as a script)
+from eyas.util import repeated_share  # noqa: E402  (the repo root is on sys.path above)
 
 BUCKETS = ("1", "2", "3", "4+")
 

@@ -20,11 +20,7 @@ import argparse
 import json
 import sys
 
-
-def repeated_share(tokens: list[int], n: int) -> float:
-    """Share of the answer's n-grams that occurred earlier in it."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+from eyas.util import repeated_share  # the share of an answer's n-grams seen earlier in it
 
 
 def tau(rows: list[tuple]) -> dict:

@@ -102,6 +102,13 @@ def text_lines(text: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
+def repeated_share(seq, n: int) -> float:
+    """Share of a sequence's n-grams that occurred earlier in it (0 for one shorter than n): how much a text
+    repeats itself, a loop near 1."""
+    grams = [tuple(seq[i:i + n]) for i in range(len(seq) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
 def read_json(path: str | os.PathLike) -> Any:
     path = Path(path)
     try:

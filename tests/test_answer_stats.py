@@ -2,11 +2,9 @@
 (a character tokenizer stands in for the target's, so every count can be read off the strings)."""
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # answer_stats imports its sibling tau_by_text as the script does
 spec = importlib.util.spec_from_file_location("answer_stats", ROOT / "bench" / "answer_stats.py")
 ans = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ans)

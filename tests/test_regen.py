@@ -228,6 +228,25 @@ def test_server_samples_ask_with_seeds_of_their_own(tmp_path, server):
     assert {k: len(set(v)) for k, v in seeds.items()} == {"alpha": 3, "beta": 3}
 
 
+def test_report_counts_looping_answers(tmp_path):
+    """The regen report counts answers that loop (at least half of their word 6-grams seen earlier in them), per
+    answer, over every shard: here 2 of 4."""
+    from eyas.util import repeated_share
+
+    loop = "again and again " * 12
+    prose = "the hawk is taken from the nest and trained to hunt with its falconer over many patient weeks"
+    assert repeated_share(loop.split(), 6) > 0.9 and repeated_share(prose.split(), 6) == 0
+    half = " ".join(["w%d" % i for i in range(10)] * 2)  # 20 words, 15 6-grams, 5 of them seen before: 1/3
+    recs = [{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": loop},
+                                     {"role": "user", "content": "q2"}, {"role": "assistant", "content": prose}]},
+            {"id": "b", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": half}]},
+            {"id": "c", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": loop}]}]
+    (tmp_path / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[:2]))
+    (tmp_path / "shard-s2-00000.jsonl").write_text(json.dumps(recs[2]) + "\n")
+    rep = validation_report(tmp_path)
+    assert rep["assistant_turns"] == 4 and rep["looping_answers"] == 2 and rep["looping_answer_rate"] == 0.5
+
+
 def test_server_down_stops_with_progress_kept(tmp_path, server):
     src = write_jsonl(tmp_path / "d.jsonl", [["a"], ["b"], ["c"], ["d"]])
     cfg = server_cfg(tmp_path, src, server.url, shard_size=2, concurrency=1)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import Config, RegenConfig
 from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrier, dist_env, human_bytes, log,
-                    progress, read_json, stable_hash, text_lines, to_device)
+                    progress, read_json, repeated_share, stable_hash, text_lines, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
 from .readers import read_dataset, select_split
@@ -710,7 +710,7 @@ def run_regen(cfg: Config, target=None) -> dict:
         atomic_write_json(d / "report.json", report)
         log(f"regen: {report['records']} conversations in {d} ({report['errors_total']} errors, "
             f"{report['truncated_turns']} truncated turns, reasoning in "
-            f"{report['reasoning_capture_rate']:.0%} of turns)")
+            f"{report['reasoning_capture_rate']:.0%} of turns, {report['looping_answer_rate']:.0%} of answers looping)")
         return report
     finally:
         if own_pg:
@@ -814,6 +814,13 @@ def _stats(xs: list[int]) -> dict:
             "p90": xs[min(len(xs) - 1, int(len(xs) * 0.9))], "max": xs[-1]}
 
 
+# an answer "loops" when at least LOOP_SHARE of its word LOOP_NGRAM-grams occurred earlier in it. A small target's own
+# answers loop often (SmolLM2's: a fifth of its first answers' tokens, a third to a half of its later ones', against
+# about 1% of ShareGPT's original answers; bench/answer_stats.py), and a drafter learns little from loops (BENCHMARKS.md,
+# fifteenth session), so the report counts them
+LOOP_NGRAM, LOOP_SHARE = 6, 0.5
+
+
 def validation_report(path: str | Path) -> dict:
     """What a regeneration produced: a run directory or its data/regen folder (or any folder of shards)."""
     p = Path(path)
@@ -823,7 +830,7 @@ def validation_report(path: str | Path) -> dict:
     shards = sorted(d.glob("shard-*.jsonl"))  # every sample's
     plan = read_json(d / "plan.json") if (d / "plan.json").exists() else None
     plans = [plan] + [read_json(f) for f in sorted(d.glob("plan-s*.json"))] if plan else []
-    records, bad_lines, turns, truncated, empty, with_reasoning = 0, 0, 0, 0, 0, 0
+    records, bad_lines, turns, truncated, empty, with_reasoning, looping = 0, 0, 0, 0, 0, 0, 0
     errors: Counter = Counter()
     retries: Counter = Counter()
     stopped: Counter = Counter()
@@ -849,6 +856,7 @@ def validation_report(path: str | Path) -> dict:
             for t in answers:
                 with_reasoning += bool(t.reasoning)
                 empty += not t.content.strip()
+                looping += repeated_share(t.content.split(), LOOP_NGRAM) >= LOOP_SHARE
             for tm in tmeta:
                 truncated += tm.get("finish_reason") == "length"
                 prompt_toks.append(int(tm.get("prompt_tokens", 0)))
@@ -875,6 +883,7 @@ def validation_report(path: str | Path) -> dict:
         "assistant_turns": turns, "truncated_turns": truncated, "empty_answers": empty,
         "stopped_early": dict(stopped), "turns_with_reasoning": with_reasoning,
         "reasoning_capture_rate": (with_reasoning / turns) if turns else 0.0,
+        "looping_answers": looping, "looping_answer_rate": (looping / turns) if turns else 0.0,
         "turns_per_conversation": _stats(turns_per), "prompt_tokens": _stats(prompt_toks),
         "completion_tokens": _stats(completion_toks),
         "settings": plan.get("settings") if plan else None, "generator": plan.get("generator") if plan else None,
