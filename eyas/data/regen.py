@@ -816,8 +816,8 @@ def _stats(xs: list[int]) -> dict:
 
 # an answer "loops" when at least LOOP_SHARE of its word LOOP_NGRAM-grams occurred earlier in it. A small target's own
 # answers loop often (SmolLM2's: a fifth of its first answers' tokens, a third to a half of its later ones', against
-# about 1% of ShareGPT's original answers; bench/answer_stats.py), and a drafter learns little from loops (BENCHMARKS.md,
-# fifteenth session), so the report counts them
+# about 1% of ShareGPT's original answers; bench/answer_stats.py), and a drafter learns little from loops
+# (BENCHMARKS.md, fifteenth session), so the report counts them
 LOOP_NGRAM, LOOP_SHARE = 6, 0.5
 
 
