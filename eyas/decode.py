@@ -405,15 +405,21 @@ class Decoder:
         return self._prefill_target(ids, last, upto, False)[:1]
 
     def _prefill_spec_fwd(self, ids, last, upto: int):
-        """The padded prefill (_prefill_target), then the drafter's over the prompt shifted by one with the first new
-        token at index last -> (first [1], the drafter's hidden state [1, 1, H] and logits [1, Vd] at index last)."""
+        """The padded prefill (_prefill_target), then the drafter's (_drafter_prefill) -> (first [1], the drafter's
+        hidden state [1, 1, H] and logits [1, Vd] at index last)."""
         first, aux = self._prefill_target(ids, last, upto, True)
+        return (first, *self._drafter_prefill(ids, first, aux, last, upto))
+
+    def _drafter_prefill(self, ids, first, aux, last, upto: int):
+        """The drafter over a prompt ids [1, T] (padded or not) at positions 0.., fed each next token (the first new
+        one [1] at index last [1], the prompt's last token) and the target's aux states [1, T, 3H] -> (its hidden
+        state [1, 1, H] and logits [1, Vd] at index last). A shape seen once unless padded, so attention without
+        per-shape plans (as the target's prefill)."""
         feed = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, last.view(1, 1), first.view(1, 1))
         with one_off_kernels(self.device):
             h, dl = self._drafter_fwd(feed, aux, torch.arange(ids.shape[1], device=ids.device), upto)
         at = last.view(1, 1, 1)
-        return (first, h.gather(1, at.expand(1, 1, h.shape[-1])),
-                dl.gather(1, at.expand(1, 1, dl.shape[-1]))[:, 0])
+        return h.gather(1, at.expand(1, 1, h.shape[-1])), dl.gather(1, at.expand(1, 1, dl.shape[-1]))[:, 0]
 
     @property
     def prefill_padded(self) -> bool:
@@ -434,21 +440,17 @@ class Decoder:
         `speculative`, the drafter's hidden state [1, 1, H] and logits [1, Vd] after it, else None, None)."""
         n = ids.shape[1]
         tp = self._prefill_len(n)
+        last = torch.full((1,), n - 1, dtype=torch.long, device=self.device)
         if tp is not None:  # one fixed-shape step (a CUDA graph per padded length)
             padded = torch.zeros(1, tp, dtype=torch.long, device=self.device)
             padded[:, :n] = ids
-            last = torch.full((1,), n - 1, dtype=torch.long, device=self.device)
             res = self._call("prefill_spec" if speculative else "prefill", padded, last, upto=self._upto(tp))
             return (res[0], res[1], res[2]) if speculative else (res[0], None, None)
         logits, aux = self.runner.forward(ids, self._pos(0, n), last_only=True, upto=self._upto(n), one_off=True)
         first = self._pick(logits[:, -1])  # [1]
         if not speculative:
             return first, None, None
-        # the drafter's prefill: a shape seen once, so attention without per-shape plans (as the target's)
-        with one_off_kernels(self.device):
-            h, dl = self._drafter_fwd(torch.cat([ids[:, 1:], first.view(1, 1)], 1), aux, self._pos(0, n),
-                                      self._upto(n))
-        return first, h[:, -1:], dl[:, -1]
+        return (first, *self._drafter_prefill(ids, first, aux, last, self._upto(n)))
 
     def _propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft-vocab logits [1, Vd] -> (target token id [1], q over the target vocab [1, V] or None)."""
