@@ -726,8 +726,6 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
     mine = [k for k in range(n_shards) if k % world == rank]
     todo = [k for k in mine if not shard_path(d, k, sample).exists()]
     of = f"sample {sample} of {samples}: " if samples > 1 else ""
-    if sample > 1 and hasattr(backend, "reseed"):  # (a server gets each request's own seed, from its record id)
-        backend.reseed((rc.seed * 1_000_003 + sample) % (1 << 31))
     work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
     backend_meta = {k: v for k, v in ident.items() if k != "endpoints"}
     if world > 1:  # every process says what it takes (log() speaks for rank 0 only)
@@ -735,6 +733,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
               f"({len(work)} conversations)", file=sys.stderr, flush=True)
     if not work:
         return
+    if sample > 1 and hasattr(backend, "reseed"):  # (a server gets each request's own seed, from its record id)
+        backend.reseed((rc.seed * 1_000_003 + sample) % (1 << 31))
     if len(todo) < len(mine):
         log(f"regen: {of}resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
             + (f" (rank {rank} of {world})" if world > 1 else ""))
