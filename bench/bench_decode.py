@@ -15,9 +15,28 @@ straight after a training run (BENCHMARKS.md, thirteenth session). ShareGPT prom
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
+
+# the tail of a variant flag's help: the values a run can time side by side
+BOTH = "or 0,1 to time both (the 0 methods, their plain baseline included, get the suffix {})"
+
+
+def target_variants(FastLM, Decoder) -> list[tuple]:
+    """The variants of the target's forward and the decoding loop that one run can time side by side: (flag, the
+    class attributes a value sets, as {(class, name): value}, the suffix of a value's method names ("" for the
+    default)). Timed over every combination of the flags' values, the first flag outermost."""
+    return [
+        ("norm", lambda v: {(FastLM, "fused_norm"): v >= 1, (FastLM, "norm_one_kernel"): v >= 2},
+         lambda v: "" if v >= 2 else f"_norm{v}"),
+        ("gqa", lambda v: {(FastLM, "gqa_steps"): bool(v)}, lambda v: "" if v else "_gqa0"),
+        ("overlap", lambda v: {(Decoder, "overlap"): bool(v)}, lambda v: "" if v else "_ovl0"),
+        ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
+        # 1: where CUDA graphs are on (the default), 0: never
+        ("prefill", lambda v: {(Decoder, "graph_prefill"): None if v else False}, lambda v: "" if v else "_pf0"),
+    ]
 
 
 def _sync(device):
@@ -173,22 +192,19 @@ def main(argv=None) -> int:
                          "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
     ap.add_argument("--gqa", default="1",
                     help="the target's multi-token calls (the verify) through SDPA's enable_gqa (FastLM.gqa_steps, the "
-                         "default): 1, 0 (query heads folded, as a one-token step), or 0,1 to time both (the 0 methods "
-                         "get a _gqa0 suffix)")
+                         "default): 1, 0 (query heads folded, as a one-token step), " + BOTH.format("_gqa0"))
     ap.add_argument("--overlap", default="1",
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
-                         "last one's tokens are read), 0 (each read first), or 0,1 to time both (the 0 methods, their "
-                         "plain baseline included, get an _ovl0 suffix)")
+                         "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))
     ap.add_argument("--ew", default="1",
                     help="Decoder.compile_elementwise: 1 (the GPU default since the fourteenth session: the target's "
                          "rope, residual add + norm and silu * up as torch.compile'd kernels in its steps and verify "
-                         "passes), 0 (eager), or 0,1 to time both (the 0 methods, their plain baseline included, get an "
-                         "_ew0 suffix; the fourteenth session's runs, when 0 was the default, named the 1 methods _ew1)")
+                         "passes), 0 (eager), " + BOTH.format("_ew0") + "; the fourteenth session's runs, when 0 was "
+                         "the default, named the 1 methods _ew1")
     ap.add_argument("--prefill", default="1",
                     help="Decoder.graph_prefill: 1 (the default where CUDA graphs are on, since the fifteenth session: "
                          "each prompt right-padded to a multiple of 128 tokens and prefilled as one CUDA graph per "
-                         "padded length), 0 (the eager prefill of the prompt's own length), or 0,1 to time both (the "
-                         "0 methods, their plain baseline included, get a _pf0 suffix)")
+                         "padded length), 0 (the eager prefill of the prompt's own length), " + BOTH.format("_pf0"))
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip Decoder.warm_up before each method (the fourteenth session's and earlier runs had none: "
                          "a method then builds its graphs and per-shape kernels for each longer span of the cache "
@@ -261,16 +277,15 @@ def main(argv=None) -> int:
 
     from eyas.fastlm import FastLM
 
-    saved = (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
-             Decoder.compile_elementwise, Decoder.graph_prefill)
-    for norm, gqa, ovl, ew, pf in [(int(n), int(x), int(o), int(e), int(f)) for n in a.norm.split(",")
-                                   for x in a.gqa.split(",") for o in a.overlap.split(",") for e in a.ew.split(",")
-                                   for f in a.prefill.split(",")]:
-        FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps = norm >= 1, norm >= 2, bool(gqa)
-        Decoder.overlap, Decoder.compile_elementwise = bool(ovl), bool(ew)
-        Decoder.graph_prefill = None if pf else False  # 1: where graphs are on (the default)
-        sfx = (("" if norm >= 2 else f"_norm{norm}") + ("" if gqa else "_gqa0") + ("" if ovl else "_ovl0")
-               + ("" if ew else "_ew0") + ("" if pf else "_pf0"))
+    variants = target_variants(FastLM, Decoder)
+    saved = {key: getattr(*key) for _, sets, _ in variants for key in sets(1)}
+    saved[(Decoder, "fuse_drafter")] = Decoder.fuse_drafter
+    for values in itertools.product(*[[int(v) for v in getattr(a, flag).split(",")] for flag, _, _ in variants]):
+        sfx = ""
+        for (_, sets, suffix), v in zip(variants, values):
+            for (cls, name), value in sets(v).items():
+                setattr(cls, name, value)
+            sfx += suffix(v)
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
         warm_s = warm_up(plain, False)
         run_engine(plain, warm, 32, stop, False, 1e9)
@@ -290,8 +305,8 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
-    (FastLM.fused_norm, FastLM.norm_one_kernel, FastLM.gqa_steps, Decoder.fuse_drafter, Decoder.overlap,
-     Decoder.compile_elementwise, Decoder.graph_prefill) = saved
+    for (cls, name), value in saved.items():
+        setattr(cls, name, value)
     if not a.skip_hf:
         m = target.model
         for name, kw in [("hf_generate", {}), ("hf_generate_static", {"cache_implementation": "static"}),
