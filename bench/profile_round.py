@@ -150,12 +150,12 @@ def main():
                                                                        "keeper who finds a map in a bottle."}])
     max_len = len(prompt) + max(a.tokens, 32) + 16  # the warm-up generates 32; K + 1 more at most
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained",
-           "compiled_elementwise": Decoder.compile_elementwise is not False and dev.type == "cuda"}
+           "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained"}
 
     def measure(res, fuses):
         """This script's figures, with the target's multi-token calls as FastLM.gqa_steps now sets them, into res."""
         plain = Decoder(target, None, k=1, max_len=max_len, compile=dev.type == "cuda")
+        res["compiled_elementwise"] = plain.elementwise_compiled
         plain.warm_up(speculative=False)  # every span's graph and kernels, before anything is timed
         plain.generate(prompt, 32, (), speculative=False)
         g = plain.generate(prompt, a.tokens, (), speculative=False)
