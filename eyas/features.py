@@ -76,7 +76,7 @@ class OnlineFeatures:
     target again. Sequences that do not fit are computed every time."""
 
     def __init__(self, target, tokens: TokenSet, max_batch_tokens: int = 16384, cache_bytes: int = 0,
-                 norm: str = "hf"):
+                 norm: str = "hf", host_bytes: int = 0):
         self.target = target
         self.norm = norm
         self.tokens = tokens
@@ -85,22 +85,47 @@ class OnlineFeatures:
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.cached_bytes = 0
         self.hits = self.misses = 0
+        # what does not fit on the device: the host's memory (pinned under CUDA), copied over per batch
+        self.host = HostSlab(host_bytes, pin=torch.device(target.device).type == "cuda")
+        self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.host_hits = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def cache_stats(self) -> dict:
         return {"limit_bytes": self.cache_bytes, "bytes": self.cached_bytes, "sequences": len(self.cache),
-                "of": len(self.tokens), "hits": self.hits, "misses": self.misses}
+                "of": len(self.tokens), "hits": self.hits, "misses": self.misses,
+                "host_limit_bytes": self.host.limit, "host_bytes": self.host.used,
+                "host_sequences": len(self.host_cache), "host_hits": self.host_hits}
+
+    def full(self) -> bool:
+        return self.cached_bytes >= self.cache_bytes * 0.999 and self.host.used >= self.host.limit * 0.999
 
     def _keep(self, i: int, aux: torch.Tensor, final: torch.Tensor, top: torch.Tensor) -> bool:
         n = aux.numel() * aux.element_size() + final.numel() * final.element_size() + top.numel() * top.element_size()
-        if self.cached_bytes + n > self.cache_bytes:
+        if self.cached_bytes + n <= self.cache_bytes:
+            # copies, so the padded batch they were cut from can be freed
+            self.cache[i] = (aux.clone(), final.clone(), top.clone())
+            self.cached_bytes += n
+            return True
+        held = self.host.put((aux, final, top))
+        if held is None:
             return False
-        # copies, so the padded batch they were cut from can be freed
-        self.cache[i] = (aux.clone(), final.clone(), top.clone())
-        self.cached_bytes += n
+        self.host_cache[i] = held
         return True
+
+    def _cached(self, i: int):
+        hit = self.cache.get(i)
+        if hit is not None:
+            return hit
+        held = self.host_cache.get(i)
+        if held is None:
+            return None
+        self.host_hits += 1
+        device = torch.device(self.target.device)
+        # the slab is never written again, so the copies may run behind the host
+        return tuple(t.to(device, non_blocking=True) for t in held)
 
     def _forwards(self, seqs: list[torch.Tensor], batch_tokens: int):
         """The target over `seqs` (1-D token tensors) longest first (stable), in forwards of at most
@@ -121,7 +146,7 @@ class OnlineFeatures:
         for group, feats in self._forwards([self.tokens[i][0] for i in todo], batch_tokens):
             kept += sum(self._keep(todo[j], *f) for j, f in zip(group, feats))
             self.misses += len(group)
-            if self.cached_bytes >= self.cache_bytes * 0.999:
+            if self.full():
                 break
         return kept
 
@@ -135,7 +160,7 @@ class OnlineFeatures:
         out: list[Sample | None] = [None] * len(pairs)
         todo = []
         for k, i in enumerate(indices):
-            hit = self.cache.get(i)
+            hit = self._cached(i)
             if hit is None:
                 todo.append(k)
             else:
@@ -146,9 +171,80 @@ class OnlineFeatures:
             for j, (aux, final, top) in zip(group, feats):
                 k = todo[j]
                 out[k] = Sample(pairs[k][0], pairs[k][1], aux, final, top)
-                if self.cache_bytes:
+                if self.cache_bytes or self.host.limit:
                     self._keep(indices[k], aux, final, top)
         return out
+
+
+class HostSlab:
+    """Tensors kept in the host's memory up to `limit` bytes, carved from chunks of at most 1 GiB (a power of
+    two: torch's pinned-memory allocator rounds every request up to one). Pinned chunks let the copies in
+    and out run on the GPU's stream without the host waiting. Nothing is ever freed or written twice, so a
+    copy to the device may still be running when the host moves on."""
+
+    CHUNK = 1 << 30
+    ALIGN = 64
+
+    def __init__(self, limit: int, pin: bool = False):
+        self.limit = max(0, int(limit))
+        self.pin = pin
+        self.used = 0  # bytes handed out, with the padding to ALIGN
+        self.chunks: list[torch.Tensor] = []
+        self.offset = 0  # into the last chunk
+
+    def _take(self, n: int) -> torch.Tensor | None:
+        n = -(-n // self.ALIGN) * self.ALIGN
+        if self.used + n > self.limit:
+            return None
+        if not self.chunks or self.offset + n > self.chunks[-1].numel():
+            size = max(n, min(self.CHUNK, self.limit - self.used))
+            if self.pin and size < self.CHUNK:  # the allocator would round it up anyway
+                size = 1 << (size - 1).bit_length()
+            self.chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            self.offset = 0
+        out = self.chunks[-1][self.offset:self.offset + n]
+        self.offset += n
+        self.used += n
+        return out
+
+    def put(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        """Host copies of `tensors` (any devices, dtypes and shapes), or None when they do not fit."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        pad = [-(-n // self.ALIGN) * self.ALIGN for n in sizes]
+        raw = self._take(sum(pad))
+        if raw is None:
+            return None
+        out, at = [], 0
+        for t, n, p in zip(tensors, sizes, pad):
+            dst = raw[at:at + n].view(t.dtype).view(t.shape)
+            dst.copy_(t, non_blocking=self.pin)
+            out.append(dst)
+            at += p
+        return tuple(out)
+
+
+def host_cache_budget(setting_gb: float, device, available: int | None = None, local_processes: int = 1) -> int:
+    """Bytes of host memory the online features that do not fit on the GPU may take: the setting in GB, or for a
+    negative setting (auto) on a GPU half the memory available now, shared among this host's training processes;
+    none on a CPU, where the GPU cache's setting already is host memory."""
+    if setting_gb >= 0:
+        return int(setting_gb * 1e9)
+    if torch.device(device).type != "cuda" and available is None:
+        return 0
+    if available is None:
+        available = mem_available()
+    return max(0, int(available * 0.5 / max(1, local_processes)))
+
+
+def mem_available() -> int:
+    """The host's available memory in bytes (/proc/meminfo's MemAvailable; 0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def feature_cache_budget(setting_gb: float, device, step_bytes: int = 0, free: int | None = None) -> int:

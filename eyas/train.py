@@ -159,12 +159,12 @@ class Data:
         return batch
 
 
-def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0):
+def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0, host_bytes: int = 0):
     if cfg.train.online:
         from .features import OnlineFeatures
 
         return OnlineFeatures(target, tokens, max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens),
-                              cache_bytes=cache_bytes, norm=cfg.features.norm)
+                              cache_bytes=cache_bytes, norm=cfg.features.norm, host_bytes=host_bytes)
     try:
         from .features import OfflineFeatures
     except ImportError:
@@ -604,32 +604,40 @@ def run_train(cfg: Config, target=None) -> dict:
     group = d.world * tc.grad_accum  # micro-batch slots per optimizer step; slot j belongs to rank j // grad_accum
     train_tokens, val_tokens = load_tokens(run, "train"), load_tokens(run, "val")
     cache = {"train": 0, "val": 0}
-    if tc.online:  # the budget split between the splits by their tokens
-        from .features import feature_cache_budget, train_step_bytes
+    host = dict(cache)
+    if tc.online:  # the budgets split between the splits by their tokens
+        from .features import feature_cache_budget, host_cache_budget, train_step_bytes
 
         budget = feature_cache_budget(tc.feature_cache_gb, target.device,
                                       train_step_bytes(tc.batch_tokens, tc.ttt_steps, int(draft_ids.numel())))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        host_budget = host_cache_budget(tc.feature_cache_host_gb, target.device, local_processes=local)
         n_tok = {k: max(1, int(t.lengths().sum())) for k, t in (("train", train_tokens), ("val", val_tokens))}
         cache = {k: budget * n / sum(n_tok.values()) for k, n in n_tok.items()}
-        if budget:
-            log(f"train: online features kept in {target.device} memory after their first computation, up to "
-                f"{human_bytes(budget)}")
-    train = Data(train_tokens, make_features(cfg, target, train_tokens, "train", cache["train"]), max_len,
-                 tc.batch_tokens, fp32)
-    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val", cache["val"]), max_len, tc.batch_tokens,
-               fp32) if len(val_tokens) else None
+        host = {k: host_budget * n / sum(n_tok.values()) for k, n in n_tok.items()}
+        if budget or host_budget:
+            log(f"train: online features kept after their first computation, in {target.device} memory up to "
+                f"{human_bytes(budget)}" + (f", then in host memory up to {human_bytes(host_budget)}"
+                                            if host_budget else ""))
+    train = Data(train_tokens, make_features(cfg, target, train_tokens, "train", cache["train"], host["train"]),
+                 max_len, tc.batch_tokens, fp32)
+    val = Data(val_tokens, make_features(cfg, target, val_tokens, "val", cache["val"], host["val"]), max_len,
+               tc.batch_tokens, fp32) if len(val_tokens) else None
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
 
     warm = None
-    if cache["train"]:  # this process's sequences through the target ahead, in extraction-sized forwards
+    if cache["train"] or host["train"]:  # this process's sequences through the target ahead, extraction-sized
         mine_seqs = [i for i in range(len(train_tokens)) if i % group // tc.grad_accum == d.rank]
         t_w = time.perf_counter()
         n_kept = train.features.warm(mine_seqs, cfg.features.batch_tokens)
         dt = time.perf_counter() - t_w
         n_tok = int(train_tokens.lengths()[mine_seqs].sum())
-        warm = {"sequences": n_kept, "of": len(mine_seqs), "seconds": round(dt, 2), "tok_s": round(n_tok / dt, 1)}
-        log(f"train: target features of {n_kept} of {len(mine_seqs)} sequences computed ahead and kept, "
+        on_host = len(train.features.host_cache)
+        warm = {"sequences": n_kept, "of": len(mine_seqs), "seconds": round(dt, 2), "tok_s": round(n_tok / dt, 1),
+                "host_sequences": on_host}
+        log(f"train: target features of {n_kept} of {len(mine_seqs)} sequences computed ahead and kept"
+            + (f" ({on_host} of them in host memory)" if on_host else "") + ", "
             f"{dt:.1f} s ({n_tok / dt:,.0f} tok/s)")
 
     torch.manual_seed(tc.seed)

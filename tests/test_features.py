@@ -110,6 +110,49 @@ def test_online_feature_cache_returns_first_computation(tiny):
     assert OnlineFeatures(tiny, tokens, cache_bytes=1 << 30).warm([0, 1, 2, 3], 64) == 4
 
 
+def test_host_tier_holds_what_the_device_cache_cannot(tiny):
+    _host_tier(tiny)
+
+
+@pytest.mark.gpu
+def test_host_tier_pinned_on_cuda():
+    """The same with the target on a GPU: pinned chunks, copies in both directions on the stream."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    _host_tier(load_target(TargetConfig(name="tiny", dtype="float32", device="cuda")))
+
+
+def _host_tier(target):
+    """Sequences past the device cache's budget are kept in the host tier (train.feature_cache_host_gb) and come
+    back on the target's device as the tensors of their first computation; past both budgets they are recomputed."""
+    torch.manual_seed(0)
+    lens = [30, 7, 19, 12]
+    tokens = TokenSet.from_tokenized([SimpleNamespace(id=f"s{i}", input_ids=torch.randint(3, 200, (n,)).tolist(),
+                                                      loss_mask=[1] * n) for i, n in enumerate(lens)])
+    ref = OnlineFeatures(target, tokens, cache_bytes=1 << 30)
+    assert ref.warm([0, 1, 2, 3], 128) == 4
+    per_token = sum(t.numel() * t.element_size() for t in ref.cache[0]) // lens[0]
+    tiers = OnlineFeatures(target, tokens, cache_bytes=per_token * 31, host_bytes=per_token * (19 + 12) + 1024)
+    assert tiers.host.pin == (torch.device(target.device).type == "cuda")
+    assert tiers.warm([0, 1, 2, 3], 128) == 3  # longest first: 0 on the device, 2 and 3 on the host, 1 in neither
+    assert list(tiers.cache) == [0] and sorted(tiers.host_cache) == [2, 3]
+    assert all(t.device.type == "cpu" and t.is_pinned() == tiers.host.pin for t in tiers.host_cache[2])
+    got = tiers.get([3, 1, 0, 2])
+    junk = [torch.full((1 << 20,), 7.0, device=target.device) for _ in range(8)]  # reuse freed device memory
+    for k, i in enumerate([3, 1, 0, 2]):
+        assert got[k].aux.device == torch.device(ref.cache[i][0].device)
+        if i == 1:  # recomputed, in another group
+            torch.testing.assert_close(got[k].aux, ref.cache[i][0], rtol=1e-5, atol=1e-5)
+        else:
+            for a, b in zip((got[k].aux, got[k].final, got[k].top), ref.cache[i]):
+                assert torch.equal(a, b)
+    del junk
+    st = tiers.cache_stats()
+    assert st["host_sequences"] == 2 and st["host_hits"] == 2 and st["hits"] == 3 and st["misses"] == 4 + 1
+    assert st["host_bytes"] <= st["host_limit_bytes"]
+
+
 def test_feature_cache_budget_leaves_room_for_training():
     from eyas.features import feature_cache_budget, train_step_bytes
 

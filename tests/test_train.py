@@ -389,3 +389,54 @@ def test_feature_cache_trains_like_recomputing(tiny_run, tiny, tmp_path):
     assert c0["sequences"] == c0["hits"] == 0 and s0["feature_warm"] is None
     assert c["hits"] == c0["misses"]  # every batch the recomputing run computed came from the cache
     assert "2" in s1["epoch_tok_s"]  # the throughput of each epoch, where the cache shows
+
+
+def test_host_feature_tier_trains_like_recomputing(tiny_run, tiny, tmp_path):
+    """Sequences whose features do not fit in the device cache go to the host tier
+    (train.feature_cache_host_gb) and train as if recomputed; every sequence is kept in one tier or the other,
+    and later epochs read the host tier."""
+    out = {}
+    for name, over in (("plain", {"train.feature_cache_gb": 0, "train.feature_cache_host_gb": 0}),
+                       ("tiers", {"train.feature_cache_gb": 0.0002, "train.feature_cache_host_gb": 1})):
+        run = clone_run(tiny_run, tmp_path / name)
+        cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.epochs": 3, "train.batch_tokens": 512,
+                                                     "train.max_seq_len": 256, "train.online": True, **over})
+        summary = run_train(cfg, tiny)
+        rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+        out[name] = ([r["loss"] for r in rows if "loss" in r], summary)
+    (plain, _), (tiers, s) = out["plain"], out["tiers"]
+    assert plain == pytest.approx(tiers, rel=1e-4)
+    c = s["feature_cache"]
+    n = len(load_tokens(tiny_run, "train"))
+    assert 0 < c["sequences"] < n and c["host_sequences"] == n - c["sequences"]  # both tiers used, nothing dropped
+    assert s["feature_warm"]["sequences"] == n and s["feature_warm"]["host_sequences"] == c["host_sequences"]
+    assert c["host_hits"] >= 2 * c["host_sequences"]  # epochs 2 and 3 at least read them back
+    assert c["misses"] == n  # computed once
+
+
+def test_host_slab_keeps_copies_within_its_limit():
+    from eyas.features import HostSlab
+
+    slab = HostSlab(3000)
+    slab.CHUNK = 1024  # several chunks
+    a = torch.randn(7, 5).to(torch.bfloat16)
+    b = torch.arange(11, dtype=torch.int32)
+    c = torch.randn(3, 2, 4)
+    kept = slab.put((a, b, c))
+    assert kept is not None and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(kept, (a, b, c)))
+    a[0, 0] = 99  # copies, not views of the caller's tensors
+    assert kept[0][0, 0] != 99
+    more = [slab.put((torch.full((100,), float(i)),)) for i in range(8)]  # 448 bytes each with the alignment
+    assert [m is not None for m in more] == [True] * 5 + [False] * 3  # 3000 bytes: the rest refused
+    assert all(torch.equal(m[0], torch.full((100,), float(i))) for i, m in enumerate(more[:5]))  # nothing overwritten
+    assert slab.used <= slab.limit and len(slab.chunks) > 1
+    assert HostSlab(0).put((b,)) is None
+
+
+def test_host_cache_budget():
+    from eyas.features import host_cache_budget
+
+    assert host_cache_budget(2, "cpu") == 2e9  # as given
+    assert host_cache_budget(-1, "cpu") == 0  # auto: none on a CPU
+    assert host_cache_budget(-1, "cuda", available=100e9) == 50e9
+    assert host_cache_budget(-1, "cuda", available=100e9, local_processes=2) == 25e9
