@@ -53,9 +53,15 @@ AUTO_GPU = {"regen.limit": 20000, "regen.turns": 1, "train.epochs": 8}
 # target's own distribution) and trains 5 epochs: τ 3.03 in the pipeline's eval (2.78 for the first turns alone,
 # 8 epochs), and 2.87 / 3.70 at K=3 / 7 on 80 chat prompts against 2.83 / 3.56 for every turn regenerated, also 5
 # epochs, after about 800 s more regen (fourteenth and fifteenth GPU sessions; the regenerated later turns loop far
-# more than the original ones: bench/answer_stats.py)
+# more than the original ones: bench/answer_stats.py). And it samples each first answer twice (regen.samples): τ 2.93 /
+# 3.57 / 3.79 at K=3 / 5 / 7 against 2.87 / 3.47 / 3.70 with one sample on the same text, eval τ 3.05, for about 60%
+# more of the pipeline's time (sixteenth GPU session)
 AUTO_GPU_PRESET = {"qwen-coder-0.5b": {"regen.limit": 10000},
-                   "smollm2": {"train.draft_intermediate_size": 6144, "data.original_rest": True, "train.epochs": 5}}
+                   "smollm2": {"train.draft_intermediate_size": 6144, "data.original_rest": True, "train.epochs": 5,
+                               "regen.samples": 2}}
+# sized settings that only apply where another setting allows them: a second sample of a greedy answer is the same
+# answer (regen refuses it), so a user's regen.temperature=0 keeps one sample
+SIZED_ONLY_IF = {"regen.samples": lambda cfg: cfg.regen.temperature > 0}
 # the presets sized this way (their own target on the ShareGPT package); left unsized, the Qwen preset would
 # regenerate every turn of all of ShareGPT
 SIZED_PRESETS = ("smollm2", "qwen-coder-0.5b")
@@ -83,6 +89,8 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
     changed = {}
     explicit = getattr(cfg, "explicit", set())
     for key, value in table.items():
+        if key in SIZED_ONLY_IF and not SIZED_ONLY_IF[key](cfg):
+            continue
         if key not in explicit and _get(cfg, key) == _default(key):
             C.set_key(cfg, key, value)
             changed[key] = value

@@ -90,6 +90,10 @@ def test_machine_sizing_leaves_given_settings_alone():
     assert smol_gpu["regen.limit"] == 20000  # every ShareGPT first turn
     assert smol_gpu["train.draft_intermediate_size"] == 6144  # a wider drafter MLP, on a GPU only
     assert smol_gpu["data.original_rest"] is True and smol_gpu["train.epochs"] == 5  # its own GPU data and length
+    assert smol_gpu["regen.samples"] == 2
+    greedy = autosize(C.resolve(None, "smollm2", {"regen.temperature": "0"}), "cuda")
+    assert "regen.samples" not in greedy and greedy["train.epochs"] == 5  # a greedy answer sampled twice is refused
+    assert "regen.samples" not in autosize(C.resolve(None, "smollm2", {}), "cpu")
     assert "data.original_rest" not in qwen
     assert "train.draft_intermediate_size" not in autosize(C.resolve(None, "smollm2", {}), "cpu")
     assert autosize(C.resolve(None, "qwen-coder-0.5b", {}), "cuda")["regen.limit"] == 10000  # its own size
