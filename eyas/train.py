@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from .config import Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
-from .ttt import (PackedBatch, StepStats, acceptance_length, count_positions, loss_state, pack_samples, target_labels,
-                  ttt_unroll)
+from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, loss_state,
+                  pack_samples, target_labels, ttt_unroll)
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
                    stable_hash, text_lines)
 
@@ -284,8 +284,8 @@ class TTTModule(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, labels, steps, noise_std, generator):
-        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator)
+    def forward(self, batch, labels, steps, noise_std, generator, chain=False):
+        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator, chain=chain)
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -544,23 +544,27 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
     bins = every[d.rank::d.world]
     n = -(-len(every) // d.world) if sharded else len(bins)
     loss = torch.zeros(steps, dtype=torch.float64, device=d.device)
-    cnt = torch.zeros_like(loss)
-    cor = torch.zeros_like(loss)
+    cnt, cor, alive, hit = (torch.zeros_like(loss) for _ in range(4))
     for i in range(n):
         batch = data.batch(bins[i] if i < len(bins) else every[0], d.device, multiple)
         with autocast(d.device, precision):
             labels = target_labels(batch.final, lm_head, drafter.draft_ids, top=batch.top)
-            st = module(batch, labels, steps, 0.0, None) if sharded else ttt_unroll(drafter, batch, labels, steps)
+            st = (module(batch, labels, steps, 0.0, None, chain=True) if sharded
+                  else ttt_unroll(drafter, batch, labels, steps, chain=True))
         if i >= len(bins):
             continue
         loss += torch.stack(st.loss_sum).double()
         cnt += torch.stack(st.count).double()
         cor += torch.stack(st.correct).double()
-    t = d.all_sum(torch.stack([loss, cnt, cor]))
+        alive += torch.stack(st.alive).double()
+        hit += torch.stack(st.hit).double()
+    t = d.all_sum(torch.stack([loss, cnt, cor, alive, hit]))
     module.train()
     acc = (t[2] / t[1].clamp(min=1)).tolist()
+    accept = chain_acceptance(t[3].tolist(), t[4].tolist())
     return {"val_loss": float((t[0] / t[1].clamp(min=1)).sum()), "val_acc": acc, "val_al": acceptance_length(acc),
-            "val_positions": int(t[1][0])}
+            "val_positions": int(t[1][0]), "val_accept": accept, "val_tau": 1 + acceptance_length(accept),
+            "val_chain_positions": [int(x) for x in t[3].tolist()]}
 
 
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
@@ -710,9 +714,12 @@ def run_train(cfg: Config, target=None) -> dict:
             return
         r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
         metrics.add({"step": s, **r})
-        log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}")
+        log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}; "
+            f"greedy chain: acceptance {[round(a, 3) for a in r['val_accept']]}, tau {r['val_tau']:.3f} at "
+            f"K={len(r['val_accept'])}")
         if r["val_al"] > best["val_al"]:
-            best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "step": s}
+            best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "val_tau": r["val_tau"],
+                    "val_accept": r["val_accept"], "step": s}
             save_draft({"step": s, **r})
             if d.main:
                 atomic_write_json(ckpt_dir(run) / "best.json", best)

@@ -23,7 +23,7 @@ blocks of later steps are computed), the same mask as a dense boolean SDPA mask 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -225,10 +225,40 @@ def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torc
 
 @dataclass
 class StepStats:
-    """Per TTT step: summed loss (differentiable), loss-masked positions, positions predicted right."""
+    """Per TTT step: summed loss (differentiable), loss-masked positions, positions predicted right. With
+    `chain`, also the greedy chain a decoder would accept from each position (`chain_step`): per step the
+    positions still in the chain (`alive`), those accepted there (`hit`), and the per-row hit masks."""
     loss_sum: list[torch.Tensor]
     count: list[torch.Tensor]
     correct: list[torch.Tensor]
+    alive: list[torch.Tensor] = field(default_factory=list)
+    hit: list[torch.Tensor] = field(default_factory=list)
+    hits: list[torch.Tensor] = field(default_factory=list)
+
+
+def chain_step(logits: torch.Tensor, draft_idx: torch.Tensor, nxt: torch.Tensor, valid: torch.Tensor,
+               ids: torch.Tensor, draft_ids: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None):
+    """One step of greedy chain acceptance, simulated on the unroll: a decoder drafting from position t feeds
+    the drafter its own guesses, which equal the data's tokens only while each guess was the target's greedy
+    token and the data's next token is that token too. So step j counts at t when steps < j were accepted
+    there and the token it is fed (the data's, row t+j+1) is the one step j-1 drafted; it is accepted when its
+    argmax is the target's top token at row t+j+1 (`draft_idx`, -1 outside the draft vocabulary: never).
+    Where the data leave the target's greedy path the chain is cut, not rejected: a decoder would have fed
+    other tokens there, which the data cannot tell. prev: (hit mask, drafted index) of step j-1, None at
+    step 0. Returns (alive mask, hit mask, drafted index) over the rows."""
+    drafted = logits.argmax(-1)
+    if prev is None:
+        alive = valid
+    else:
+        hit, before = prev
+        alive = hit & valid & (ids[nxt] == draft_ids[before])
+    return alive, alive & (drafted == draft_idx[nxt]), drafted
+
+
+def chain_acceptance(alive: list[float], hit: list[float]) -> list[float]:
+    """Per-position acceptance of the simulated greedy chain: accepted / still in the chain at each step (a
+    decoder's per-position acceptance, conditional on the earlier drafts being accepted)."""
+    return [h / a if a else 0.0 for a, h in zip(alive, hit)]
 
 
 def step_targets(batch: PackedBatch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,8 +358,9 @@ def loss_state(device: torch.device) -> str:
 
 
 def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_std: float = 0.0,
-               generator: torch.Generator | None = None, backend: str = "auto") -> StepStats:
-    """Run `steps` TTT steps over a packed batch; return per-step loss sums and counts."""
+               generator: torch.Generator | None = None, backend: str = "auto", chain: bool = False) -> StepStats:
+    """Run `steps` TTT steps over a packed batch; return per-step loss sums and counts (and with `chain` the
+    simulated greedy chain, `chain_step`)."""
     ids = batch.input_ids
     aux = batch.aux
     if noise_std > 0:
@@ -348,6 +379,13 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
         stats.loss_sum.append(loss)
         stats.count.append(valid.sum().float())
         stats.correct.append(correct)
+        if chain:
+            alive, hit, drafted = chain_step(logits[0].detach(), labels.draft_idx, nxt, valid, ids,
+                                             drafter.draft_ids, prev if j else None)
+            prev = (hit, drafted)
+            stats.alive.append(alive.sum().float())
+            stats.hit.append(hit.sum().float())
+            stats.hits.append(hit)
     return stats
 
 

@@ -587,3 +587,37 @@ def test_graphed_prefill_gives_the_eager_prefill_generation_on_gpu(monkeypatch):
             assert sorted(k[0] for k in dec.graphs.graphs if k[0].startswith("prefill")) == sorted(
                 f"{name}@{u}" for u in (256, 256, 512) for name in ("prefill", "prefill_spec"))
     assert runs[None] == runs[False]
+
+
+def test_ttt_chain_simulates_the_decoders_acceptance(smol, prompt_set, plain_outputs, trained):
+    """The greedy chain the TTT unroll simulates on the target's own greedy text (the validation's forecast
+    of τ, `val_tau`) is what the decoder accepts: each round of a K=3 decoding starts at a position whose
+    simulated chain length equals the round's accepted count. It ties the unroll's attention pattern, rope
+    positions and inputs to the decoder's."""
+    from eyas.features import Sample, target_top
+    from eyas.ttt import pack_samples, target_labels, ttt_unroll
+
+    dec = Decoder(smol, trained, k=3, max_len=256)
+    lm_head = smol.model.get_output_embeddings()
+    rounds = agree = 0
+    for ids, out in zip(prompt_set, plain_outputs):
+        g = dec.generate(ids, NEW, smol.eot_token_ids)
+        assert g.tokens == out
+        seq = torch.tensor(ids + out)
+        with torch.no_grad():
+            aux, final = smol.capture(seq[None])
+            top = target_top(final[0], lm_head)
+        batch = pack_samples([Sample(seq, torch.ones(len(seq), dtype=torch.bool), aux[0], final[0], top)])
+        labels = target_labels(batch.final, lm_head, trained.draft_ids, top=batch.top)
+        with torch.no_grad():
+            st = ttt_unroll(trained, batch, labels, 3, chain=True)
+        chain = torch.stack(st.hits).sum(0)
+        t = len(ids) - 1  # the first round drafts after the prefill's token: from the prompt's last position
+        for a in g.accepted:
+            if t + 3 + 2 <= len(seq):  # the unroll sees all 3 steps there
+                rounds += 1
+                agree += int(chain[t]) == a
+            t += a + 1
+    assert rounds >= 30
+    assert agree == rounds, f"{agree} of {rounds} rounds"
+    assert 0 < sum(g for g in map(float, st.hit)) and float(st.hit[2]) <= float(st.alive[2])

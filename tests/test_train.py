@@ -197,7 +197,9 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     assert (cut / "draft" / "model.safetensors").exists() and (cut / "train" / "curves.png").exists()
     best = json.loads((cut / "ckpt" / "best.json").read_text())
     assert best == json.loads((full / "ckpt" / "best.json").read_text())
-    assert len(best["val_acc"]) == 3
+    assert len(best["val_acc"]) == 3 and len(best["val_accept"]) == 3
+    assert best["val_tau"] == pytest.approx(1 + best["val_accept"][0] * (1 + best["val_accept"][1] * (
+        1 + best["val_accept"][2])))  # the forecast from the greedy chain's per-position acceptance
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

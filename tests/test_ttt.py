@@ -335,3 +335,26 @@ def test_compiled_loss_falls_back_to_eager(monkeypatch):
         torch.testing.assert_close(again[2], eager[2])
     monkeypatch.setattr(ttt, "LOSS_COMPILE", False)
     assert ttt.loss_state(torch.device("cpu")) == "eager"
+
+
+def test_chain_step_cuts_where_the_data_leave_the_greedy_path():
+    """A position stays in the simulated chain only while every draft was accepted and the data's next token
+    is the drafted one; where the data differ the chain is cut (not counted), where the draft is wrong it is
+    rejected (counted, not accepted), and a target token outside the draft vocabulary is never accepted."""
+    from eyas.ttt import chain_acceptance, chain_step
+
+    draft_ids = torch.tensor([10, 11, 12, 13])  # draft index -> target id
+    ids = torch.tensor([5, 9, 11, 12, 13, 9])  # the data's tokens by row
+    didx = torch.tensor([0, 1, 3, 2, -1, 0])  # the target's top token after each row, as a draft index
+    valid = torch.tensor([True, True, True, True, False, False])  # positions 0-3 count
+    nxt0, nxt1 = torch.tensor([1, 2, 3, 4, 5, 5]), torch.tensor([2, 3, 4, 5, 5, 5])  # rows t+1, t+2
+    one_hot = lambda x: torch.nn.functional.one_hot(torch.tensor(x), 4).float()  # noqa: E731
+    alive0, hit0, drafted0 = chain_step(one_hot([1, 3, 0, 2, 0, 0]), didx, nxt0, valid, ids, draft_ids, None)
+    assert alive0.tolist() == valid.tolist()
+    # 0, 1: the target's top; 2: another token, rejected; 3: the top (after row 4) is outside the vocabulary
+    assert hit0.tolist() == [True, True, False, False, False, False]
+    alive1, hit1, _ = chain_step(one_hot([3, 3, 3, 3, 3, 3]), didx, nxt1, valid, ids, draft_ids, (hit0, drafted0))
+    # 0: drafted 11 and the data go on with 11 (row 2): in the chain; 1: drafted 13, the data go on with 12: cut
+    assert alive1.tolist() == [True, False, False, False, False, False]
+    assert hit1.tolist() == [True, False, False, False, False, False]  # 3 is the top after row 2
+    assert chain_acceptance([4.0, 1.0, 0.0], [2.0, 1.0, 0.0]) == [0.5, 1.0, 0.0]
