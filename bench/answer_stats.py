@@ -96,12 +96,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from eyas.config import TargetConfig
-    from eyas.target import find_preset_gguf, gguf_to_hf
-    from transformers import AutoTokenizer
+    from eyas.target import load_tokenizer
 
-    tc = TargetConfig(name=args.target)
-    path, _ = gguf_to_hf(find_preset_gguf(args.target, tc), tc)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(TargetConfig(name=args.target))
     report = {}
     ids: set[str] = set()
     for k, d in enumerate(args.regen):

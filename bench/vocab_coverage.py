@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eyas.config import resolve  # noqa: E402
 from eyas.data import read_dataset, select_split  # noqa: E402
 from eyas.data.readers import humaneval_path  # noqa: E402
-from eyas.target import find_preset_gguf, gguf_to_hf  # noqa: E402
+from eyas.target import load_tokenizer  # noqa: E402
 from eyas.vocab import load_vocab  # noqa: E402
 
 
@@ -34,10 +34,8 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=20, help="most frequent tokens outside the vocabulary to print")
     ap.add_argument("--limit", type=int, default=400, help="held-out ShareGPT conversations to read")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
     cfg = resolve(None, "smollm2", {})
-    tok = AutoTokenizer.from_pretrained(str(gguf_to_hf(find_preset_gguf("smollm2", cfg.target), cfg.target)[0]))
+    tok = load_tokenizer(cfg.target)
     inside = set(load_vocab(a.run).tolist())
     sets = {}
     with gzip.open(humaneval_path(), "rt") as f:

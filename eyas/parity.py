@@ -186,15 +186,6 @@ def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
     return prompts, name
 
 
-def _load_tokenizer(cfg):
-    from transformers import AutoTokenizer
-
-    from .target import resolve_source
-
-    source, _ = resolve_source(cfg.target)
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.target.trust_remote_code)
-
-
 def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT) -> dict:
     """gap = (eyas - engine) / eyas; |gap| > limit is flagged."""
     if eyas_tau is None or not eyas_tau or (isinstance(eyas_tau, float) and math.isnan(eyas_tau)):
@@ -221,7 +212,9 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         model = getattr(getattr(cfg, "regen", None), "model", "") or _vllm_model(endpoint)
         res = _vllm_run(endpoint, prompts, cfg, model)
     else:
-        res = _sglang_run(endpoint, prompts, cfg, tokenizer or _load_tokenizer(cfg))
+        from .target import load_tokenizer
+
+        res = _sglang_run(endpoint, prompts, cfg, tokenizer or load_tokenizer(cfg.target))
 
     run = Path(cfg.out)
     report_path = run / "eval" / "report.json"

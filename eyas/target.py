@@ -340,6 +340,14 @@ def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
     return out, "tiny-llama-v1"
 
 
+def load_tokenizer(cfg: TargetConfig):
+    """The target's tokenizer alone (no weights loaded): for counting and decoding tokens."""
+    from transformers import AutoTokenizer
+
+    source, _ = resolve_source(cfg)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+
+
 def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
     """(HF folder or hub id to load, identity hash)."""
     name = cfg.name
