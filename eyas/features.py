@@ -86,7 +86,8 @@ class OnlineFeatures:
         self.cached_bytes = 0
         self.hits = self.misses = 0
         # what does not fit on the device: the host's memory (pinned under CUDA), copied over per batch
-        self.host = HostSlab(host_bytes, pin=torch.device(target.device).type == "cuda")
+        self.device = torch.device(target.device)
+        self.host = HostSlab(host_bytes, pin=self.device.type == "cuda")
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.host_hits = 0
 
@@ -123,9 +124,8 @@ class OnlineFeatures:
         if held is None:
             return None
         self.host_hits += 1
-        device = torch.device(self.target.device)
         # the slab is never written again, so the copies may run behind the host
-        return tuple(t.to(device, non_blocking=True) for t in held)
+        return tuple(t.to(self.device, non_blocking=True) for t in held)
 
     def _forwards(self, seqs: list[torch.Tensor], batch_tokens: int):
         """The target over `seqs` (1-D token tensors) longest first (stable), in forwards of at most

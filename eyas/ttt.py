@@ -226,13 +226,12 @@ def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torc
 @dataclass
 class StepStats:
     """Per TTT step: summed loss (differentiable), loss-masked positions, positions predicted right. With
-    `chain`, also the greedy chain a decoder would accept from each position (`chain_step`): per step the
-    positions still in the chain (`alive`), those accepted there (`hit`), and the per-row hit masks."""
+    `chain`, also the greedy chain a decoder would accept from each position (`chain_step`): per step the row
+    masks of the positions still in the chain (`alive`) and of those accepted there (`hits`)."""
     loss_sum: list[torch.Tensor]
     count: list[torch.Tensor]
     correct: list[torch.Tensor]
     alive: list[torch.Tensor] = field(default_factory=list)
-    hit: list[torch.Tensor] = field(default_factory=list)
     hits: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -383,8 +382,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
             alive, hit, drafted = chain_step(logits[0].detach(), labels.draft_idx, nxt, valid, ids,
                                              drafter.draft_ids, prev if j else None)
             prev = (hit, drafted)
-            stats.alive.append(alive.sum().float())
-            stats.hit.append(hit.sum().float())
+            stats.alive.append(alive)
             stats.hits.append(hit)
     return stats
 

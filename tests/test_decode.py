@@ -620,4 +620,4 @@ def test_ttt_chain_simulates_the_decoders_acceptance(smol, prompt_set, plain_out
             t += a + 1
     assert rounds >= 30
     assert agree == rounds, f"{agree} of {rounds} rounds"
-    assert 0 < sum(g for g in map(float, st.hit)) and float(st.hit[2]) <= float(st.alive[2])
+    assert 0 < sum(int(h.sum()) for h in st.hits) and int(st.hits[2].sum()) <= int(st.alive[2].sum())
