@@ -322,10 +322,11 @@ def main(argv=None) -> int:
     hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
     for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
         r = results["methods"][name]
-        base = plain_of.get("eyas_plain" + r.get("variant", ""))  # the same target forward
+        plain_name = "eyas_plain" + r.get("variant", "")  # the same target forward
+        base = plain_of.get(plain_name)
         r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
-        if "eyas_plain" + r.get("variant", "") in plains:  # the same ratio on the prompts both finished
-            r["speedup_vs_plain_same_prompts"] = same_prompts_speedup(r, plains["eyas_plain" + r.get("variant", "")])
+        if plain_name in plains:  # the same ratio on the prompts both finished
+            r["speedup_vs_plain_same_prompts"] = same_prompts_speedup(r, plains[plain_name])
         # against the fastest plain method of the run, whichever norm and cache layout it used
         r["speedup_vs_fastest_plain"] = r["tokens_per_s"] / max(plain_of.values()) if plain_of else None
         r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None

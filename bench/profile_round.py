@@ -230,14 +230,17 @@ def main():
             print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")
             for row in res["verify_k3_vs_step_ops"]:
                 print(f"  {row}", flush=True)
+    from bench_decode import target_variants
     from eyas.fastlm import FastLM
 
+    sets = {flag: s for flag, s, _ in target_variants(FastLM, Decoder)}  # the attributes each flag's value sets
     variants = [(int(g), int(n), int(o)) for o in a.overlap.split(",") for g in a.gqa.split(",")
                 for n in a.norm.split(",")]
-    saved = FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel, Decoder.overlap
+    saved = {key: getattr(*key) for flag in ("gqa", "norm", "overlap") for key in sets[flag](1)}
     for g, n, o in variants:
-        FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel = bool(g), n >= 1, n >= 2
-        Decoder.overlap = bool(o)
+        for flag, v in (("gqa", g), ("norm", n), ("overlap", o)):
+            for (cls, name), value in sets[flag](v).items():
+                setattr(cls, name, value)
         # the first listed gets every variant; another gets the default drafter only, its figures under the
         # settings that differ from the first's (res["gqa_<g>"], res["norm_<n>"], res["overlap_<o>"] or joined)
         first = variants[0]
@@ -246,7 +249,8 @@ def main():
         sub = res.setdefault("_".join(differ), {}) if differ else res
         print(f"== FastLM.gqa_steps = {bool(g)}, norm {n}, overlap {o}", flush=True)
         measure(sub, (True, False) if sub is res else (True,))
-    FastLM.gqa_steps, FastLM.fused_norm, FastLM.norm_one_kernel, Decoder.overlap = saved
+    for (cls, name), value in saved.items():
+        setattr(cls, name, value)
     for r in [res] + [v for k, v in res.items() if k.startswith(("gqa_", "norm_", "overlap_"))]:
         for key in ("plain_step_eager", "draft_step_eager", "draft_step_eager_unfused", "verify_k3_eager"):
             if key in r:
