@@ -52,7 +52,9 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[st
                 flag = f"{sec}-{flag}"
             taken.add(flag)
             dest = f"cfg__{sec}__{name}"
-            kw: dict[str, Any] = {"dest": dest, "default": None, "help": f"{help_} (default: {default!r})"}
+            # argparse %-formats help texts: a literal % must be doubled
+            kw: dict[str, Any] = {"dest": dest, "default": None,
+                                  "help": f"{help_} (default: {default!r})".replace("%", "%%")}
             if choices:
                 kw["choices"] = choices
             if tp is bool:

@@ -63,6 +63,8 @@ def test_every_flag_has_help():
         for a in sp._actions:
             if a.option_strings and a.dest != "help":
                 assert a.help and a.help.strip(), f"eyas {name} {a.option_strings} has no help"
+        # argparse expands %-formatting in help texts: a bare % in a setting's text broke `eyas run --help`
+        assert f"usage: eyas {name}" in sp.format_help()
 
 
 def test_resolved_config_round_trips(tmp_path):
