@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--loss-compile", default="auto", choices=("auto", "0", "1"),
                    help="eyas.ttt.LOSS_COMPILE: the TTT step loss through torch.compile (auto: on CUDA, the default) "
                         "or eager (0), to time both")
+    p.add_argument("--drafter-compile", default="auto", choices=("auto", "0", "1"),
+                   help="eyas.ttt.DRAFTER_COMPILE: the drafter's step in the TTT unroll as two compiled parts around "
+                        "the attention (1), or eager (0); auto follows eyas' default")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="profile N training steps near the end (torch.profiler, rank 0) and report where a step's "
                         "device time goes, by kernel and by aten op, per step; the profiled steps run slower, so "
@@ -62,6 +65,8 @@ def main(argv=None) -> int:
     from eyas.vocab import run_vocab, vocab_dir
 
     ttt.LOSS_COMPILE = {"auto": "auto", "0": False, "1": True}[a.loss_compile]
+    if a.drafter_compile != "auto":
+        ttt.DRAFTER_COMPILE = {"0": False, "1": True}[a.drafter_compile]
     stage = os.environ.get("EYAS_STAGE_DIR", "")
     src = str(Path(stage) / "sharegpt.json.gz") if stage and (Path(stage) / "sharegpt.json.gz").exists() else "sharegpt"
     src = a.data or src
@@ -105,6 +110,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel,
         "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+        "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"),
         "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,

@@ -114,6 +114,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, attend: Attend):
+        return self.out(attend(*self.qkv(x, cos, sin)))
+
+    def qkv(self, x, cos, sin):
+        """q [B,h,T,d], k and v [B,kv,T,d], rope applied to q and k."""
         B, T, _ = x.shape
         c = self.c
         nh, nkv = c.num_attention_heads, c.num_key_value_heads
@@ -121,13 +125,15 @@ class Attention(nn.Module):
         if qkv is not None:  # one product, and rope on q and k at once (Eagle3Drafter.fuse)
             y = F.linear(x, qkv).view(B, T, nh + 2 * nkv, c.head_dim).transpose(1, 2)
             qk = apply_rope(y[:, :nh + nkv], cos, sin)
-            q, k, v = qk[:, :nh], qk[:, nh:], y[:, nh + nkv:]
-        else:
-            q = self.q_proj(x).view(B, T, nh, c.head_dim).transpose(1, 2)
-            k = self.k_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
-            v = self.v_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attend(q, k, v)
+            return qk[:, :nh], qk[:, nh:], y[:, nh + nkv:]
+        q = self.q_proj(x).view(B, T, nh, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o):
+        """The attention's output [B,h,T,d] through o_proj: [B,T,H]."""
+        B, _, T, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -166,8 +172,16 @@ class MidLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, embeds, hidden, cos, sin, attend: Attend):
+        return self.post(hidden, attend(*self.pre(embeds, hidden, cos, sin)))
+
+    def pre(self, embeds, hidden, cos, sin):
+        """Everything before the attention: its q, k and v."""
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, attend)
+        return self.self_attn.qkv(x, cos, sin)
+
+    def post(self, hidden, o):
+        """Everything after it, from its output o and the layer's input hidden: the layer's output."""
+        h = hidden + self.self_attn.out(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -250,6 +264,14 @@ class Eagle3Drafter(nn.Module):
         hidden [B,T,3·H_t] (target aux states: fc is applied) or [B,T,H] (fed-back drafter state);
         rope_table: look cos/sin up in the table fuse() built (positions must be below its max_len);
         returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
+        hidden, q, k, v = self.pre_attention(input_ids, hidden, position_ids, rope_table)
+        return self.post_attention(hidden, attend(q, k, v))
+
+    def pre_attention(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      rope_table: bool = False):
+        """forward up to the attention: (the layer's input hidden [B,T,H], q, k, v). With post_attention, a
+        step in two parts that hold no state, so each can be compiled whole while the attention (which keeps
+        the keys of the steps before) runs between them (`eyas.ttt.DRAFTER_COMPILE`)."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
@@ -260,7 +282,12 @@ class Eagle3Drafter(nn.Module):
             cos, sin = table[0][position_ids][:, None], table[1][position_ids][:, None]
         else:
             cos, sin = self.rope(position_ids, hidden.dtype)
-        h = self.midlayer(embeds, hidden, cos, sin, attend)
+        return (hidden, *self.midlayer.pre(embeds, hidden, cos, sin))
+
+    def post_attention(self, hidden: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward after the attention: (next hidden, draft-vocab logits) from pre_attention's hidden and the
+        attention's output o."""
+        h = self.midlayer.post(hidden, o)
         return h, self.lm_head(self.norm(h))
 
     FROZEN = "embed_tokens.weight"  # the target's embedding: shared, never trained or saved with the drafter

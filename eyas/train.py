@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
-from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, loss_state,
+from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, drafter_state, loss_state,
                   pack_samples, target_labels, ttt_unroll)
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
                    stable_hash, text_lines)
@@ -831,6 +831,7 @@ def run_train(cfg: Config, target=None) -> dict:
                "feature_warm": warm,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
                "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device),
+               "drafter_step": drafter_state(drafter, d.device),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
     if d.main:
         atomic_write_json(run / "train" / "summary.json", summary)

@@ -133,6 +133,12 @@ class TTTAttend:
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
 
+    def copy(self) -> "TTTAttend":
+        """The same attention with the keys and values so far (detached), to run a step aside."""
+        c = TTTAttend(self.doc, self.backend, self.steps, self.n_real)
+        c.ks, c.vs = [k.detach() for k in self.ks], [v.detach() for v in self.vs]
+        return c
+
     def __call__(self, q, k, v):
         self.ks.append(k)
         self.vs.append(v)
@@ -350,6 +356,72 @@ def step_loss_fn(device: torch.device):
     return _compiled_loss
 
 
+DRAFTER_COMPILE = False  # like LOSS_COMPILE, for the drafter's step in the unroll: "auto", True or False
+
+
+class CompiledStep:
+    """A drafter's step in the unroll with its two stateless parts, `Eagle3Drafter.pre_attention` and
+    `post_attention`, each through torch.compile (one graph each: the norms, rope, projections, MLP and lm_head
+    as a few fused kernels instead of the eager step's several hundred launches), and the attention, which keeps
+    the earlier steps' keys, run as it is between them. Checked like `CompiledLoss`: the first call of each
+    kind (with or without grad, from the target's states or the drafter's own) also runs on detached copies,
+    through the backward where there is one, and a failure anywhere leaves the drafter eager from then on, with
+    the reason in `state`."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+        self.pre = torch.compile(drafter.pre_attention, dynamic=False, fullgraph=True)
+        self.post = torch.compile(drafter.post_attention, dynamic=False, fullgraph=True)
+        self.checked: set[tuple] = set()
+        self.state = "compiled"
+
+    def __call__(self, ids, hidden, pos, attend):
+        if self.state != "compiled":
+            return self.drafter(ids, hidden, pos, attend)
+        grad = torch.is_grad_enabled()
+        kind = (grad, hidden.shape[-1], hidden.requires_grad, self.drafter.training)
+        if kind not in self.checked:
+            try:
+                self._probe(ids, hidden, pos, attend, grad)
+            except Exception as e:  # any compiler failure: fall back, keep training
+                self.state = f"eager: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                log(f"the drafter's TTT steps run eagerly from now on: {self.state}")
+                return self.drafter(ids, hidden, pos, attend)
+            self.checked.add(kind)
+        h, q, k, v = self.pre(ids, hidden, pos)
+        return self.post(h, attend(q, k, v))
+
+    def _probe(self, ids, hidden, pos, attend, grad):
+        """Both parts (and their backward, with grad) on detached inputs and a copy of the attention's state,
+        so the real step's graph and the attention's keys are untouched and no gradient is accumulated."""
+        probe = hidden.detach().requires_grad_(hidden.requires_grad)
+        h, q, k, v = self.pre(ids, probe, pos)
+        out = self.post(h, attend.copy()(q, k, v))
+        if grad:
+            params = [p for p in self.drafter.parameters() if p.requires_grad]
+            torch.autograd.grad([out[0].float().sum() + out[1].float().sum()], params + ([probe] if probe.requires_grad else []),
+                                allow_unused=True)
+
+
+def drafter_step_fn(drafter, device: torch.device):
+    """The unroll's drafter step: the drafter itself, or its `CompiledStep` where `DRAFTER_COMPILE` says (kept on
+    the drafter, so compiled once per drafter; bench/bench_train.py --drafter-compile times both)."""
+    on = DRAFTER_COMPILE is True or (DRAFTER_COMPILE == "auto" and device.type == "cuda")
+    # FSDP2 gathers a sharded drafter's weights in its forward hooks, which the two parts would bypass
+    if not on or any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
+        return drafter
+    step = drafter.__dict__.get("_eyas_compiled_step")
+    if step is None:
+        step = drafter.__dict__["_eyas_compiled_step"] = CompiledStep(drafter)
+    return step
+
+
+def drafter_state(drafter, device: torch.device) -> str:
+    """How the drafter's TTT steps run: "compiled", "eager", or "eager: <why compiling failed>"."""
+    step = drafter_step_fn(drafter, device)
+    return step.state if isinstance(step, CompiledStep) else "eager"
+
+
 def loss_state(device: torch.device) -> str:
     """How the TTT loss runs on `device`: "compiled", "eager", or "eager: <why compiling failed>"."""
     fn = step_loss_fn(device)
@@ -371,9 +443,10 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     hidden = aux[None]
     stats = StepStats([], [], [])
     loss_fn = step_loss_fn(ids.device)
+    step = drafter_step_fn(drafter, ids.device)
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
-        hidden, logits = drafter(ids[nxt][None], hidden, pos + j, attend)
+        hidden, logits = step(ids[nxt][None], hidden, pos + j, attend)
         loss, correct = loss_fn(logits[0], labels.logits, nxt, labels.draft_idx, valid)
         stats.loss_sum.append(loss)
         stats.count.append(valid.sum().float())

@@ -337,6 +337,114 @@ def test_compiled_loss_falls_back_to_eager(monkeypatch):
     assert ttt.loss_state(torch.device("cpu")) == "eager"
 
 
+def _unroll_grads(drafter, batch, labels, backend="auto", steps=3):
+    drafter.zero_grad()
+    st = ttt_unroll(drafter, batch, labels, steps, backend=backend)
+    sum(st.loss_sum).backward()
+    return ([float(x) for x in st.loss_sum], [int(x) for x in st.correct],
+            {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
+
+
+@pytest.mark.skipif(_compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.parametrize("backend", ["docs", "dense"])
+def test_compiled_drafter_step_equals_eager(tiny, setup, monkeypatch, backend):
+    """The unroll with the drafter's two parts compiled around the attention (`DRAFTER_COMPILE`) gives the eager
+    unroll's losses, right guesses and gradients, on the first call (which also probes the compiled graphs on
+    copies: they must leave the attention's keys and the gradients alone) and on later ones, and with no grad."""
+    import copy
+
+    drafter = copy.deepcopy(setup[0])
+    samples, draft_ids = setup[1], setup[2]
+    lm_head = tiny.model.get_output_embeddings()
+    batch = pack_samples(samples, pad_to=48)
+    labels = target_labels(batch.final, lm_head, draft_ids)
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
+    eager = _unroll_grads(drafter, batch, labels, backend)
+    assert sum(eager[1]) > 0
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
+    for _ in range(2):
+        got = _unroll_grads(drafter, batch, labels, backend)
+        assert ttt.drafter_state(drafter, torch.device("cpu")) == "compiled"
+        assert got[0] == pytest.approx(eager[0], rel=1e-5) and got[1] == eager[1]
+        for n, g in eager[2].items():
+            torch.testing.assert_close(got[2][n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    with torch.no_grad():
+        st = ttt_unroll(drafter, batch, labels, 3, backend=backend)
+    assert [float(x) for x in st.loss_sum] == pytest.approx(eager[0], rel=1e-5)
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", "auto")  # the default on a CPU: eager
+    assert ttt.drafter_state(drafter, torch.device("cpu")) == "eager"
+
+
+def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
+    """A compiler failure in either part, forward or backward, leaves the unroll eager with the reason in
+    `state`, and its losses and gradients are eager's."""
+    import copy
+
+    samples, draft_ids = setup[1], setup[2]
+    lm_head = tiny.model.get_output_embeddings()
+    batch = pack_samples(samples, pad_to=48)
+    labels = target_labels(batch.final, lm_head, draft_ids)
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
+    eager = _unroll_grads(setup[0], batch, labels)
+
+    class Broken(torch.autograd.Function):  # forward fine, backward raises like a failed backward compile
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("backward compile failed\nsecond line")
+
+    def forward_fails(*a):
+        raise RuntimeError("forward compile failed")
+
+    def backward_fails(fn):
+        def run(*a):
+            h, *rest = fn(*a)
+            return (Broken.apply(h), *rest)
+        return run
+
+    for fake, why in [(lambda fn: forward_fails, "forward compile failed"), (backward_fails, "backward compile failed")]:
+        drafter = copy.deepcopy(setup[0])
+        monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake(fn))
+        monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
+        got = _unroll_grads(drafter, batch, labels)
+        state = ttt.drafter_state(drafter, torch.device("cpu"))
+        assert state.startswith("eager: torch.compile failed") and why in state and "second line" not in state
+        assert got[0] == eager[0] and got[1] == eager[1]
+        for n, g in eager[2].items():
+            torch.testing.assert_close(got[2][n], g)
+
+
+@pytest.mark.gpu
+def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch):
+    """On CUDA in bf16 with the flex attention, the compiled drafter step agrees with the eager one."""
+    import copy
+
+    drafter = copy.deepcopy(setup[0]).cuda()
+    samples, draft_ids = setup[1], setup[2]
+    lm_head = copy.deepcopy(tiny.model.get_output_embeddings()).cuda()
+    batch = pack_samples(samples, pad_to=128, multiple=128).to("cuda")
+    labels = target_labels(batch.final, lm_head, draft_ids.cuda())
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return _unroll_grads(drafter, batch, labels)
+
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
+    eager = run()
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", "auto")
+    got = run()
+    got = run()
+    assert ttt.drafter_state(drafter, torch.device("cuda")) == "compiled"
+    assert got[0] == pytest.approx(eager[0], rel=2e-2)
+    for n, g in eager[2].items():
+        torch.testing.assert_close(got[2][n].float(), g.float(), rtol=5e-2, atol=2e-2 * float(g.abs().max()),
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_chain_step_cuts_where_the_data_leave_the_greedy_path():
     """A position stays in the simulated chain only while every draft was accepted and the data's next token
     is the drafted one; where the data differ the chain is cut (not counted), where the draft is wrong it is
