@@ -12,7 +12,7 @@
 # and the drafters compare on it (check: the plain outputs equal).
 # Then the compiled drafter step against the eager one (bench_train, 80 steps each) and HumanEval, last.
 # Budget (1,800 s of device time): start and staging about 100 s; the third sample's regen about 270 (266 s for the
-# second); tokenize about 170; the feature warm-up about 95 and 4 epochs about 900 (883 s for 142.1M tokens with the
+# second); tokenize about 40 (170 in one process; now one worker per core: data.tokenize_workers); the feature warm-up about 95 and 4 epochs about 900 (883 s for 142.1M tokens with the
 # host tier); eval 55; chat decoding about 75; the training A/B about 40 + 110 (compiling); HumanEval 50, if the
 # time is left. Each job is cut off by its own timeout. About 1,770 s in all: the last poll is sized to what is left.
 S=$1; tag=$2

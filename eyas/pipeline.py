@@ -101,7 +101,8 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
 # (or a new eyas adding one) does not rerun finished stages
 EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel", "regen.concurrency",
                   "regen.timeout", "regen.retries", "regen.backoff", "train.num_workers",
-                  "train.feature_cache_gb", "train.feature_cache_host_gb", "train.parallel"}
+                  "train.feature_cache_gb", "train.feature_cache_host_gb", "train.parallel",
+                  "data.tokenize_workers"}
 
 
 # settings added after runs were made, at the value that does what those runs did: left out of the stage keys while

@@ -90,3 +90,25 @@ def test_truncation_and_bad_masks(smol):
     tok.chat_template = None
     with pytest.raises(EyasError, match="no chat template"):
         tokenize_conversation(tok, only_assistant)
+
+
+def test_worker_processes_give_the_same_tokens(smol):
+    """The stage's tokenizing in spawned worker processes (data.tokenize_workers) gives the one-process result:
+    the same sequences in the same order, tokens, masks and counts, on real ShareGPT conversations (multi-turn,
+    some cut at max_seq_len, some left without an answer token)."""
+    from eyas import config as C
+    from eyas.data.prepare import POOL_FROM, tokenize_all, tokenize_workers
+    from eyas.data.readers import read_dataset
+
+    convs, _ = read_dataset("sharegpt", limit=120)
+    convs = convs + [Conversation("late", [Turn("user", "x " * 600), Turn("assistant", "never reached")])]
+    cfg = C.resolve(None, "smollm2", {"data.max_seq_len": 512})
+    one, s1 = tokenize_all(convs, smol.tokenizer, cfg, smol.eot_token_ids, workers=1)
+    two, s2 = tokenize_all(convs, smol.tokenizer, cfg, smol.eot_token_ids, workers=2)
+    assert s1 == s2 and s1["truncated"] > 0 and s1["empty_mask"] >= 1
+    assert [t.id for t in two] == [t.id for t in one] and len(one) == len(convs) - s1["empty_mask"]
+    for a, b in zip(one, two):
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask and a.truncated == b.truncated
+    # auto: this process for small sets, one per core (at most 16) from POOL_FROM conversations on
+    assert tokenize_workers(0, POOL_FROM - 1) == 1 and 1 <= tokenize_workers(0, POOL_FROM) <= 16
+    assert tokenize_workers(3, 10) == 3
