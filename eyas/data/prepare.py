@@ -128,7 +128,10 @@ _worker: tuple | None = None  # in a worker process: (tokenizer, max_seq_len, re
 
 
 def _init_worker(tokenizer, args) -> None:
+    import signal
+
     global _worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread each: the workers are the parallelism
     _worker = (tokenizer, *args)
 
@@ -160,7 +163,11 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
         # spawned, not forked: the parent may hold a CUDA context and the tokenizer's threads
         import multiprocessing as mp
 
-        pool = mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=(tokenizer, args))
+        try:
+            pool = mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=(tokenizer, args))
+        except OSError as e:  # no processes to be had here (limits, sandbox): the same work in this one
+            log(f"tokenize: could not start {n} worker processes ({e}); tokenizing in this process")
+    if pool is not None:
         results = pool.imap(_tokenize_one, convs, chunksize=max(1, min(64, len(convs) // (8 * n))))
     else:
         results = (tokenize_conversation(tokenizer, c, *args) for c in convs)
