@@ -43,6 +43,12 @@ def main(argv=None) -> int:
     p.add_argument("--drafter-compile", default="auto", choices=("auto", "0", "1"),
                    help="eyas.ttt.DRAFTER_COMPILE: the drafter's step in the TTT unroll as two compiled parts around "
                         "the attention (1), or eager (0); auto follows eyas' default")
+    p.add_argument("--lag-stats", default="1", choices=("0", "1"),
+                   help="eyas.train.LAG_STATS: read each step's statistics one step later (1, the default) or right "
+                        "after the step (0: the host waits for the device every step, as before)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="count the operations that make the host wait for the device "
+                        "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="profile N training steps near the end (torch.profiler, rank 0) and report where a step's "
                         "device time goes, by kernel and by aten op, per step; the profiled steps run slower, so "
@@ -101,8 +107,29 @@ def main(argv=None) -> int:
         prof = profile(activities=acts, schedule=schedule(wait=first - 2, warmup=1, active=a.profile_steps, repeat=1))
         prof.start()
         train_mod.STEP_HOOK = lambda step: prof.step()
+    import eyas.train as train_lag
+
+    train_lag.LAG_STATS = a.lag_stats == "1"
+    caught = None
+    if a.sync_debug and torch.cuda.is_available():
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        caught = warnings.catch_warnings(record=True)
+        seen = caught.__enter__()
+        warnings.simplefilter("always")
     t1 = time.perf_counter()
     res = run_train(cfg, target)
+    syncs = None
+    if caught is not None:
+        torch.cuda.set_sync_debug_mode(0)
+        caught.__exit__(None, None, None)
+        where: dict[str, int] = {}
+        for w in seen:
+            if "synchroniz" in str(w.message):
+                k = f"{Path(w.filename).name}:{w.lineno}"
+                where[k] = where.get(k, 0) + 1
+        syncs = dict(sorted(where.items(), key=lambda kv: -kv[1])[:20])
     train_s = time.perf_counter() - t1
     out = {
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -110,7 +137,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel,
         "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
-        "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"),
+        "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
+        "host_waits": syncs,
         "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",
         "steps": res["steps"], "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,

@@ -10,11 +10,13 @@
 # helps, not a longer schedule, and three samples with 4 epochs costs only the third regeneration more. The decoding
 # repeats the seventeenth session's commands, so its text (the compiled kernels' and the padded prefill's) is the same
 # and the drafters compare on it (check: the plain outputs equal).
-# Then the compiled drafter step against the eager one (bench_train, 80 steps each) and HumanEval, last.
+# Then the training step's host side (bench_train, 80 steps each: as before, statistics read late, compiled drafter
+# step) and HumanEval, last.
 # Budget (1,800 s of device time): start and staging about 100 s; the third sample's regen about 270 (266 s for the
-# second); tokenize about 40 (170 in one process; now one worker per core: data.tokenize_workers); the feature warm-up about 95 and 4 epochs about 900 (883 s for 142.1M tokens with the
-# host tier); eval 55; chat decoding about 75; the training A/B about 40 + 110 (compiling); HumanEval 50, if the
-# time is left. Each job is cut off by its own timeout. About 1,770 s in all: the last poll is sized to what is left.
+# second); tokenize about 40 (about 170 in one process; now a worker per core: data.tokenize_workers); the feature
+# warm-up about 95 and 4 epochs about 900 (883 s for 142.1M tokens with the host tier); eval 55; chat decoding
+# about 75; the training runs about 40 + 40 + 110 (compiling) + 30; HumanEval 50, if the time is left. Each job is
+# cut off by its own timeout. About 1,750 s in all: the last poll is sized to what is left.
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
@@ -31,13 +33,19 @@ if [ -d $run/draft ]; then
   job decode_sharegpt timeout 200 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
     --k 3,5,7 --max-new-tokens 256 --budget 12 --skip-hf --out $S/decode_sharegpt.json
 fi
-# the drafter's step compiled in two parts around the attention (eyas.ttt.DRAFTER_COMPILE, new, off by default until
-# this measures it) against the eager step, the pipeline's batch and drafter shape, one after the other (the seventeenth
-# session's default run: forward 24.3 ms and backward 11.7 ms a step, 61% and 29% of the step time)
+# the training step's host side, the pipeline's batch and drafter shape, one after the other (the seventeenth
+# session's default run: forward 24.3 ms and backward 11.7 ms a step, 61% and 29% of the step time): the step as
+# before (statistics read at its end, so the host waits for the device every step); the statistics read a step
+# later (eyas.train.LAG_STATS, new, the default); and the drafter's step compiled in two parts around the attention
+# on top (eyas.ttt.DRAFTER_COMPILE, new, off until this measures it). Then where the host still waits (sync debug).
 bt="--conversations 1500 --steps 80 --batch-tokens 8192 --draft-intermediate-size 6144"
-job train_eager timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --workdir /tmp/bt0 --out $S/train_eager.json
-job train_compiled timeout 240 python3 bench/bench_train.py $bt --drafter-compile 1 --workdir /tmp/bt1 \
+job train_sync timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --lag-stats 0 --workdir /tmp/bt0 \
+  --out $S/train_sync.json
+job train_lag timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --workdir /tmp/bt1 --out $S/train_lag.json
+job train_compiled timeout 240 python3 bench/bench_train.py $bt --drafter-compile 1 --workdir /tmp/bt2 \
   --out $S/train_compiled.json
+job train_waits timeout 150 python3 bench/bench_train.py --conversations 1500 --steps 20 --batch-tokens 8192 \
+  --draft-intermediate-size 6144 --sync-debug --workdir /tmp/bt3 --out $S/train_waits.json
 [ -d $run/draft ] && job decode_humaneval timeout 120 python3 bench/bench_decode.py --draft $run/draft --prompts humaneval \
   --limit 40 --k 3,7 --max-new-tokens 256 --budget 10 --skip-hf --out $S/decode_humaneval.json
 wait

@@ -574,6 +574,7 @@ def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dic
 
 
 STEP_HOOK = None  # called with the step number after each optimizer step (bench/bench_train.py --profile-steps)
+LAG_STATS = True  # read a step's statistics one step later, so the host never waits for the device between steps
 
 
 def run_train(cfg: Config, target=None) -> dict:
@@ -737,10 +738,44 @@ def run_train(cfg: Config, target=None) -> dict:
     steady = [0.0, 0]
     per_epoch: dict[int, list] = {}  # epoch -> [seconds, tokens] of its steady steps
     clock = PhaseClock(d.device)  # where each steady step's time goes
+    pending: list[tuple] = []  # a step whose statistics are still on their way to the host (LAG_STATS)
+    last_done = [time.perf_counter()]  # when the last step's statistics were read (or the last eval/save ended)
+
+    def finish(rec: tuple) -> None:
+        """A step's bookkeeping once its statistics are on the host: rate, metrics row, progress bar."""
+        nonlocal tok_done, tok_window, t_window
+        s_, ep, lr_, host, ev, den, marks, warm = rec
+        if ev is not None:
+            ev.synchronize()  # waits for that step only, not for the one queued behind it
+        vals = host.tolist()
+        acc = [float(c) / dn for c, dn in zip(vals[1:1 + tc.ttt_steps], den)]
+        ntok = int(vals[-2])
+        tok_done += ntok
+        now = time.perf_counter()
+        dt, last_done[0] = now - last_done[0], now  # steps end one after another: the time between two ends
+        if not warm:  # compilation and warm-up are not a step's usual time
+            clock.fold(marks)  # the step's events are done: its statistics came after them
+            steady[0] += dt
+            steady[1] += ntok
+            e_rate = per_epoch.setdefault(ep, [0.0, 0])
+            e_rate[0] += dt
+            e_rate[1] += ntok
+        tok_window += ntok
+        tps = tok_window / max(now - t_window, 1e-9)
+        if now - t_window > 10:
+            tok_window, t_window = 0, now
+        row = {"step": s_, "epoch": ep, "loss": vals[0], "acc": acc, "lr": lr_, "grad_norm": vals[-1],
+               "tokens": ntok, "tok_s": tps}
+        metrics.add(row)
+        # the postfix without a refresh of its own: update() redraws at most every mininterval (a refresh per step
+        # wrote every step of a 12,265-step run into the GPU harness' log, 1.6 MB)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in acc), tok_s=f"{tps:,.0f}",
+                        refresh=False)
+        bar.update(1)
+
     module.train()
     step_sleep = float(os.environ.get("EYAS_DEBUG_STEP_SLEEP", "0"))  # tests: make a run slow enough to kill
     while step < total:
-        t_step = time.perf_counter()
         epoch, i = divmod(step, spe)
         bins = [slot[i] for slot in train.slot_bins(tc.seed + epoch, group)]
         counts = train.counts(bins, tc.ttt_steps)
@@ -781,37 +816,28 @@ def run_train(cfg: Config, target=None) -> dict:
         clock.stop("optimizer", t_ph)
         step += 1
         acc_t = d.all_sum(acc_t)
-        acc = [float(c) / dn for c, dn in zip(acc_t[1:1 + tc.ttt_steps].tolist(), denom)]
-        ntok = int(acc_t[-1])
-        tok_done += ntok
-        if warm_steps > 0:
-            warm_steps -= 1
-            clock.drop()  # compilation and warm-up are not a step's usual time
-        else:  # time spent training (not validating or saving) after warm-up
-            clock.fold()  # the step's events are done: acc_t.tolist() above synced the device
-            dt = time.perf_counter() - t_step
-            steady[0] += dt
-            steady[1] += ntok
-            e_rate = per_epoch.setdefault(epoch, [0.0, 0])
-            e_rate[0] += dt
-            e_rate[1] += ntok
-        tok_window += ntok
-        now = time.perf_counter()
-        tps = tok_window / max(now - t_window, 1e-9)
-        if now - t_window > 10:
-            tok_window, t_window = 0, now
-        row = {"step": step, "epoch": epoch, "loss": float(acc_t[0]), "acc": acc, "lr": lr,
-               "grad_norm": float(gnorm), "tokens": ntok, "tok_s": tps}
-        metrics.add(row)
-        # the postfix without a refresh of its own: update() redraws at most every mininterval (a refresh per step
-        # wrote every step of a 12,265-step run into the GPU harness' log, 1.6 MB)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in acc), tok_s=f"{tps:,.0f}",
-                        refresh=False)
-        bar.update(1)
+        # the step's statistics leave the device without a wait (a copy queued behind the step, with an event):
+        # read one step later, so the host builds and queues the next step while the device runs this one
+        stats = torch.cat([acc_t, gnorm.detach().reshape(1).to(acc_t)])
+        host, ev = stats, None
+        if stats.is_cuda:
+            host = stats.to("cpu", non_blocking=True)  # into pinned memory: the copy runs on the stream
+            ev = torch.cuda.Event()
+            ev.record()
+        rec = (step, epoch, lr, host, ev, denom, clock.take(), warm_steps > 0)
+        warm_steps = max(0, warm_steps - 1)
+        while pending:
+            finish(pending.pop(0))
+        if LAG_STATS and not (evals_due(step) or saves_due(step) or step == total or STEP_HOOK or step_sleep):
+            pending.append(rec)
+        else:
+            finish(rec)
         if evals_due(step) or step == total:
             do_eval(step)
         if saves_due(step) or step == total:
             do_save(step)
+        if evals_due(step) or saves_due(step) or step == total:
+            last_done[0] = time.perf_counter()  # the next step's time starts here, not at the last step's end
         if STEP_HOOK is not None:
             STEP_HOOK(step)
         if step_sleep:

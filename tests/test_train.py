@@ -393,6 +393,33 @@ def test_feature_cache_trains_like_recomputing(tiny_run, tiny, tmp_path):
     assert "2" in s1["epoch_tok_s"]  # the throughput of each epoch, where the cache shows
 
 
+def test_statistics_read_a_step_late_log_what_reading_at_once_logs(tiny_run, tiny, tmp_path, monkeypatch):
+    """LAG_STATS (each step's loss, accuracies, grad norm and tokens read one step later, so the host does not wait
+    for the device between steps) logs the same rows in the same order as reading them at once, through the
+    validations and checkpoints that read them at once, and trains the same drafter."""
+    import eyas.train as train_mod
+    from safetensors.torch import load_file
+
+    out = {}
+    for lag in (False, True):
+        monkeypatch.setattr(train_mod, "LAG_STATS", lag)
+        run = clone_run(tiny_run, tmp_path / f"lag{int(lag)}")
+        cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.epochs": 2, "train.batch_tokens": 512,
+                                                     "train.max_seq_len": 256, "train.eval_every": 3,
+                                                     "train.save_every": 5})
+        summary = run_train(cfg, tiny)
+        rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+        out[lag] = ([{k: v for k, v in r.items() if k != "tok_s"} for r in rows], summary,
+                    load_file(str(run / "draft" / "model.safetensors")))
+    (rows0, s0, w0), (rows1, s1, w1) = out[False], out[True]
+    steps = [r["step"] for r in rows1 if "loss" in r]
+    assert steps == list(range(1, s1["steps"] + 1)) and s1["steps"] >= 7
+    assert rows1 == rows0  # every step's row and every validation's, in the same order
+    assert s1["tokens_trained"] == s0["tokens_trained"] and s1["best"] == s0["best"]
+    assert s1["tok_s_steady"] and set(s1["step_time_split"]) == {"features", "forward", "backward", "optimizer"}
+    assert w1.keys() == w0.keys() and all(torch.equal(w1[k], w0[k]) for k in w0)
+
+
 def test_host_feature_tier_trains_like_recomputing(tiny_run, tiny, tmp_path):
     """Sequences whose features do not fit in the device cache go to the host tier
     (train.feature_cache_host_gb) and train as if recomputed; every sequence is kept in one tier or the other,
