@@ -302,26 +302,29 @@ def test_compiled_step_loss_equals_eager_on_gpu(monkeypatch):
     torch.testing.assert_close(compiled[2].float(), eager[2].float(), rtol=2e-2, atol=1e-3)
 
 
+class BrokenBackward(torch.autograd.Function):
+    """Forward fine, backward raising like a failed backward compile."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("backward compile failed\nsecond line")
+
+
+def compile_fails(*a):
+    raise RuntimeError("forward compile failed")
+
+
 def test_compiled_loss_falls_back_to_eager(monkeypatch):
     """A compiler failure, in the forward or in the lazily built backward, leaves training on the eager loss with
     the reason in `state`, and the loss and gradient are eager's."""
     args = _loss_inputs(30, 101, torch.float32, "cpu", seed=3)
     eager = _loss_and_grad(ttt._step_loss, *args)
 
-    class Broken(torch.autograd.Function):  # forward fine, backward raises like a failed backward compile
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("backward compile failed\nsecond line")
-
-    def forward_fails(*a):
-        raise RuntimeError("forward compile failed")
-
-    for fake, why in [(forward_fails, "forward compile failed"),
-                      (lambda lg, *rest: ttt._step_loss(Broken.apply(lg), *rest), "backward compile failed")]:
+    for fake, why in [(compile_fails, "forward compile failed"),
+                      (lambda lg, *rest: ttt._step_loss(BrokenBackward.apply(lg), *rest), "backward compile failed")]:
         monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake)
         monkeypatch.setattr(ttt, "LOSS_COMPILE", True)
         monkeypatch.setattr(ttt, "_compiled_loss", None)
@@ -388,25 +391,13 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
     monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
     eager = _unroll_grads(setup[0], batch, labels)
 
-    class Broken(torch.autograd.Function):  # forward fine, backward raises like a failed backward compile
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("backward compile failed\nsecond line")
-
-    def forward_fails(*a):
-        raise RuntimeError("forward compile failed")
-
     def backward_fails(fn):
         def run(*a):
             h, *rest = fn(*a)
-            return (Broken.apply(h), *rest)
+            return (BrokenBackward.apply(h), *rest)
         return run
 
-    for fake, why in [(lambda fn: forward_fails, "forward compile failed"), (backward_fails, "backward compile failed")]:
+    for fake, why in [(lambda fn: compile_fails, "forward compile failed"), (backward_fails, "backward compile failed")]:
         drafter = copy.deepcopy(setup[0])
         monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake(fn))
         monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
