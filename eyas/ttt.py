@@ -362,7 +362,7 @@ DRAFTER_COMPILE = False  # like LOSS_COMPILE, for the drafter's step in the unro
 class CompiledStep:
     """A drafter's step in the unroll with its two stateless parts, `Eagle3Drafter.pre_attention` and
     `post_attention`, each through torch.compile (one graph each: the norms, rope, projections, MLP and lm_head
-    as a few fused kernels instead of the eager step's several hundred launches), and the attention, which keeps
+    as a few fused kernels instead of the eager step's many small ones), and the attention, which keeps
     the earlier steps' keys, run as it is between them. Checked like `CompiledLoss`: the first call of each
     kind (with or without grad, from the target's states or the drafter's own) also runs on detached copies,
     through the backward where there is one, and a failure anywhere leaves the drafter eager from then on, with
