@@ -11,11 +11,11 @@
 # repeats the seventeenth session's commands, so its text (the compiled kernels' and the padded prefill's) is the same
 # and the drafters compare on it (check: the plain outputs equal).
 # Then the training step's host side (bench_train, 80 steps each: as before, statistics read late, compiled drafter
-# step) and HumanEval, last.
+# step). HumanEval is left out this time (the seventeenth session measured this recipe's drafter there).
 # Budget (1,800 s of device time): start and staging about 100 s; the third sample's regen about 270 (266 s for the
 # second); tokenize about 40 (about 170 in one process; now a worker per core: data.tokenize_workers); the feature
-# warm-up about 95 and 4 epochs about 900 (883 s for 142.1M tokens with the host tier); eval 55; chat decoding
-# about 75; the training runs about 40 + 40 + 110 (compiling) + 30; HumanEval 50, if the time is left. Each job is
+# warm-up about 95 and 4 epochs about 900 (883 s for 142.1M tokens with the host tier); eval 55; chat decoding with
+# and without the compiled drafter about 130; the training runs about 40 + 40 + 110 (compiling) + 30. Each job is
 # cut off by its own timeout. About 1,750 s in all: the last poll is sized to what is left.
 S=$1; tag=$2
 source bench/gpu_lib.sh
@@ -30,8 +30,10 @@ if [ -f $run/data/regen/plan-s3.json ]; then
 fi
 NO_REGEN_TGZ=1 keep $run samples3
 if [ -d $run/draft ]; then
-  job decode_sharegpt timeout 200 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
-    --k 3,5,7 --max-new-tokens 256 --budget 12 --skip-hf --out $S/decode_sharegpt.json
+  # and the drafter's steps compiled (Decoder.compile_drafter, new, off until this measures it) against eager: the
+  # _dc1 methods (their plain baseline is the same code as the default's)
+  job decode_sharegpt timeout 240 python3 bench/bench_decode.py --draft $run/draft --prompts sharegpt --limit 80 \
+    --k 3,5,7 --max-new-tokens 256 --budget 10 --skip-hf --draft-compile 0,1 --out $S/decode_sharegpt.json
 fi
 # the training step's host side, the pipeline's batch and drafter shape, one after the other (the seventeenth
 # session's default run: forward 24.3 ms and backward 11.7 ms a step, 61% and 29% of the step time): the step as
@@ -46,7 +48,5 @@ job train_compiled timeout 240 python3 bench/bench_train.py $bt --drafter-compil
   --out $S/train_compiled.json
 job train_waits timeout 150 python3 bench/bench_train.py --conversations 1500 --steps 20 --batch-tokens 8192 \
   --draft-intermediate-size 6144 --sync-debug --workdir /tmp/bt3 --out $S/train_waits.json
-[ -d $run/draft ] && job decode_humaneval timeout 120 python3 bench/bench_decode.py --draft $run/draft --prompts humaneval \
-  --limit 40 --k 3,7 --max-new-tokens 256 --budget 10 --skip-hf --out $S/decode_humaneval.json
 wait
 touch $S/finished_$tag

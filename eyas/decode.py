@@ -311,6 +311,11 @@ class Decoder:
     # of kernel launches from Python. None = where CUDA graphs are on; True also pads without graphs (tests)
     graph_prefill: bool | None = None
     PREFILL_BUCKET = 128
+    # the drafter's draft steps and a fused round's catch-up as two torch.compile'd parts each, around the attention
+    # (Eagle3Drafter.forward with `_eyas_compiled`): about half the kernels of an eager drafter step (30 on an H200,
+    # 0.076 ms: the fourteenth session). Draft tokens can round differently; verification is the target's, so the
+    # output stays lossless. False until a GPU times it (bench/bench_decode.py --draft-compile 0,1); None = on a GPU
+    compile_drafter: bool | None = False
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -354,6 +359,7 @@ class Decoder:
             else:
                 self.drafter.unfuse()
             self.dcache = DraftCache(self.drafter, max_len, self.device, self.dtype)
+            self.drafter.__dict__["_eyas_compiled"] = self.drafter_compiled
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # CUDA graphs need a capture-safe target forward: eyas' own, not transformers' StaticCache
@@ -531,6 +537,12 @@ class Decoder:
         """Whether the target's elementwise work runs as compiled kernels (Decoder.compile_elementwise; None: on a
         GPU, with eyas' own forward)."""
         return self.engine == "fast" and self._on_gpu_unless_set(self.compile_elementwise)
+
+    @property
+    def drafter_compiled(self) -> bool:
+        """Whether the drafter's steps run as compiled parts (Decoder.compile_drafter; None: on a GPU, with eyas'
+        own forward)."""
+        return self.engine == "fast" and self._on_gpu_unless_set(self.compile_drafter)
 
     @property
     def overlapped(self) -> bool:

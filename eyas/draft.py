@@ -156,7 +156,9 @@ def _fused(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
     """The fused weight of these projections while Eagle3Drafter.fuse has them on and each projection's
     weight is still a view of it (a later .to() or load_state_dict makes new tensors: then None, and the
     projections run apart)."""
-    if not module.__dict__.get("_eyas_fuse_on"):
+    # inside torch.compile the separate projections (their weights are views of the fused one): the fused weight's
+    # check reads storage pointers, which a compiled graph cannot
+    if not module.__dict__.get("_eyas_fuse_on") or torch.compiler.is_compiling():
         return None
     held = held_fusion([getattr(module, n) for n in names])
     return held[0] if held is not None and held[1] is None else None
@@ -264,8 +266,17 @@ class Eagle3Drafter(nn.Module):
         hidden [B,T,3·H_t] (target aux states: fc is applied) or [B,T,H] (fed-back drafter state);
         rope_table: look cos/sin up in the table fuse() built (positions must be below its max_len);
         returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
+        if self.__dict__.get("_eyas_compiled") and input_ids.shape[1] <= self.COMPILED_MAX_T:
+            from .fastlm import compiled  # each part one compiled graph (decoding: Decoder.compile_drafter)
+
+            hidden, q, k, v = compiled(_pre_attention)(self, input_ids, hidden, position_ids, rope_table)
+            return compiled(_post_attention)(self, hidden, attend(q, k, v))
         hidden, q, k, v = self.pre_attention(input_ids, hidden, position_ids, rope_table)
         return self.post_attention(hidden, attend(q, k, v))
+
+    # calls of at most this many tokens run compiled when `_eyas_compiled` is set (draft steps and a round's
+    # catch-up over K+1 tokens); prefills, one shape each, stay eager
+    COMPILED_MAX_T = 16
 
     def pre_attention(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                       rope_table: bool = False):
@@ -301,6 +312,16 @@ class Eagle3Drafter(nn.Module):
         if not include_embeddings:
             sd.pop(self.FROZEN, None)
         return {k: v.detach().contiguous() for k, v in sd.items()}
+
+
+def _pre_attention(drafter: Eagle3Drafter, input_ids, hidden, position_ids, rope_table):
+    """Eagle3Drafter.pre_attention as a function of the drafter (one compiled form for every call)."""
+    return drafter.pre_attention(input_ids, hidden, position_ids, rope_table)
+
+
+def _post_attention(drafter: Eagle3Drafter, hidden, o):
+    """Eagle3Drafter.post_attention as a function of the drafter."""
+    return drafter.post_attention(hidden, o)
 
 
 def build_drafter(target, draft_vocab_size: int, draft_ids: torch.Tensor | None = None,

@@ -541,6 +541,36 @@ def test_failed_compile_falls_back_to_eager(tiny, monkeypatch, capsys):
         assert err.count(f"compiled {name} failed (RuntimeError: no compiler here)") == 1, err
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+def test_compiled_drafter_decodes_losslessly(tiny, fused, monkeypatch):
+    """Decoder.compile_drafter: the drafter's steps (and the fused round's catch-up) through its two compiled
+    parts give the eager drafter's logits, the decoding stays equal to plain decoding token for token, and the
+    compiled parts did run (none fell back to eager); the prefill's long call stays eager."""
+    import eyas.fastlm as fastlm
+    from eyas.draft import _post_attention, _pre_attention
+
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "Tell me about hawks."}])
+    plain = Decoder(tiny, d, k=3, max_len=128, fused=fused).generate(ids, 16, (), speculative=False).tokens
+    monkeypatch.setattr(fastlm, "_COMPILED", {})
+    monkeypatch.setattr(fastlm, "_EAGER", set())
+    monkeypatch.setattr(Decoder, "compile_drafter", True)
+    dec = Decoder(tiny, d, k=3, max_len=128, fused=fused)
+    assert dec.drafter_compiled
+    out = dec.generate(ids, 16, (), speculative=True)
+    assert out.tokens == plain and len(out.accepted) > 0
+    assert _pre_attention in fastlm._COMPILED and _post_attention in fastlm._COMPILED and not fastlm._EAGER
+    h = torch.randn(1, 4, 3 * d.config.hidden_size)
+    step_ids, pos = torch.randint(0, tiny.vocab_size, (1, 4)), (torch.arange(4) + 5)[None]
+    with torch.no_grad():
+        got = d(step_ids, h, pos, rope_table=True)
+        d.__dict__["_eyas_compiled"] = False
+        ref = d(step_ids, h, pos, rope_table=True)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_warm_up_leaves_no_graph_to_capture_on_gpu():
     """On a GPU, after Decoder.warm_up every graph a generation replays is captured and checked: generations that
