@@ -112,3 +112,5 @@ def test_worker_processes_give_the_same_tokens(smol):
     # auto: this process for small sets, one per core (at most 16) from POOL_FROM conversations on
     assert tokenize_workers(0, POOL_FROM - 1) == 1 and 1 <= tokenize_workers(0, POOL_FROM) <= 16
     assert tokenize_workers(3, 10) == 3
+    with pytest.raises(EyasError, match="data.tokenize_workers"):
+        tokenize_workers(-2, 10)

@@ -144,6 +144,8 @@ def _tokenize_one(conv: Conversation) -> Tokenized:
 def tokenize_workers(requested: int, n_convs: int) -> int:
     """How many processes tokenize: `requested` (data.tokenize_workers) if set, else one per core (at most 16)
     for POOL_FROM conversations or more, else 1 (this process)."""
+    if requested < 0:
+        raise EyasError(f"data.tokenize_workers must be 0 (auto) or a number of processes, got {requested}")
     if requested > 0:
         return requested
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
