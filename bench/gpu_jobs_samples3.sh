@@ -10,7 +10,7 @@
 # helps, not a longer schedule, and three samples with 4 epochs costs only the third regeneration more. The decoding
 # repeats the seventeenth session's commands, so its text (the compiled kernels' and the padded prefill's) is the same
 # and the drafters compare on it (check: the plain outputs equal).
-# Then the training step's host side (bench_train, 80 steps each: as before, statistics read late, compiled drafter
+# Then the training step's host side (bench_train, 60 steps each: as before, statistics read late, compiled drafter
 # step). HumanEval is left out this time (the seventeenth session measured this recipe's drafter there).
 # Budget (1,800 s of device time): start and staging about 100 s; the third sample's regen about 270 (266 s for the
 # second); tokenize about 40 (about 170 in one process; now a worker per core: data.tokenize_workers); the feature
@@ -40,13 +40,13 @@ fi
 # before (statistics read at its end, so the host waits for the device every step); the statistics read a step
 # later (eyas.train.LAG_STATS, new, the default); and the drafter's step compiled in two parts around the attention
 # on top (eyas.ttt.DRAFTER_COMPILE, new, off until this measures it). Then where the host still waits (sync debug).
-bt="--conversations 1500 --steps 80 --batch-tokens 8192 --draft-intermediate-size 6144"
+bt="--conversations 1000 --steps 60 --batch-tokens 8192 --draft-intermediate-size 6144"
 job train_sync timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --lag-stats 0 --workdir /tmp/bt0 \
   --out $S/train_sync.json
 job train_lag timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --workdir /tmp/bt1 --out $S/train_lag.json
 job train_compiled timeout 240 python3 bench/bench_train.py $bt --drafter-compile 1 --workdir /tmp/bt2 \
   --out $S/train_compiled.json
-job train_waits timeout 150 python3 bench/bench_train.py --conversations 1500 --steps 20 --batch-tokens 8192 \
+job train_waits timeout 150 python3 bench/bench_train.py --conversations 1000 --steps 20 --batch-tokens 8192 \
   --draft-intermediate-size 6144 --sync-debug --workdir /tmp/bt3 --out $S/train_waits.json
 wait
 touch $S/finished_$tag
