@@ -35,7 +35,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .util import EyasError, log
+from .util import EyasError, compile_failure, log
 
 # model types whose forward is exactly what FastLM computes: unscaled embeddings; per layer
 # x + o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))) with n = input_layernorm(x), then
@@ -138,8 +138,7 @@ def compiled(fn):
                     return fast(*args)
                 except Exception as e:  # noqa: BLE001 - depends on the compiler stack; eager is always correct
                     _EAGER.add(fn)
-                    first = (str(e).splitlines() or [""])[0][:200]
-                    log(f"compiled {fn.__name__} failed ({type(e).__name__}: {first}); running it eagerly")
+                    log(f"compiled {fn.__name__} failed ({compile_failure(e)}); running it eagerly")
             return fn(*args)
 
         _COMPILED[fn] = run

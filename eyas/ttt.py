@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .features import Sample, target_top
-from .util import log, to_device
+from .util import compile_failure, log, to_device
 
 
 @dataclass
@@ -338,7 +338,7 @@ class CompiledLoss:
                 torch.autograd.grad(self.fn(probe, *rest)[0], probe)
             out = self.fn(logits, *rest)
         except Exception as e:  # any compiler failure: fall back, keep training
-            self.state = f"eager: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            self.state = f"eager: torch.compile failed ({compile_failure(e)})"
             log(f"the TTT loss runs eagerly from now on: {self.state}")
             return _step_loss(logits, *rest)
         self.checked.add(grad)
@@ -384,7 +384,7 @@ class CompiledStep:
             try:
                 self._probe(ids, hidden, pos, attend, grad)
             except Exception as e:  # any compiler failure: fall back, keep training
-                self.state = f"eager: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                self.state = f"eager: torch.compile failed ({compile_failure(e)})"
                 log(f"the drafter's TTT steps run eagerly from now on: {self.state}")
                 return self.drafter(ids, hidden, pos, attend)
             self.checked.add(kind)

@@ -197,6 +197,12 @@ def to_device(t, device):
     return t.to(device)
 
 
+def compile_failure(e: BaseException) -> str:
+    """A compiler failure in one line: the exception's type and the first line of its message (at most 200
+    characters), for the logs and states of the compiled paths that fall back to eager."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
 class PhaseClock:
     """Phase timer that never syncs the device while it runs: CUDA events on GPU (read later, by `fold`
     or `totals`), perf_counter on CPU (where work is synchronous anyway). Used by the decoder
