@@ -26,8 +26,8 @@ import torch
 
 from .config import Config
 from .data.prepare import TokenSet
-from .util import (EyasError, atomic_path, atomic_write_json, dist_barrier, dist_env, human_bytes, log, progress,
-                   read_json, sha256_file, sha256_json, to_device)
+from .util import (EyasError, atomic_path, atomic_write_json, dist_barrier, dist_env, human_bytes, log, mem_available,
+                   progress, read_json, sha256_file, sha256_json, to_device)
 
 
 @dataclass
@@ -234,17 +234,6 @@ def host_cache_budget(setting_gb: float, device, available: int | None = None, l
     if available is None:
         available = mem_available()
     return max(0, int(available * 0.5 / max(1, local_processes)))
-
-
-def mem_available() -> int:
-    """The host's available memory in bytes (/proc/meminfo's MemAvailable; 0 where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def feature_cache_budget(setting_gb: float, device, step_bytes: int = 0, free: int | None = None) -> int:

@@ -197,6 +197,24 @@ def to_device(t, device):
     return t.to(device)
 
 
+def mem_available() -> int:
+    """The host's available memory in bytes: psutil's (installed with accelerate), else /proc/meminfo's
+    MemAvailable (the GPU image runs eyas from source), else 0."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def compile_failure(e: BaseException) -> str:
     """A compiler failure in one line: the exception's type and the first line of its message (at most 200
     characters), for the logs and states of the compiled paths that fall back to eager."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import Config, RegenConfig
 from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrier, dist_env, human_bytes, log,
-                    progress, read_json, repeated_share, stable_hash, text_lines, to_device)
+                    mem_available, progress, read_json, repeated_share, stable_hash, text_lines, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
 from .readers import read_dataset, select_split
@@ -404,9 +404,7 @@ class StaticEngine(_Embedded):
         if target.device.type == "cuda":
             free = torch.cuda.mem_get_info(target.device)[0]
         else:
-            import psutil  # installed with accelerate
-
-            free = psutil.virtual_memory().available
+            free = mem_available()
         rows = min(self.batch, free // 2 // per_row)
         if rows < 1:
             raise EyasError(f"the static regen engine's KV cache needs {human_bytes(per_row)} for one sequence of "
