@@ -828,15 +828,16 @@ def run_train(cfg: Config, target=None) -> dict:
         warm_steps = max(0, warm_steps - 1)
         while pending:
             finish(pending.pop(0))
-        if LAG_STATS and not (evals_due(step) or saves_due(step) or step == total or STEP_HOOK or step_sleep):
+        evals, saves = evals_due(step) or step == total, saves_due(step) or step == total
+        if LAG_STATS and not (evals or saves or STEP_HOOK or step_sleep):
             pending.append(rec)
         else:
             finish(rec)
-        if evals_due(step) or step == total:
+        if evals:
             do_eval(step)
-        if saves_due(step) or step == total:
+        if saves:
             do_save(step)
-        if evals_due(step) or saves_due(step) or step == total:
+        if evals or saves:
             last_done[0] = time.perf_counter()  # the next step's time starts here, not at the last step's end
         if STEP_HOOK is not None:
             STEP_HOOK(step)

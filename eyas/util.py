@@ -246,26 +246,19 @@ class PhaseClock:
     def stop(self, name: str, t0) -> None:
         self.marks.append((name, t0, self._now()))
 
-    def drop(self) -> None:
-        """Forget the phases timed so far (warm-up)."""
-        self.marks.clear()
-        self._sum.clear()
-
     def take(self) -> list:
         """The phases timed so far, handed over (to `fold` once their events are done) and forgotten here."""
         marks, self.marks = self.marks, []
         return marks
 
-    def fold(self, marks: list | None = None) -> None:
-        """Add the phases timed so far (or `marks` from `take`) into the totals and let their events go; call it
-        where the device has passed them (a long run would otherwise hold every step's events)."""
-        for name, a, b in (self.marks if marks is None else marks):
+    def fold(self, marks: list) -> None:
+        """Add `marks` (from `take`) into the totals and let their events go; call it where the device has passed
+        them (a long run would otherwise hold every step's events)."""
+        for name, a, b in marks:
             dt = a.elapsed_time(b) / 1000.0 if self.cuda else b - a
             self._sum[name] = self._sum.get(name, 0.0) + dt
-        if marks is None:
-            self.marks.clear()
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase name."""
-        self.fold()
+        self.fold(self.take())
         return dict(self._sum)
