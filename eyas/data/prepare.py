@@ -155,9 +155,10 @@ def tokenize_workers(requested: int, n_convs: int) -> int:
 def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: list[int],
                  workers: int | None = None) -> tuple[list[Tokenized], dict]:
     """Every conversation tokenized with its loss mask, in order; with several workers in spawned processes
-    (a template's rendering and the tokenizer's call, 6-12 ms a conversation on one core, were the stage's time:
-    134 s for 32,399 conversations on the H200 host). The result does not depend on the number of workers."""
-    out, stats = [], {"conversations": len(convs), "truncated": 0, "empty_mask": 0}
+    (a template's rendering and the tokenizer's call, about 5 ms a conversation on one core of this project's
+    CPU machine, were the stage's time: 134 s for 32,399 conversations on the H200 host; bench/bench_tokenize.py).
+    The result does not depend on the number of workers."""
+    kept, stats = [], {"conversations": len(convs), "truncated": 0, "empty_mask": 0}
     args = (cfg.data.max_seq_len, cfg.data.reasoning, eot_ids)
     n = tokenize_workers(cfg.data.tokenize_workers if workers is None else workers, len(convs))
     pool = None
@@ -175,18 +176,15 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
         results = (tokenize_conversation(tokenizer, c, *args) for c in convs)
     try:
         for t in progress(results, total=len(convs), desc="tokenize", unit="conv"):
-            out.append(t)
+            stats["truncated"] += t.truncated
+            if sum(t.loss_mask) == 0:  # e.g. an answer that starts after max_seq_len: nothing to learn
+                stats["empty_mask"] += 1
+                continue
+            check_mask(t)
+            kept.append(t)
     finally:
         if pool is not None:
             pool.terminate()
-    kept = []
-    for t in out:
-        stats["truncated"] += t.truncated
-        if sum(t.loss_mask) == 0:  # e.g. an answer that starts after max_seq_len: nothing to learn
-            stats["empty_mask"] += 1
-            continue
-        check_mask(t)
-        kept.append(t)
     return kept, stats
 
 
