@@ -15,7 +15,7 @@ source bench/gpu_lib.sh
 machine_info
 run=/tmp/hrun
 carried smolD_regen.tgz $run
-[ -f $run/data/regen/plan-s2.json ] || tar xzf .carry/samples2_regen.tgz -C $run/data
+carried samples2_regen.tgz $run regen/plan-s2.json
 # the GPU tests beside the tokenizing (the host tier pinned on CUDA among them)
 job gputests timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_features.py tests/test_decode.py &
 job pipeline_hosttier python3 -m eyas run --out $run

@@ -22,7 +22,7 @@ source bench/gpu_lib.sh
 machine_info
 run=/tmp/s3run
 carried smolD_regen.tgz $run
-[ -f $run/data/regen/plan-s2.json ] || tar xzf .carry/samples2_regen.tgz -C $run/data
+carried samples2_regen.tgz $run regen/plan-s2.json
 job pipeline_samples3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=4
 # the third sample's shards back (about 9 MB), for later sessions: untar into a run's data/regen beside the others
 if [ -f $run/data/regen/plan-s3.json ]; then

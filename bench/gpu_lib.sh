@@ -23,6 +23,7 @@ machine_info() {  # the GPUs, torch and transformers versions and the core count
     nproc
   } > $S/gpu.txt 2>&1
 }
-carried() {  # carried TGZ RUN: a regen folder carried in as .carry/TGZ, untarred into RUN/data unless RUN has one
-  if [ -f .carry/$1 ] && [ ! -d $2/data/regen ]; then mkdir -p $2/data && tar xzf .carry/$1 -C $2/data; fi
+carried() {  # carried TGZ RUN [PATH]: regen shards carried in as .carry/TGZ, untarred into RUN/data unless
+  # RUN/data/PATH is there already (default: the regen folder; a later sample's plan, e.g. regen/plan-s2.json)
+  if [ -f .carry/$1 ] && [ ! -e $2/data/${3:-regen} ]; then mkdir -p $2/data && tar xzf .carry/$1 -C $2/data; fi
 }
