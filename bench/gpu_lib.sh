@@ -27,3 +27,12 @@ carried() {  # carried TGZ RUN [PATH]: regen shards carried in as .carry/TGZ, un
   # RUN/data/PATH is there already (default: the regen folder; a later sample's plan, e.g. regen/plan-s2.json)
   if [ -f .carry/$1 ] && [ ! -e $2/data/${3:-regen} ]; then mkdir -p $2/data && tar xzf .carry/$1 -C $2/data; fi
 }
+pieces() {  # pieces NAME DIR PATH...: DIR's PATHs (globs) into $S/NAME.partN.tgz, pieces of at most 14 MiB that
+  # come back through the device's file limit (16 MiB each); here `cat NAME.part*.tgz > NAME.tgz` joins them
+  [ -d "$2" ] || return 0
+  local name=$1 dir=$2; shift 2
+  (cd $dir && tar czf $S/$name.whole $(eval echo "$@") 2>/dev/null)  # what is there (a missing plan is no reason to stop)
+  [ -s $S/$name.whole ] || return 0
+  split -b 14m -d -a 1 --additional-suffix=.tgz $S/$name.whole $S/$name.part && rm -f $S/$name.whole
+  ls -l $S/$name.part*.tgz
+}

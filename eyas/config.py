@@ -74,6 +74,11 @@ class RegenConfig:
     samples: int = opt(1, "answers sampled per conversation: N > 1 regenerates each one N times with its own seeds "
                           "(sample s > 1 as shard-sS-*.jsonl, record ids suffixed ~sampleS, kept on the same side of "
                           "every split as the first; data.original_rest continues the first sample only)")
+    later_turns: bool = opt(False, "also answer every later user turn (from the second answer on) with the target, "
+                            "each asked with the data set's own conversation before it (its original earlier "
+                            "answers), so the answers do not build on the target's own loops; written as their own "
+                            "set (shard-later-*.jsonl, record ids suffixed ~later, the first answer kept as the data "
+                            "set has it) that trains beside the samples. Needs regen.turns=1")
     max_new_tokens: int = opt(512, "maximum tokens generated per assistant turn")
     temperature: float = opt(0.8, "sampling temperature (0 = greedy)")
     top_p: float = opt(0.95, "nucleus sampling threshold")

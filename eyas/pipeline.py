@@ -107,7 +107,7 @@ EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel",
 
 # settings added after runs were made, at the value that does what those runs did: left out of the stage keys while
 # at that value, so a run made before them resumes instead of starting over
-KEYED_WHEN_CHANGED = {"regen.samples": 1}
+KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False}
 
 
 def stage_keys(cfg: C.Config) -> dict[str, str]:

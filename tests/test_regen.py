@@ -53,6 +53,39 @@ def test_conversation_walk_keeps_prompts_and_limits_turns():
     assert [m["content"] for m in st.record({}, {})["messages"]] == ["S", "u1", "good"]
 
 
+def test_conversation_walk_with_the_source_history():
+    """regen.later_turns' walk: the first answer kept as the source has it, every later one asked with the source's
+    own answers before it, while the record holds the target's; a context stop ends the record at the last answer."""
+    conv = Conversation("a", [Turn("system", "S"), Turn("user", "u1"), Turn("assistant", "old1"), Turn("user", "u2"),
+                              Turn("assistant", "old2"), Turn("user", "u3"), Turn("assistant", "old3")])
+    st = ConvState(0, conv, 0, "original", 1)
+    seen = []
+    while (msgs := st.next_messages()) is not None:
+        seen.append([m["content"] for m in msgs])
+        st.accept(TurnResult("x", content=f"new{len(seen) + 1}", completion_tokens=1))
+    assert seen == [["S", "u1", "old1", "u2"], ["S", "u1", "old1", "u2", "old2", "u3"]]
+    rec = st.record({}, {})
+    assert [m["content"] for m in rec["messages"]] == ["S", "u1", "old1", "u2", "new2", "u3", "new3"]
+    assert rec["meta"]["source_answers_kept"] == 1 and len(rec["meta"]["turns"]) == 2
+
+    st = ConvState(0, conv, 0, "original")  # nothing kept: the first answer is asked for too
+    first = st.next_messages()
+    st.accept(TurnResult("x", content="new1"))
+    assert [m["content"] for m in first] == ["S", "u1"]
+    assert [m["content"] for m in st.next_messages()] == ["S", "u1", "old1", "u2"]
+
+    st = ConvState(0, conv, 1, "original", 1)  # max_turns counts the answers asked for
+    st.next_messages(); st.accept(TurnResult("x", content="new2"))
+    assert st.next_messages() is None
+    assert [m["content"] for m in st.record({}, {})["messages"]] == ["S", "u1", "old1", "u2", "new2"]
+
+    st = ConvState(0, conv, 0, "original", 1)  # the third answer's prompt no longer fits
+    st.next_messages(); st.accept(TurnResult("x", content="new2"))
+    st.next_messages(); st.accept(TurnResult("x", finish_reason="context"))
+    assert st.next_messages() is None and st.stopped == "context"
+    assert [m["content"] for m in st.record({}, {})["messages"]] == ["S", "u1", "old1", "u2", "new2"]
+
+
 def test_split_reasoning_and_urls():
     assert split_reasoning("<think>\nhmm\n</think>\n\nAnswer") == ("Answer", "hmm")
     assert split_reasoning("hmm</think>Answer") == ("Answer", "hmm")  # opening tag in the prompt
@@ -226,6 +259,41 @@ def test_server_samples_ask_with_seeds_of_their_own(tmp_path, server):
     for b in server.requests:
         seeds.setdefault(b["messages"][-1]["content"], []).append(b["seed"])
     assert {k: len(set(v)) for k, v in seeds.items()} == {"alpha": 3, "beta": 3}
+
+
+def test_server_later_turns_ask_with_the_source_history(tmp_path, server):
+    """regen.later_turns beside two samples: the conversations with a later user turn get a `~later` record whose
+    later answers were each asked with the source's original answers before them (what the server was sent), its
+    first answer the source's; the split and data.original_rest treat it as the source's copy; a rerun finds it
+    done; regen.turns other than 1 is refused."""
+    from eyas.data.prepare import training_conversations
+    from eyas.data.readers import split_of
+
+    src = write_jsonl(tmp_path / "d.jsonl", [["a1", "a2", "a3"], ["b1"], ["c1", "c2"]])
+    cfg = server_cfg(tmp_path, src, server.url, turns=1, samples=2, later_turns=True)
+    rep = run_regen(cfg)
+    assert rep["complete"] and rep["planned"] == rep["records"] == 3 + 3 + 2
+    assert rep["samples"] == 2 and rep["later_turns"] == 2 and rep["shards_total"] == 1 + 1 + 1
+    d = regen_dir(tmp_path / "run")
+    assert sorted(f.name for f in d.glob("*.jsonl")) == ["shard-00000.jsonl", "shard-later-00000.jsonl",
+                                                          "shard-s2-00000.jsonl"]
+    convs = {c.id: c for c in read_dataset(str(d))[0]}
+    assert [t.content for t in convs["c0~later"].turns] == ["a1", "original answer", "a2", "answer 1 to a2", "a3",
+                                                           "answer 2 to a3"]
+    assert [t.content for t in convs["c2~later"].turns] == ["c1", "original answer", "c2", "answer 1 to c2"]
+    assert "b1~later" not in convs and convs["c0~later"].meta["sampling"]["later_turns"] == "original history"
+    asked = [b["messages"] for b in server.requests if b["messages"][-1]["content"] == "a3"]
+    assert len(asked) == 1 and [m["content"] for m in asked[0]] == ["a1", "original answer", "a2", "original answer",
+                                                                    "a3"]
+    assert len({b["seed"] for b in server.requests if b["messages"][-1]["content"] == "a1"}) == 2  # the 2 samples
+    assert split_of("x7_2~later", 0.3, 0.2) == split_of("x7_2", 0.3, 0.2)
+    cfg.data.original_rest = True  # the first sample continues with the original later turns; ~later as it is
+    train = {c.id: c for c in training_conversations(cfg)[0]}
+    assert train["c0"].n_assistant() == 3 and train["c0~later"].n_assistant() == 3 and train["c0~sample2"].n_assistant() == 1
+    n = len(server.requests)
+    assert run_regen(cfg)["records"] == 8 and len(server.requests) == n
+    with pytest.raises(EyasError, match="regen.turns=1"):
+        run_regen(server_cfg(tmp_path, src, server.url, turns=0, later_turns=True))
 
 
 def test_report_counts_looping_answers(tmp_path):
@@ -456,6 +524,26 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
         hist = Conversation("h", out.turns[:second_user + 1])
         text = render(smol.tokenizer, to_messages(hist, smol.tokenizer), add_generation_prompt=True)
         assert out.meta["turns"][1]["prompt_tokens"] == len(smol.tokenizer(text, add_special_tokens=False).input_ids)
+    # the later turns (regen.later_turns): the second answer asked with the original first answer before it
+    cfg = Config(out=str(tmp_path / "later"))
+    cfg.data.source = str(src)
+    r = cfg.regen
+    r.split, r.turns, r.max_new_tokens, r.temperature, r.batch_size, r.later_turns = "all", 1, 8, 0.0, 4, True
+    rep = run_regen(cfg, target=smol)
+    assert rep["records"] == 3 + 2 and rep["later_turns"] == 2 and rep["errors_total"] == 0
+    later = {c.id: c for c in read_dataset(str(regen_dir(cfg.out)))[0]}
+    for c in multi:
+        out, originals = later[c.id + "~later"], [t.content for t in c.turns if t.role == "assistant"]
+        answers = [i for i, t in enumerate(out.turns) if t.role == "assistant"]
+        assert len(answers) == len(originals) > 2 and out.turns[answers[0]].content == originals[0]  # kept
+        assert all(out.turns[i].content not in originals for i in answers[1:])  # SmolLM2's
+        # each later answer's prompt was exactly the source's history before it (its original answers)
+        source_answers = [i for i, t in enumerate(c.turns) if t.role == "assistant"]
+        for k in range(1, len(answers)):
+            text = render(smol.tokenizer, to_messages(Conversation("h", c.turns[:source_answers[k]]), smol.tokenizer),
+                          add_generation_prompt=True)
+            n = len(smol.tokenizer(text, add_special_tokens=False).input_ids)
+            assert out.meta["turns"][k - 1]["prompt_tokens"] == n
     # and the first answer is SmolLM2's own greedy answer
     c = a[single[0].id]
     text = render(smol.tokenizer, to_messages(Conversation("h", c.turns[:-1]), smol.tokenizer),

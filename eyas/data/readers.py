@@ -300,10 +300,10 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
 def split_of(record_id: str, val_ratio: float, test_ratio: float, salt: str = "") -> str:
     """Deterministic split by a hash of the record id: 'train', 'val' or 'test'. ShareGPT splits long
     chats into records `<id>_0`, `<id>_1`, ...; those share a split, so no chat leaks across splits (and so do
-    regen.samples' copies, `<id>~sample2`, ...).
+    regen.samples' copies, `<id>~sample2`, ..., and regen.later_turns' `<id>~later`).
     A split of a split needs its own `salt`: with the same hash, the records left in 'train' all have
     u >= val_ratio + test_ratio and a second cut at a smaller ratio would select none of them."""
-    base = re.sub(r"_\d+$", "", re.sub(r"~sample\d+$", "", record_id))  # regen.samples' copies: the first's side
+    base = re.sub(r"_\d+$", "", re.sub(r"~(sample\d+|later)$", "", record_id))  # regen's copies: the source's side
     u = (stable_hash(salt + base) % 1_000_000) / 1_000_000
     if u < test_ratio:
         return "test"

@@ -17,6 +17,10 @@ holding the source id, sampling settings and per-turn finish reason and token co
 fixes which conversations go to which shard, so a killed run resumes: shards are written whole
 (atomic rename) once all their conversations are done, existing shards are never touched, and the
 rest is generated again. Conversations that failed are listed in `shard-NNNNN.errors.json`.
+Beside the first sample, `regen.samples` writes sample S as `shard-sS-*.jsonl` (record ids `<id>~sampleS`), and
+`regen.later_turns` the later answers of every conversation that has a later user turn as `shard-later-*.jsonl`
+(record ids `<id>~later`): its first answer as the data set has it, each later one generated with the data set's
+own earlier answers before it rather than the target's (which loop more with every turn: bench/answer_stats.py).
 """
 from __future__ import annotations
 
@@ -41,23 +45,32 @@ from .server import ServerBackend, TurnResult, split_reasoning
 PLAN_VERSION = 1
 
 
-def _shard_stem(k: int, sample: int) -> str:
-    return f"shard-{k:05d}" if sample == 1 else f"shard-s{sample}-{k:05d}"
+LATER = "later"  # the set regen.later_turns writes, beside the samples (1, 2, ...)
 
 
-def shard_path(d: Path, k: int, sample: int = 1) -> Path:
+def _tag(sample: int | str) -> str:
+    """A set's name in its files: none for the first sample, sS for sample S, `later` for the later turns."""
+    return "" if sample == 1 else f"s{sample}" if isinstance(sample, int) else sample
+
+
+def _shard_stem(k: int, sample: int | str) -> str:
+    return f"shard-{_tag(sample)}-{k:05d}" if _tag(sample) else f"shard-{k:05d}"
+
+
+def shard_path(d: Path, k: int, sample: int | str = 1) -> Path:
     return d / f"{_shard_stem(k, sample)}.jsonl"
 
 
-def errors_path(d: Path, k: int, sample: int = 1) -> Path:
+def errors_path(d: Path, k: int, sample: int | str = 1) -> Path:
     return d / f"{_shard_stem(k, sample)}.errors.json"
 
 
-def plan_path(d: Path, sample: int = 1) -> Path:
-    return d / ("plan.json" if sample == 1 else f"plan-s{sample}.json")
+def plan_path(d: Path, sample: int | str = 1) -> Path:
+    return d / (f"plan-{_tag(sample)}.json" if _tag(sample) else "plan.json")
 
 
 SAMPLE_SUFFIX = "~sample"
+LATER_SUFFIX = "~later"
 
 
 def sample_copy(conv: Conversation, sample: int) -> Conversation:
@@ -68,16 +81,31 @@ def sample_copy(conv: Conversation, sample: int) -> Conversation:
                         {**conv.meta, "sample_of": conv.id, "sample": sample})
 
 
+def later_copy(conv: Conversation) -> Conversation:
+    """The conversation whose later answers regen.later_turns asks for, with an id of its own (as sample_copy)."""
+    return Conversation(f"{conv.id}{LATER_SUFFIX}", list(conv.turns), {**conv.meta, "later_of": conv.id})
+
+
+def answer_slots(conv: Conversation) -> int:
+    """How many answers regeneration asks for in `conv` (every one, regen.turns=0)."""
+    return len(ConvState(0, conv).source_answers)
+
+
 # --------------------------------------------------------------------------- one conversation
 
 
 @dataclass
 class ConvState:
     """Walks one conversation: keeps system/user turns, asks for an assistant turn wherever the source
-    had one (and after a final unanswered user turn), stops after `max_turns` answers."""
+    had one (and after a final unanswered user turn), stops after `max_turns` answers.
+    `history="original"` asks each answer with the source's own earlier answers as its context instead of the
+    target's (the record still holds the target's answers); `keep` answers at the start are kept as the source has
+    them, not asked for (regen.later_turns: keep=1, the first answer being the samples')."""
     index: int
     conv: Conversation
     max_turns: int = 0
+    history: str = "generated"
+    keep: int = 0
     out: list[Turn] = field(default_factory=list)
     turn_meta: list[dict] = field(default_factory=list)
     pos: int = 0
@@ -86,36 +114,49 @@ class ConvState:
 
     def __post_init__(self):
         script: list = []
+        answers: list = []  # the source's answer in each slot (None after a final unanswered user turn)
         seen_user = False
         for t in self.conv.turns:
             if t.role == "assistant":
                 if seen_user and (not script or script[-1] is not None):
                     script.append(None)  # None = generate here
+                    answers.append(t)
             else:
                 seen_user |= t.role == "user"
                 script.append(t)
         if script and script[-1] is not None and seen_user:
             script.append(None)
+            answers.append(None)
         if self.max_turns:
             n = 0
             for i, s in enumerate(script):
                 n += s is None
-                if n == self.max_turns:
+                if n == self.keep + self.max_turns:
                     script = script[: i + 1]
                     break
         self.script = script
+        self.source_answers = answers
+        self.ctx: list[Turn] = []  # what the next answer is asked with: `out`, or with the source's answers in it
+        self.slot = 0  # answer slots passed
 
     def next_messages(self) -> list[dict] | None:
         """Messages to answer next, or None when the conversation is done."""
         if self.error or self.stopped:
             return None
-        while self.pos < len(self.script) and self.script[self.pos] is not None:
-            self.out.append(self.script[self.pos])
+        while self.pos < len(self.script):
+            t = self.script[self.pos]
+            if t is None:
+                if self.slot >= self.keep:
+                    break
+                t = self.source_answers[self.slot]  # kept as the source has it
+                self.slot += 1
+            self.out.append(t)
+            self.ctx.append(t)
             self.pos += 1
         if self.pos >= len(self.script):
             return None
         return [{"role": t.role, "content": t.content, **({"reasoning": t.reasoning} if t.reasoning else {})}
-                for t in self.out]
+                for t in self.ctx]
 
     def accept(self, r: TurnResult) -> None:
         if r.error:
@@ -131,9 +172,13 @@ class ConvState:
         elif not r.content.strip() and not r.reasoning:
             self.stopped = "empty_answer"
         else:
-            self.out.append(Turn("assistant", r.content, r.reasoning))
+            answer = Turn("assistant", r.content, r.reasoning)
+            self.out.append(answer)
+            source = self.source_answers[self.slot]
+            self.ctx.append(source if self.history == "original" and source is not None else answer)
             self.turn_meta.append(meta)
             self.pos += 1
+            self.slot += 1
             return
         self.dropped = meta
 
@@ -146,6 +191,8 @@ class ConvState:
         while turns and turns[-1].role != "assistant":  # a conversation ends with an answer
             turns.pop()
         meta = {"source_id": self.conv.id, **backend, "sampling": settings, "turns": self.turn_meta}
+        if self.keep:
+            meta["source_answers_kept"] = self.keep
         if self.stopped:
             meta["stopped"] = self.stopped
             meta["dropped_turn"] = getattr(self, "dropped", {})
@@ -597,15 +644,17 @@ def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
 # --------------------------------------------------------------------------- the stage
 
 
-def sampling_settings(cfg: Config, sample: int = 1) -> dict:
+def sampling_settings(cfg: Config, sample: int | str = 1) -> dict:
     """What a record says it was sampled with; a sample after the first also says which it is (the first's
-    settings are the same as a run with regen.samples=1, so such a run's shards count as the first sample)."""
+    settings are the same as a run with regen.samples=1, so such a run's shards count as the first sample), and
+    the later turns' set says what it is."""
     rc = cfg.regen
+    which = {"later_turns": "original history"} if sample == LATER else {"sample": sample} if sample > 1 else {}
     return {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p, "seed": rc.seed,
-            "turns": rc.turns, "reasoning": cfg.data.reasoning, **({"sample": sample} if sample > 1 else {})}
+            "turns": 0 if sample == LATER else rc.turns, "reasoning": cfg.data.reasoning, **which}
 
 
-def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int = 1) -> dict:
+def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | str = 1) -> dict:
     plan = {"version": PLAN_VERSION, "source": cfg.data.source, "split": cfg.regen.split,
             "settings": sampling_settings(cfg, sample), "generator": identity, "shard_size": cfg.regen.shard_size,
             "ids": ids}
@@ -637,6 +686,9 @@ def _check_cfg(rc: RegenConfig) -> None:
     if rc.samples > 1 and rc.temperature == 0:
         raise EyasError(f"regen.samples={rc.samples} with regen.temperature=0: greedy answers are the same every "
                         f"time; sample at a temperature above 0 or keep one sample")
+    if rc.later_turns and rc.turns != 1:
+        raise EyasError(f"regen.later_turns answers the later turns from the source's own history; with "
+                        f"regen.turns={rc.turns} the samples would answer them as well: set regen.turns=1")
 
 
 def run_regen(cfg: Config, target=None) -> dict:
@@ -689,9 +741,13 @@ def run_regen(cfg: Config, target=None) -> dict:
             backend = make_embedded(target, rc, cfg.data.reasoning, cfg.data.max_seq_len)
         ident = backend.describe()
         identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
+        sets: list[int | str] = [*range(1, rc.samples + 1), *([LATER] if rc.later_turns else [])]
         try:
-            for sample in range(1, rc.samples + 1):
-                these = convs if sample == 1 else [sample_copy(c, sample) for c in convs]
+            for sample in sets:
+                if sample == LATER:  # conversations with a later answer to ask for
+                    these = [later_copy(c) for c in convs if answer_slots(c) > 1]
+                else:
+                    these = convs if sample == 1 else [sample_copy(c, sample) for c in convs]
                 if rank == 0:  # rank 0 writes the plan (or checks the one there); the others then check it
                     plan = _plan(d, cfg, [c.id for c in these], identity, sample)
                 dist_barrier()
@@ -699,6 +755,8 @@ def run_regen(cfg: Config, target=None) -> dict:
                     plan = _plan(d, cfg, [c.id for c in these], identity, sample)
                 _drive(backend, these, plan, d, rc, sampling_settings(cfg, sample), ident, rank, world, sample,
                        rc.samples)
+                if sample == LATER and rank == 0:
+                    log(f"regen: later turns: {len(these)} of {len(convs)} conversations have a later answer")
         finally:
             backend.close()
         dist_barrier()  # every rank's shards written
@@ -718,12 +776,13 @@ def run_regen(cfg: Config, target=None) -> dict:
 
 
 def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenConfig, settings: dict,
-           ident: dict, rank: int = 0, world: int = 1, sample: int = 1, samples: int = 1) -> None:
+           ident: dict, rank: int = 0, world: int = 1, sample: int | str = 1, samples: int = 1) -> None:
     size = plan["shard_size"]
     n_shards = math.ceil(len(convs) / size)
     mine = [k for k in range(n_shards) if k % world == rank]
     todo = [k for k in mine if not shard_path(d, k, sample).exists()]
-    of = f"sample {sample} of {samples}: " if samples > 1 else ""
+    later = sample == LATER
+    of = "later turns: " if later else f"sample {sample} of {samples}: " if samples > 1 else ""
     work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
     backend_meta = {k: v for k, v in ident.items() if k != "endpoints"}
     if world > 1:  # every process says what it takes (log() speaks for rank 0 only)
@@ -731,8 +790,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
               f"({len(work)} conversations)", file=sys.stderr, flush=True)
     if not work:
         return
-    if sample > 1 and hasattr(backend, "reseed"):  # (a server gets each request's own seed, from its record id)
-        backend.reseed((rc.seed * 1_000_003 + sample) % (1 << 31))
+    if sample != 1 and hasattr(backend, "reseed"):  # (a server gets each request's own seed, from its record id)
+        backend.reseed((rc.seed * 1_000_003 + (stable_hash(LATER) if later else sample)) % (1 << 31))
     if len(todo) < len(mine):
         log(f"regen: {of}resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
             + (f" (rank {rank} of {world})" if world > 1 else ""))
@@ -740,7 +799,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
     active: dict[str, ConvState] = {}
     nxt = 0
     t0, toks = time.time(), 0
-    bar = progress(total=len(work), desc="regen" + (f" sample {sample}/{samples}" if samples > 1 else "")
+    bar = progress(total=len(work), desc="regen" + (" later turns" if later else f" sample {sample}/{samples}"
+                                                     if samples > 1 else "")
                    + (f" rank {rank}" if world > 1 else ""), unit="conv",
                    **({} if rank == 0 else {"disable": True}))
 
@@ -768,7 +828,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
             while nxt < len(work) and len(active) < backend.window:
                 _, i = work[nxt]
                 nxt += 1
-                ask(ConvState(i, convs[i], rc.turns))
+                # the later turns: every answer after the first, each asked with the source's history before it
+                ask(ConvState(i, convs[i], 0, "original", 1) if later else ConvState(i, convs[i], rc.turns))
             for r in backend.poll(timeout=0.5):
                 st = active.pop(r.rid, None)
                 if st is None:
@@ -786,7 +847,7 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
 
 
 def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backend_meta: dict,
-                 sample: int = 1) -> None:
+                 sample: int | str = 1) -> None:
     lines, errors = [], []
     for st in states:
         if st.error or st.n_answers == 0:
@@ -828,6 +889,7 @@ def validation_report(path: str | Path) -> dict:
     shards = sorted(d.glob("shard-*.jsonl"))  # every sample's
     plan = read_json(d / "plan.json") if (d / "plan.json").exists() else None
     plans = [plan] + [read_json(f) for f in sorted(d.glob("plan-s*.json"))] if plan else []
+    later = read_json(plan_path(d, LATER)) if plan and plan_path(d, LATER).exists() else None
     records, bad_lines, turns, truncated, empty, with_reasoning, looping = 0, 0, 0, 0, 0, 0, 0
     errors: Counter = Counter()
     retries: Counter = Counter()
@@ -871,6 +933,8 @@ def validation_report(path: str | Path) -> dict:
                 empty += e.get("kind") == "empty_answer"
     if bad_lines:
         errors["unreadable_record"] += bad_lines
+    samples = len(plans) or None
+    plans += [later] if later else []
     planned = sum(len(p["ids"]) for p in plans) if plans else None
     n_shards = sum(math.ceil(len(p["ids"]) / p["shard_size"]) for p in plans) if plans else len(shards)
     dup = len(ids) - len(set(ids))
@@ -885,5 +949,5 @@ def validation_report(path: str | Path) -> dict:
         "turns_per_conversation": _stats(turns_per), "prompt_tokens": _stats(prompt_toks),
         "completion_tokens": _stats(completion_toks),
         "settings": plan.get("settings") if plan else None, "generator": plan.get("generator") if plan else None,
-        "samples": len(plans) or None,
+        "samples": samples, **({"later_turns": len(later["ids"])} if later else {}),
     }
