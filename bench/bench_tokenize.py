@@ -1,5 +1,6 @@
-"""Time the tokenize stage's work (`eyas.data.prepare.tokenize_all`) with several worker counts, on the same
-conversations, and check that every count gives the same tokens and masks.
+"""Time the tokenize stage's work (`eyas.data.prepare.tokenize_all`, then the join into flat tensors:
+`TokenSet.from_tokenized`) with several worker counts, on the same conversations, and check that every count gives
+the same tokens and masks.
 
     PYTHONPATH=. python3 bench/bench_tokenize.py --limit 4000 --workers 1,2 [--run RUN] [--out FILE]
 
@@ -21,7 +22,7 @@ def digest(items) -> str:
     h = hashlib.sha256()
     for t in items:
         h.update(t.id.encode())
-        h.update(json.dumps([t.input_ids, t.loss_mask]).encode())
+        h.update(json.dumps([list(t.input_ids), list(t.loss_mask)]).encode())
     return h.hexdigest()[:16]
 
 
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     from eyas import config as C
-    from eyas.data.prepare import tokenize_all, training_conversations
+    from eyas.data.prepare import TokenSet, tokenize_all, training_conversations
     from eyas.data.readers import read_dataset, select_split
     from eyas.target import find_eot_ids, load_tokenizer
 
@@ -55,7 +56,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         items, stats = tokenize_all(convs, tok, cfg, eot, workers=w)
         dt = time.perf_counter() - t0
-        r = {"workers": w, "seconds": round(dt, 2), "conv_per_s": round(len(convs) / dt, 1),
+        TokenSet.from_tokenized(items)  # the stage then joins them into its flat tensors
+        join = time.perf_counter() - t0 - dt
+        r = {"workers": w, "seconds": round(dt, 2), "join_seconds": round(join, 2), "conv_per_s": round(len(convs) / dt, 1),
              "tokens": sum(len(t.input_ids) for t in items), "digest": digest(items), **stats}
         res["runs"].append(r)
         print(json.dumps(r), flush=True)

@@ -10,6 +10,7 @@ are. Templates that are not prefix-consistent fall back to locating the content 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 @dataclass
 class Tokenized:
     id: str
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: Sequence[int]  # a list, or an array("i") from the tokenize stage (eyas.data.prepare.tokenize_all)
+    loss_mask: Sequence[int]
     truncated: bool = False
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
