@@ -3,10 +3,12 @@
 # answered by the target (regen.later_turns, new) for the session after it to train on. Started like the other job
 # scripts,
 #   JOBS="bench/gpu_jobs_later.sh" bash bench/gpu_queue.sh SECONDS
-# with `.carry` (smolD_regen.tgz: the first sample, which the later turns' run finds done) and `.carryd` (draft17: the
-# seventeenth session's drafter, /tmp/hrun/draft, sha256 6dc7b9ee..., its float tensors saved in bf16 to fit a call:
-# the decoder runs it in bf16, so its weights there are the same) in the carries of the calls before the one that
-# starts it. Poll with no gap over 30 s; the chain ends by itself CHAIN_SECONDS (default 1,500) after it starts.
+# after the stage's pieces: call 1 carries .stage/00, call 2 .stage/01 (each `bash .stage/NN/unpack.sh ~/eyas-stage`),
+# call 3 [".stage/02", ".carry"] (smolD_regen.tgz: the first sample, which the later turns' run finds done), call 4
+# [".carryd"] with the command above (.carryd/draft17: the seventeenth session's drafter, /tmp/hrun/draft, sha256
+# 6dc7b9ee..., its float tensors saved in bf16 to fit one call: the decoder runs it in bf16, so its weights there
+# are the same; a carried folder stays there for later calls). Poll with no gap over 30 s; the chain ends by itself
+# CHAIN_SECONDS (default 1,500) after it starts.
 # 1. Decoding with the drafter's steps compiled (Decoder.compile_drafter, off until this measures it) against eager,
 #    on the text of the seventeenth and eighteenth sessions' chat decoding (their plain outputs were equal): the
 #    _dc1 methods. A K=3 round costs 1.35 plain steps, three drafter calls of 30 kernels each among them.
