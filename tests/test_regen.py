@@ -274,6 +274,7 @@ def test_server_later_turns_ask_with_the_source_history(tmp_path, server):
     rep = run_regen(cfg)
     assert rep["complete"] and rep["planned"] == rep["records"] == 3 + 3 + 2
     assert rep["samples"] == 2 and rep["later_turns"] == 2 and rep["shards_total"] == 1 + 1 + 1
+    assert rep["assistant_turns"] == 3 + 3 + 3  # the target's: the first answers twice, the later ones (2 + 1)
     d = regen_dir(tmp_path / "run")
     assert sorted(f.name for f in d.glob("*.jsonl")) == ["shard-00000.jsonl", "shard-later-00000.jsonl",
                                                           "shard-s2-00000.jsonl"]

@@ -753,10 +753,10 @@ def run_regen(cfg: Config, target=None) -> dict:
                 dist_barrier()
                 if rank != 0:
                     plan = _plan(d, cfg, [c.id for c in these], identity, sample)
+                if sample == LATER:
+                    log(f"regen: later turns: {len(these)} of {len(convs)} conversations have a later answer")
                 _drive(backend, these, plan, d, rc, sampling_settings(cfg, sample), ident, rank, world, sample,
                        rc.samples)
-                if sample == LATER and rank == 0:
-                    log(f"regen: later turns: {len(these)} of {len(convs)} conversations have a later answer")
         finally:
             backend.close()
         dist_barrier()  # every rank's shards written
@@ -910,7 +910,8 @@ def validation_report(path: str | Path) -> dict:
             ids.append(conv.id)
             meta = conv.meta or {}
             tmeta = meta.get("turns", [])
-            answers = [t for t in conv.turns if t.role == "assistant"]
+            # the target's answers (a later-turns record starts with answers kept as the data set has them)
+            answers = [t for t in conv.turns if t.role == "assistant"][int(meta.get("source_answers_kept", 0)):]
             turns += len(answers)
             turns_per.append(len(answers))
             for t in answers:
