@@ -20,14 +20,19 @@
 #    prompt about 920 tokens: bench estimate on this CPU), until the chain's time is up; the finished shards come
 #    back in pieces of at most 14 MiB (later_regen.partN.tgz: `cat` them in order into one .tgz), to be resumed and
 #    trained on beside the three samples in the next session.
-# Budget (1,800 s of device time): start and staging about 110 s; decoding about 250; training runs about 40 + 40 +
-# 110; the rest, about 1,000 s, the later turns, then packing.
+# Budget (1,800 s of device time): start and staging about 110 s; decoding about 250; the eval about 70; training
+# runs about 40 + 40 + 110; the rest, about 950 s, the later turns, then packing.
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
 end=$(( $(date +%s) + ${CHAIN_SECONDS:-1500} ))
 job decode_compile timeout 300 python3 bench/bench_decode.py --draft .carryd/draft17 --prompts sharegpt --limit 80 \
   --k 3,5,7 --max-new-tokens 256 --budget 8 --skip-hf --draft-compile 0,1 --out $S/decode_compile.json
+# the pipeline's eval of the same drafter (the seventeenth session's default run: tau 3.056 on 11,914 tokens), again,
+# for its tau by the answer's place in the conversation (report.json's by_turn, new): the baseline the later turns'
+# drafter will be judged against where they should act, the answers after the first
+job eval17 timeout 150 python3 -m eyas eval --preset smollm2 --out /tmp/eval17 --set eval.draft=.carryd/draft17
+cp /tmp/eval17/eval/report.json $S/eval17_report.json 2>/dev/null
 bt="--conversations 1000 --steps 60 --batch-tokens 8192 --draft-intermediate-size 6144"
 job train_lag timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --workdir /tmp/bt1 --out $S/train_lag.json
 job train_sync timeout 150 python3 bench/bench_train.py $bt --drafter-compile 0 --lag-stats 0 --workdir /tmp/bt0 \

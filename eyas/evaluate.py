@@ -118,6 +118,19 @@ class Tally:
         return out
 
 
+def turn_bucket(n: int) -> str:
+    """Where a conversation's n-th answer (from 1) is counted in report.json's `by_turn`."""
+    return str(n) if n < 3 else "3+"
+
+
+def by_turn(tallies: dict[str, "Tally"], answers: dict[str, int]) -> dict:
+    """τ by the answer's place in its conversation: a first answer follows the user's prompt alone, later ones the
+    target's own earlier answers (what regen.later_turns and data.original_rest train for)."""
+    return {b: {"answers": answers[b], "new_tokens": t.tokens, "verify_rounds": t.rounds,
+                "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position()}
+            for b, t in sorted(tallies.items())}
+
+
 def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None):
     from .decode import Decoder
 
@@ -184,6 +197,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused)
     stop = target.eot_token_ids
     t = Tally(k)
+    turns: dict[str, Tally] = {}
+    turn_answers: dict[str, int] = {}
     n_prompts = skipped = 0
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
@@ -199,6 +214,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         bar = progress(total=len(convs), desc="eval", unit="conv")
         for conv in convs:
             history: list[dict] = []
+            answered = 0
             for turn in conv.turns:
                 if turn.role == "system":
                     history.append({"role": "system", "content": turn.content})
@@ -212,6 +228,11 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                     break  # later turns would be longer still
                 g = dec.generate(ids, max_new_tokens, stop, speculative=True)
                 t.add_rounds(g.accepted)
+                answered += 1
+                bucket = turn_bucket(answered)
+                turns.setdefault(bucket, Tally(k)).add_rounds(g.accepted)
+                turns[bucket].tokens += len(g.tokens)
+                turn_answers[bucket] = turn_answers.get(bucket, 0) + 1
                 t.spec_s += g.seconds
                 t.spec_tokens += len(g.tokens)
                 t.draft_s += g.draft_seconds
@@ -244,6 +265,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
         "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
+        "by_turn": by_turn(turns, turn_answers),
         "tokens_per_s": tps, "baseline_tokens_per_s": base,
         "speedup": (tps / base) if base else None,
         "lossless": (t.matched == t.checked) if (temperature == 0 and t.checked) else None,
@@ -320,6 +342,9 @@ def report_markdown(r: dict) -> str:
         ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(r["per_position_acceptance"])), "",
         "Accepted drafts per verify step: " +
         ", ".join(f"{i}: {c}" for i, c in enumerate(r["accepted_length_histogram"])), "",
+        *(["τ by the answer's place in its conversation: " + ", ".join(
+            f"answer {b}: {v['acceptance_length']:.2f} ({v['answers']} answers, {v['new_tokens']} tokens)"
+            for b, v in r["by_turn"].items()), ""] if r.get("by_turn") else []),
         "![per-position acceptance](per_position_acceptance.png)",
         "![accepted lengths](accepted_length_histogram.png)", "",
     ]

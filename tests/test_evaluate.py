@@ -42,6 +42,12 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert rep["overlap"] is False  # and reads each plain step before the next (Decoder.overlap: GPU only)
     assert rep["k"] == 2 and len(rep["per_position_acceptance"]) == 2
     assert len(rep["accepted_length_histogram"]) == 3 and sum(rep["accepted_length_histogram"]) == rep["verify_rounds"]
+    bt = rep["by_turn"]  # a's two answers and b's one: first answers 2, second 1, and they add up to the whole
+    assert {b: v["answers"] for b, v in bt.items()} == {"1": 2, "2": 1}
+    assert sum(v["new_tokens"] for v in bt.values()) == rep["new_tokens"]
+    assert sum(v["verify_rounds"] for v in bt.values()) == rep["verify_rounds"]
+    assert sum(v["acceptance_length"] * v["verify_rounds"] for v in bt.values()) == pytest.approx(
+        rep["acceptance_length"] * rep["verify_rounds"])
     assert 1.0 <= rep["acceptance_length"] <= 3.0
     assert rep["lossless"] is True and rep["lossless_checked"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
