@@ -95,6 +95,7 @@ class Tally:
         self.tokens = 0
         self.spec_s = self.plain_s = self.draft_s = self.verify_s = self.prefill_s = self.plain_prefill_s = 0.0
         self.spec_tokens = self.plain_tokens = 0
+        self.answers = 0
         self.checked = self.matched = 0
         self.mismatches: list[str] = []
 
@@ -123,10 +124,10 @@ def turn_bucket(n: int) -> str:
     return str(n) if n < 3 else "3+"
 
 
-def by_turn(tallies: dict[str, "Tally"], answers: dict[str, int]) -> dict:
+def by_turn(tallies: dict[str, "Tally"]) -> dict:
     """τ by the answer's place in its conversation: a first answer follows the user's prompt alone, later ones the
     target's own earlier answers (what regen.later_turns and data.original_rest train for)."""
-    return {b: {"answers": answers[b], "new_tokens": t.tokens, "verify_rounds": t.rounds,
+    return {b: {"answers": t.answers, "new_tokens": t.tokens, "verify_rounds": t.rounds,
                 "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position()}
             for b, t in sorted(tallies.items())}
 
@@ -197,8 +198,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused)
     stop = target.eot_token_ids
     t = Tally(k)
-    turns: dict[str, Tally] = {}
-    turn_answers: dict[str, int] = {}
+    turns: dict[str, Tally] = {}  # by turn_bucket
     n_prompts = skipped = 0
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
@@ -229,10 +229,10 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 g = dec.generate(ids, max_new_tokens, stop, speculative=True)
                 t.add_rounds(g.accepted)
                 answered += 1
-                bucket = turn_bucket(answered)
-                turns.setdefault(bucket, Tally(k)).add_rounds(g.accepted)
-                turns[bucket].tokens += len(g.tokens)
-                turn_answers[bucket] = turn_answers.get(bucket, 0) + 1
+                tb = turns.setdefault(turn_bucket(answered), Tally(k))
+                tb.add_rounds(g.accepted)
+                tb.tokens += len(g.tokens)
+                tb.answers += 1
                 t.spec_s += g.seconds
                 t.spec_tokens += len(g.tokens)
                 t.draft_s += g.draft_seconds
@@ -265,7 +265,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
         "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
-        "by_turn": by_turn(turns, turn_answers),
+        "by_turn": by_turn(turns),
         "tokens_per_s": tps, "baseline_tokens_per_s": base,
         "speedup": (tps / base) if base else None,
         "lossless": (t.matched == t.checked) if (temperature == 0 and t.checked) else None,

@@ -829,7 +829,7 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
                 _, i = work[nxt]
                 nxt += 1
                 # the later turns: every answer after the first, each asked with the source's history before it
-                ask(ConvState(i, convs[i], 0, "original", 1) if later else ConvState(i, convs[i], rc.turns))
+                ask(ConvState(i, convs[i], history="original", keep=1) if later else ConvState(i, convs[i], rc.turns))
             for r in backend.poll(timeout=0.5):
                 st = active.pop(r.rid, None)
                 if st is None:
