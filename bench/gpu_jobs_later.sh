@@ -16,10 +16,9 @@
 #    read a step late (eyas.train.LAG_STATS, the default since the seventeenth session, untimed), read at once as
 #    before, and the drafter's step compiled in two parts around the attention (eyas.ttt.DRAFTER_COMPILE, off).
 # 3. The later turns: every later user turn of the default's conversations (regen.limit=20000) answered by SmolLM2,
-#    each asked with the conversation's original answers before it (about 2.4 a conversation, 40,000 in all, median
-#    prompt about 920 tokens: bench estimate on this CPU), until the chain's time is up; the finished shards come
-#    back in pieces of at most 14 MiB (later_regen.partN.tgz: `cat` them in order into one .tgz), to be resumed and
-#    trained on beside the three samples in the next session.
+#    each asked with the conversation's original answers before it (12,290 of the 16,539 conversations have one),
+#    until the chain's time is up; the finished shards come back in pieces of at most 14 MiB (later_regen.partN.tgz:
+#    `cat` them in order into one .tgz), to be resumed and trained on beside the samples in the next session.
 # Budget (1,800 s of device time): start and staging about 110 s; decoding about 250; the eval about 70; training
 # runs about 40 + 40 + 110; the rest, about 950 s, the later turns, then packing.
 S=$1; tag=$2
