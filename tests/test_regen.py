@@ -106,7 +106,8 @@ class FakeOpenAI:
     [429xN]/[500xN]/[badjsonxN]/[slowxN] fail the first N attempts that way, [badjson-always],
     [400], [reasoning_content], [reasoning], [think]. Every answer says which turn it is."""
 
-    def __init__(self, delay: float = 0.0):
+    def __init__(self, delay: float = 0.0, hang: float = 0.0):
+        self.hang = hang  # [hangxN]: the first N attempts wait this long before answering
         self.attempts: Counter = Counter()
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -167,6 +168,8 @@ class FakeOpenAI:
             return self.send(h, 200, b'{"choices": [{"message": ')
         if first("slow"):
             time.sleep(1.5)
+        if first("hang"):
+            time.sleep(self.hang)
         if "[400]" in user:
             return self.send(h, 400, b'{"error": "prompt too long"}')
         content = f"answer {turn} to {user}"
@@ -367,6 +370,71 @@ def test_server_kill9_resume(tmp_path):
     ids = [c.id for c in read_dataset(str(regen_dir(tmp_path / "killed")))[0]]
     assert sorted(ids) == sorted(c.id for c in read_dataset(str(regen_dir(tmp_path / "run")))[0])
     assert len(ids) == len(set(ids))
+
+
+def test_kill9_keeps_the_finished_conversations_of_an_open_shard(tmp_path):
+    """A conversation that hangs keeps its shard open; the others' records are journaled as they finish, so a
+    kill -9 loses only the hanging one: the resumed run asks for it alone (a torn last journal line is asked again)
+    and writes the shard an uninterrupted run writes, byte for byte."""
+    users = [[f"q{i}" + (" [hangx1]" if i == 3 else ""), f"r{i}"] for i in range(4)]
+    src = write_jsonl(tmp_path / "d.jsonl", users)
+    ref_srv = FakeOpenAI()
+    try:
+        run_regen(server_cfg(tmp_path, src, ref_srv.url, shard_size=4, timeout=120.0))
+    finally:
+        ref_srv.close()
+    out = tmp_path / "killed"
+    d = regen_dir(out)
+    journal = d / "shard-00000.partial"
+    args = ["--backend", "server", "--model", "m", "--source", str(src), "--split", "all", "--shard-size", "4",
+            "--concurrency", "4", "--timeout", "120", "--backoff", "0.01", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    hanging = FakeOpenAI(hang=60)
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "eyas", "regen", *args, "--endpoint", hanging.url], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline and p.poll() is None and not (
+                journal.exists() and journal.read_text().count("\n") == 3):
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    finally:
+        hanging.close()
+    assert not (d / "shard-00000.jsonl").exists()
+    lines = journal.read_text().splitlines()
+    assert sorted(json.loads(x)["id"] for x in lines) == ["c0", "c1", "c2"]
+    with journal.open("a") as f:  # a line cut short by the kill: not a finished conversation
+        f.write(lines[0][: len(lines[0]) // 2])
+    srv = FakeOpenAI()
+    try:
+        r = subprocess.run([sys.executable, "-m", "eyas", "regen", *args, "--endpoint", srv.url], env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        srv.close()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "3 finished conversations of unfinished shards read back" in r.stderr
+    asked = {m["content"] for body in srv.requests for m in body["messages"] if m["role"] == "user"}
+    assert asked == {"q3 [hangx1]", "r3"}  # the journaled conversations were not asked again
+    assert (d / "shard-00000.jsonl").read_bytes() == (regen_dir(tmp_path / "run") / "shard-00000.jsonl").read_bytes()
+    assert not journal.exists()
+
+
+def test_journal_read_back_drops_torn_and_foreign_lines(tmp_path):
+    """A journal's torn last line and lines of another plan (index out of the shard, another id) are left out and
+    the file rewritten without them, so the next appended line is read back whole."""
+    from eyas.data.regen import _read_journal
+
+    convs = [Conversation(f"c{i}", [Turn("user", "q"), Turn("assistant", "a")]) for i in range(6)]
+    good = [{"i": 3, "id": "c3", "line": "{}"}, {"i": 4, "id": "c4", "error": {"id": "c4", "kind": "http"}}]
+    j = tmp_path / "shard-00001.partial"
+    j.write_text("".join(json.dumps(o) + "\n" for o in good) + json.dumps({"i": 5, "id": "other", "line": "{}"})
+                 + "\n" + json.dumps({"i": 0, "id": "c0", "line": "{}"}) + "\n" + '{"i": 5, "id": "c5", "li')
+    assert _read_journal(j, convs, 3, 6) == {3: good[0], 4: good[1]}
+    with j.open("a") as f:
+        f.write(json.dumps({"i": 5, "id": "c5", "line": "{}"}) + "\n")
+    assert sorted(_read_journal(j, convs, 3, 6)) == [3, 4, 5]
+    assert _read_journal(tmp_path / "none.partial", convs, 0, 3) == {}
 
 
 # --------------------------------------------------------------------------- embedded backend

@@ -16,7 +16,11 @@ Output: `<run>/data/regen/shard-NNNNN.jsonl`, one `Conversation.to_dict()` per l
 holding the source id, sampling settings and per-turn finish reason and token counts. `plan.json`
 fixes which conversations go to which shard, so a killed run resumes: shards are written whole
 (atomic rename) once all their conversations are done, existing shards are never touched, and the
-rest is generated again. Conversations that failed are listed in `shard-NNNNN.errors.json`.
+rest is generated again. Until its shard is written, each finished conversation is appended to the shard's
+journal (`shard-NNNNN.partial`), which a resumed run reads back instead of asking again: a kill loses only the
+conversations in flight (a multi-turn conversation can hold its shard open for minutes while the window moves on,
+so without it a kill lost whole shards' worth of finished work). Conversations that failed are listed in
+`shard-NNNNN.errors.json`.
 Beside the first sample, `regen.samples` writes sample S as `shard-sS-*.jsonl` (record ids `<id>~sampleS`), and
 `regen.later_turns` the later answers of every conversation that has a later user turn as `shard-later-*.jsonl`
 (record ids `<id>~later`): its first answer as the data set has it, each later one generated with the data set's
@@ -63,6 +67,12 @@ def shard_path(d: Path, k: int, sample: int | str = 1) -> Path:
 
 def errors_path(d: Path, k: int, sample: int | str = 1) -> Path:
     return d / f"{_shard_stem(k, sample)}.errors.json"
+
+
+def journal_path(d: Path, k: int, sample: int | str = 1) -> Path:
+    """Shard k's finished conversations so far, a JSON line each, until the shard is written (not *.jsonl, so no
+    reader of shards takes it for one)."""
+    return d / f"{_shard_stem(k, sample)}.partial"
 
 
 def plan_path(d: Path, sample: int | str = 1) -> Path:
@@ -668,6 +678,9 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | st
                 raise EyasError(f"{d} holds regenerated data made with different '{k}' ({what}); use another "
                                 f"--out, or delete {d} to start over")
         return old
+    # a new plan: journals left from an earlier one (its plan deleted by hand) are not this plan's work
+    for stale in d.glob(f"shard-{_tag(sample)}-*.partial" if _tag(sample) else "shard-[0-9]*.partial"):
+        stale.unlink()
     atomic_write_json(path, plan)
     return plan
 
@@ -795,23 +808,36 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
     if len(todo) < len(mine):
         log(f"regen: {of}resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
             + (f" (rank {rank} of {world})" if world > 1 else ""))
-    done_by_shard: dict[int, dict[int, ConvState]] = {k: {} for k in todo}
+    # each unfinished shard's outcomes so far (index -> outcome), read back from its journal
+    done_by_shard = {k: _read_journal(journal_path(d, k, sample), convs, k * size, min(len(convs), (k + 1) * size))
+                     for k in todo}
+    kept = sum(len(v) for v in done_by_shard.values())
+    if kept:
+        log(f"regen: {of}{kept} finished conversations of unfinished shards read back from their journals"
+            + (f" (rank {rank} of {world})" if world > 1 else ""))
+    work = [(k, i) for k, i in work if i not in done_by_shard[k]]
     active: dict[str, ConvState] = {}
     nxt = 0
     t0, toks = time.time(), 0
-    bar = progress(total=len(work), desc="regen" + (" later turns" if later else f" sample {sample}/{samples}"
-                                                     if samples > 1 else "")
+    bar = progress(total=len(work) + kept, initial=kept,
+                   desc="regen" + (" later turns" if later else f" sample {sample}/{samples}" if samples > 1 else "")
                    + (f" rank {rank}" if world > 1 else ""), unit="conv",
                    **({} if rank == 0 else {"disable": True}))
 
+    def shard_done(k: int) -> None:
+        if len(done_by_shard[k]) == min(len(convs), (k + 1) * size) - k * size:
+            _write_shard(d, k, [done_by_shard[k][i] for i in sorted(done_by_shard[k])], sample)
+            journal_path(d, k, sample).unlink(missing_ok=True)
+            del done_by_shard[k]
+
     def finish(st: ConvState) -> None:
         k = st.index // size
-        done_by_shard[k][st.index] = st
+        o = _outcome(st, settings, backend_meta)
+        with open(journal_path(d, k, sample), "a", encoding="utf-8") as f:
+            f.write(json.dumps(o, ensure_ascii=False) + "\n")
+        done_by_shard[k][st.index] = o
         bar.update(1)
-        if len(done_by_shard[k]) == min(len(convs), (k + 1) * size) - k * size:
-            _write_shard(d, k, [done_by_shard[k][i] for i in sorted(done_by_shard[k])], settings, backend_meta,
-                         sample)
-            del done_by_shard[k]
+        shard_done(k)
 
     def ask(st: ConvState) -> None:
         msgs = st.next_messages()
@@ -824,6 +850,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         backend.submit(rid, msgs, seed)
 
     try:
+        for k in list(done_by_shard):  # a kill between a journal's last line and its shard
+            shard_done(k)
         while nxt < len(work) or active:
             while nxt < len(work) and len(active) < backend.window:
                 _, i = work[nxt]
@@ -846,17 +874,43 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         bar.close()
 
 
-def _write_shard(d: Path, k: int, states: list[ConvState], settings: dict, backend_meta: dict,
-                 sample: int | str = 1) -> None:
-    lines, errors = [], []
-    for st in states:
-        if st.error or st.n_answers == 0:
-            kind, msg = st.error or (st.stopped or "no_answer", "no assistant turn could be generated")
-            errors.append({"id": st.conv.id, "kind": kind, "message": msg,
-                           "retries": dict(sum((Counter(t.get("retries", {})) for t in st.turn_meta),
-                                              Counter(getattr(st, "failed_retries", {}))))})
+def _outcome(st: ConvState, settings: dict, backend_meta: dict) -> dict:
+    """What a finished conversation leaves in its shard: its record's line, or its entry in the errors file
+    (`i` and `id` say which conversation of the plan it is)."""
+    if st.error or st.n_answers == 0:
+        kind, msg = st.error or (st.stopped or "no_answer", "no assistant turn could be generated")
+        return {"i": st.index, "id": st.conv.id,
+                "error": {"id": st.conv.id, "kind": kind, "message": msg,
+                          "retries": dict(sum((Counter(t.get("retries", {})) for t in st.turn_meta),
+                                              Counter(getattr(st, "failed_retries", {}))))}}
+    return {"i": st.index, "id": st.conv.id, "line": json.dumps(st.record(settings, backend_meta), ensure_ascii=False)}
+
+
+def _read_journal(path: Path, convs: list[Conversation], lo: int, hi: int) -> dict[int, dict]:
+    """The outcomes a shard's journal holds for conversations lo..hi-1 of the plan. A line cut short by a kill
+    (or not this plan's) is left out, and the journal rewritten without it, so that lines appended later are
+    whole."""
+    if not path.exists():
+        return {}
+    got: dict[int, dict] = {}
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for line in lines:
+        try:
+            o = json.loads(line)
+        except ValueError:
             continue
-        lines.append(json.dumps(st.record(settings, backend_meta), ensure_ascii=False))
+        i = o.get("i") if isinstance(o, dict) else None
+        if (isinstance(i, int) and lo <= i < hi and o.get("id") == convs[i].id
+                and isinstance(o.get("line") or o.get("error"), (str, dict))):
+            got[i] = o
+    if len(got) != len(lines):
+        atomic_write_text(path, "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in got.values()))
+    return got
+
+
+def _write_shard(d: Path, k: int, outcomes: list[dict], sample: int | str = 1) -> None:
+    errors = [o["error"] for o in outcomes if "error" in o]
+    lines = [o["line"] for o in outcomes if "error" not in o]
     # errors first: a shard file present means its errors file is complete too
     atomic_write_json(errors_path(d, k, sample), {"shard": k, "errors": errors})
     atomic_write_text(shard_path(d, k, sample), "".join(line + "\n" for line in lines))
