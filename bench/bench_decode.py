@@ -36,7 +36,9 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
         ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
         # 1: where CUDA graphs are on (the default), 0: never
         ("prefill", lambda v: {(Decoder, "graph_prefill"): None if v else False}, lambda v: "" if v else "_pf0"),
-        ("draft_compile", lambda v: {(Decoder, "compile_drafter"): bool(v)}, lambda v: "_dc1" if v else ""),
+        # 1: on a GPU (the default), 0: never
+        ("draft_compile", lambda v: {(Decoder, "compile_drafter"): None if v else False},
+         lambda v: "" if v else "_dc0"),
     ]
 
 
@@ -206,10 +208,10 @@ def main(argv=None) -> int:
                     help="Decoder.graph_prefill: 1 (the default where CUDA graphs are on, since the fifteenth session: "
                          "each prompt right-padded to a multiple of 128 tokens and prefilled as one CUDA graph per "
                          "padded length), 0 (the eager prefill of the prompt's own length), " + BOTH.format("_pf0"))
-    ap.add_argument("--draft-compile", default="0",
-                    help="Decoder.compile_drafter: 0 (the default: the drafter's steps eager, in their CUDA graphs), "
-                         "1 (each step's two parts around the attention as torch.compile'd kernels), or 0,1 to time "
-                         "both (the 1 methods, their plain baseline included, get the suffix _dc1)")
+    ap.add_argument("--draft-compile", default="1",
+                    help="Decoder.compile_drafter: 1 (the default on a GPU since the nineteenth session: each drafter "
+                         "step's two parts around the attention as torch.compile'd kernels), 0 (the steps eager, in "
+                         "their CUDA graphs), " + BOTH.format("_dc0"))
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip Decoder.warm_up before each method (the fourteenth session's and earlier runs had none: "
                          "a method then builds its graphs and per-shape kernels for each longer span of the cache "
@@ -278,7 +280,7 @@ def main(argv=None) -> int:
     def engine_facts(dec) -> dict:
         return {"engine": dec.engine, "cuda_graphs": bool(dec.graphs.enabled and dec.graphs.replays),
                 "overlap": dec.overlapped, "compiled_elementwise": dec.elementwise_compiled,
-                "padded_prefill": dec.prefill_padded}
+                "compiled_drafter": dec.drafter_compiled, "padded_prefill": dec.prefill_padded}
 
     from eyas.fastlm import FastLM
 

@@ -314,8 +314,10 @@ class Decoder:
     # the drafter's draft steps and a fused round's catch-up as two torch.compile'd parts each, around the attention
     # (Eagle3Drafter.forward with `_eyas_compiled`): about half the kernels of an eager drafter step (30 on an H200,
     # 0.076 ms: the fourteenth session). Draft tokens can round differently; verification is the target's, so the
-    # output stays lossless. False until a GPU times it (bench/bench_decode.py --draft-compile 0,1); None = on a GPU
-    compile_drafter: bool | None = False
+    # output stays lossless. None = on a GPU: on an H200, 80 chat prompts, the same run (bench/bench_decode.py
+    # --draft-compile 0,1), 1,689 against 1,639 tok/s at K=3, 1,819 / 1,749 at K=5, 1,772 / 1,689 at K=7, τ and
+    # outputs unchanged (BENCHMARKS.md, nineteenth session); on a CPU, compiling costs seconds for little gain
+    compile_drafter: bool | None = None
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",

@@ -280,6 +280,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "fused_round": dec.fused,  # drafts + verify + rebuild as one step; draft time counted in verify_s
         "overlap": dec.overlapped,  # steps queued before the last one is read: verify_s spans the whole loop
         "compiled_elementwise": dec.elementwise_compiled,  # the target's rope, add+norm, silu*mul compiled
+        "compiled_drafter": dec.drafter_compiled,  # the drafter's steps as two compiled parts around the attention
         "padded_prefill": dec.prefill_padded,  # prompts prefilled padded to 128-token multiples (CUDA graphs)
     }
 

@@ -356,7 +356,11 @@ def step_loss_fn(device: torch.device):
     return _compiled_loss
 
 
-DRAFTER_COMPILE = False  # like LOSS_COMPILE, for the drafter's step in the unroll: "auto", True or False
+# like LOSS_COMPILE, for the drafter's step in the unroll: "auto", True or False. On an H200 (bench/bench_train.py,
+# 60 steps of the pipeline's batch and drafter shape, run one after the other): 195.4k tok/s steady compiled against
+# 170.9k eager with the same settings and 183.2k eager with statistics read at once (BENCHMARKS.md, nineteenth
+# session); its compile costs about 25 s once per run
+DRAFTER_COMPILE = "auto"
 
 
 class CompiledStep:
