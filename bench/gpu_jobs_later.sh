@@ -7,7 +7,9 @@
 # call 3 [".stage/02", ".carry"] (smolD_regen.tgz: the first sample, which the later turns' run finds done), call 4
 # [".carryd"] with the command above (.carryd/draft17: the seventeenth session's drafter, /tmp/hrun/draft, sha256
 # 6dc7b9ee..., its float tensors saved in bf16 to fit one call: the decoder runs it in bf16, so its weights there
-# are the same; a carried folder stays there for later calls). Poll with no gap over 30 s; the chain ends by itself
+# are the same). As run in the nineteenth session, .carry (carried by call 3 only) was gone from the machine in call
+# 4, so the later turns' job regenerated the first sample before them: a chain must start in the call that carries
+# what it needs. Poll with no gap over 30 s; the chain ends by itself
 # CHAIN_SECONDS (default 1,500) after it starts.
 # 1. Decoding with the drafter's steps compiled (Decoder.compile_drafter, off until this measures it) against eager,
 #    on the text of the seventeenth and eighteenth sessions' chat decoding (their plain outputs were equal): the
