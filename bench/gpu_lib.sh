@@ -25,6 +25,8 @@ machine_info() {  # the GPUs, torch and transformers versions and the core count
 }
 carried() {  # carried TGZ RUN [PATH]: regen shards carried in as .carry/TGZ, untarred into RUN/data unless
   # RUN/data/PATH is there already (default: the regen folder; a later sample's plan, e.g. regen/plan-s2.json)
+  # (said in the queue's log when missing: .carry is on the machine only in the call that carries it)
+  [ -f .carry/$1 ] || echo "$(date +%T) MISSING .carry/$1: the jobs that need it start from nothing"
   if [ -f .carry/$1 ] && [ ! -e $2/data/${3:-regen} ]; then mkdir -p $2/data && tar xzf .carry/$1 -C $2/data; fi
 }
 pieces() {  # pieces NAME DIR PATH...: DIR's PATHs (globs) into $S/NAME.partN.tgz, pieces of at most 14 MiB that
