@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .util import EyasError, atomic_path, atomic_write_json, atomic_write_text, log, progress
+from .util import EyasError, atomic_path, atomic_write_json, atomic_write_text, log, progress, repeated_share
 
 MAX_CONTEXT = 4096  # longest prompt + answer an eval turn may reach; longer turns are skipped
 
@@ -124,12 +124,34 @@ def turn_bucket(n: int) -> str:
     return str(n) if n < 3 else "3+"
 
 
+def _buckets(tallies: dict[str, "Tally"], order: list[str]) -> dict:
+    return {b: {"answers": t.answers, "new_tokens": t.tokens, "verify_rounds": t.rounds,
+                "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position()}
+            for b in order if (t := tallies.get(b))}
+
+
 def by_turn(tallies: dict[str, "Tally"]) -> dict:
     """τ by the answer's place in its conversation: a first answer follows the user's prompt alone, later ones the
     target's own earlier answers (what regen.later_turns and data.original_rest train for)."""
-    return {b: {"answers": t.answers, "new_tokens": t.tokens, "verify_rounds": t.rounds,
-                "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position()}
-            for b, t in sorted(tallies.items())}
+    return _buckets(tallies, sorted(tallies))
+
+
+# an answer's repetition: the share of its token 8-grams seen earlier in it (as bench/tau_by_text.py measures it)
+REPEAT_NGRAM = 8
+REPEAT_BUCKETS = ["<0.1", "0.1-0.5", ">=0.5"]
+
+
+def repeat_bucket(tokens: list[int]) -> str:
+    """Where an answer is counted in report.json's `by_repetition`."""
+    share = repeated_share(tokens, REPEAT_NGRAM)
+    return REPEAT_BUCKETS[0] if share < 0.1 else REPEAT_BUCKETS[1] if share < 0.5 else REPEAT_BUCKETS[2]
+
+
+def by_repetition(tallies: dict[str, "Tally"]) -> dict:
+    """τ by how much the answer repeats itself: a small target's greedy answers loop, and a drafter predicts a loop
+    far better than fresh text (on an H200, τ 2.4 at K=3 on answers under 0.1 against 3.2 at 0.5 and over:
+    BENCHMARKS.md, nineteenth session), so this says how much of τ the loops make."""
+    return _buckets(tallies, REPEAT_BUCKETS)
 
 
 def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None):
@@ -199,6 +221,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     stop = target.eot_token_ids
     t = Tally(k)
     turns: dict[str, Tally] = {}  # by turn_bucket
+    repeats: dict[str, Tally] = {}  # by repeat_bucket
     n_prompts = skipped = 0
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
@@ -229,10 +252,11 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 g = dec.generate(ids, max_new_tokens, stop, speculative=True)
                 t.add_rounds(g.accepted)
                 answered += 1
-                tb = turns.setdefault(turn_bucket(answered), Tally(k))
-                tb.add_rounds(g.accepted)
-                tb.tokens += len(g.tokens)
-                tb.answers += 1
+                for tb in (turns.setdefault(turn_bucket(answered), Tally(k)),
+                           repeats.setdefault(repeat_bucket([x for x in g.tokens if x not in stop]), Tally(k))):
+                    tb.add_rounds(g.accepted)
+                    tb.tokens += len(g.tokens)
+                    tb.answers += 1
                 t.spec_s += g.seconds
                 t.spec_tokens += len(g.tokens)
                 t.draft_s += g.draft_seconds
@@ -265,7 +289,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
         "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
-        "by_turn": by_turn(turns),
+        "by_turn": by_turn(turns), "by_repetition": by_repetition(repeats),
         "tokens_per_s": tps, "baseline_tokens_per_s": base,
         "speedup": (tps / base) if base else None,
         "lossless": (t.matched == t.checked) if (temperature == 0 and t.checked) else None,
@@ -346,6 +370,9 @@ def report_markdown(r: dict) -> str:
         *(["τ by the answer's place in its conversation: " + ", ".join(
             f"answer {b}: {v['acceptance_length']:.2f} ({v['answers']} answers, {v['new_tokens']} tokens)"
             for b, v in r["by_turn"].items()), ""] if r.get("by_turn") else []),
+        *([f"τ by how much the answer repeats itself (the share of its {REPEAT_NGRAM}-grams seen earlier in it): " +
+           ", ".join(f"{b}: {v['acceptance_length']:.2f} ({v['answers']} answers, {v['new_tokens']} tokens)"
+                     for b, v in r["by_repetition"].items()), ""] if r.get("by_repetition") else []),
         "![per-position acceptance](per_position_acceptance.png)",
         "![accepted lengths](accepted_length_histogram.png)", "",
     ]

@@ -48,6 +48,11 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert sum(v["verify_rounds"] for v in bt.values()) == rep["verify_rounds"]
     assert sum(v["acceptance_length"] * v["verify_rounds"] for v in bt.values()) == pytest.approx(
         rep["acceptance_length"] * rep["verify_rounds"])
+    br = rep["by_repetition"]  # every answer in one bucket by its own tokens' repetition; they add up as well
+    assert set(br) <= {"<0.1", "0.1-0.5", ">=0.5"} and sum(v["answers"] for v in br.values()) == 3
+    assert sum(v["new_tokens"] for v in br.values()) == rep["new_tokens"]
+    assert sum(v["acceptance_length"] * v["verify_rounds"] for v in br.values()) == pytest.approx(
+        rep["acceptance_length"] * rep["verify_rounds"])
     assert 1.0 <= rep["acceptance_length"] <= 3.0
     assert rep["lossless"] is True and rep["lossless_checked"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
@@ -58,6 +63,19 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     for f in ("report.md", "per_position_acceptance.png", "accepted_length_histogram.png"):
         assert (tmp_path / "run" / "eval" / f).stat().st_size > 100, f
     assert "acceptance length" in (tmp_path / "run" / "eval" / "report.md").read_text()
+
+
+def test_repeat_bucket_reads_the_answers_own_ngrams():
+    from eyas.evaluate import Tally, by_repetition, repeat_bucket
+
+    assert repeat_bucket(list(range(40))) == "<0.1"  # 33 distinct 8-grams, none repeated
+    assert repeat_bucket([1, 2, 3, 4] * 10) == ">=0.5"  # a loop: 4 distinct of 33
+    assert repeat_bucket(list(range(12)) * 2) == "0.1-0.5"  # 17 8-grams, the last 5 seen before
+    assert repeat_bucket([5, 6]) == "<0.1"  # shorter than an 8-gram
+    t = Tally(2)
+    t.add_rounds([2, 0])
+    t.answers, t.tokens = 1, 4
+    assert list(by_repetition({">=0.5": t, "<0.1": t})) == ["<0.1", ">=0.5"]  # fresh text first
 
 
 def test_run_eval_fused_round_is_lossless(tiny, tiny_drafter, tmp_path):
