@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from .config import Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
-from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, drafter_state, loss_state,
-                  pack_samples, target_labels, ttt_unroll)
+from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, drafter_compile_on,
+                  drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
                    stable_hash, text_lines)
 
@@ -151,8 +151,10 @@ class Data:
 
     def batch(self, idx: list[int], device, multiple: int) -> PackedBatch:
         samples = self.features.get(idx)
-        # on the GPU every batch has the budget's shape (compiled kernels are built once); elsewhere no padding
-        pad_to = self.budget if torch.device(device).type == "cuda" else 0
+        # on the GPU (or wherever the drafter's step is compiled) every batch has the budget's shape, so compiled
+        # kernels are built once; elsewhere no padding
+        dev = torch.device(device)
+        pad_to = self.budget if dev.type == "cuda" or drafter_compile_on(dev) else 0
         batch = pack_samples(samples, self.max_len, pad_to, multiple).to(device)
         if batch.aux.device.type != "cuda" or self.fp32:  # fp32 drafter math: stored bf16/fp8 features cast up
             batch.aux, batch.final = batch.aux.float(), batch.final.float()

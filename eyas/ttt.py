@@ -359,7 +359,7 @@ def step_loss_fn(device: torch.device):
 # like LOSS_COMPILE, for the drafter's step in the unroll: "auto", True or False. On an H200 (bench/bench_train.py,
 # 60 steps of the pipeline's batch and drafter shape, run one after the other): 195.4k tok/s steady compiled against
 # 170.9k eager with the same settings and 183.2k eager with statistics read at once (BENCHMARKS.md, nineteenth
-# session); its compile costs about 25 s once per run
+# session); its compile costs about 27 s once per run
 DRAFTER_COMPILE = "auto"
 
 
@@ -407,12 +407,18 @@ class CompiledStep:
                                 allow_unused=True)
 
 
+def drafter_compile_on(device: torch.device) -> bool:
+    """Whether `DRAFTER_COMPILE` asks for the compiled drafter step on `device` (training then pads every batch to
+    one shape, as on a GPU: each new shape would be compiled again, and after torch's recompile limit, 8, the
+    step falls back to eager)."""
+    return DRAFTER_COMPILE is True or (DRAFTER_COMPILE == "auto" and device.type == "cuda")
+
+
 def drafter_step_fn(drafter, device: torch.device):
     """The unroll's drafter step: the drafter itself, or its `CompiledStep` where `DRAFTER_COMPILE` says (kept on
     the drafter, so compiled once per drafter; bench/bench_train.py --drafter-compile times both)."""
-    on = DRAFTER_COMPILE is True or (DRAFTER_COMPILE == "auto" and device.type == "cuda")
     # FSDP2 gathers a sharded drafter's weights in its forward hooks, which the two parts would bypass
-    if not on or any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
+    if not drafter_compile_on(device) or any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
         return drafter
     step = drafter.__dict__.get("_eyas_compiled_step")
     if step is None:

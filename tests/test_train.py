@@ -148,11 +148,14 @@ def clone_run(base: Path, dst: Path) -> Path:
     return dst
 
 
-def cli(run: Path, *args, torchrun: int = 0) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}", "-m"] \
-        if torchrun else [sys.executable, "-m"]
-    return launcher + ["eyas", "train", "--preset", "tiny", "--out", str(run), "--batch-tokens", "512",
-                       "--max-seq-len", "256", *args]
+def cli(run: Path, *args, torchrun: int = 0, compiled: bool = False) -> list[str]:
+    """`eyas train` on the tiny preset, under torchrun with `torchrun` processes; `compiled`: with the drafter's
+    TTT steps compiled (tests/compiled_train.py)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+        if torchrun else [sys.executable]
+    entry = [str(ROOT / "tests" / "compiled_train.py")] if compiled else ["-m", "eyas"]
+    return launcher + entry + ["train", "--preset", "tiny", "--out", str(run), "--batch-tokens", "512",
+                               "--max-seq-len", "256", *args]
 
 
 def env():
@@ -202,22 +205,34 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
         1 + best["val_accept"][2])))  # the forecast from the greedy chain's per-position acceptance
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def _compiler_missing() -> bool:
+    return shutil.which(os.environ.get("CXX", "g++")) is None
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", pytest.param("ddp-compiled", marks=pytest.mark.skipif(
+    _compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler"))])
 def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path, parallel):
     """2 processes x 1 micro-batch and 1 process x 2 micro-batches see the same global batches, so
     after 3 AdamW steps the weights agree to float32 rounding (atol 1e-6, while they move ~1e-3), with the
     drafter whole in each process (DDP) or sharded across them (FSDP2: the checkpoint and the saved drafter
-    are gathered from the shards)."""
+    are gathered from the shards); and under DDP with the drafter's steps compiled, as a GPU runs them by
+    default (both runs compiled)."""
     from safetensors.torch import load_file
 
+    compiled = parallel.endswith("-compiled")
+    parallel = parallel.removesuffix("-compiled")
     args = ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-3", "--warmup-ratio", "0"]
     one = clone_run(tiny_run, tmp_path / "one")
     two = clone_run(tiny_run, tmp_path / "two")
-    subprocess.run(cli(one, *args, "--grad-accum", "2"), env=env(), check=True, capture_output=True, timeout=300)
-    r = subprocess.run(cli(two, *args, "--grad-accum", "1", "--parallel", parallel, torchrun=2), env=env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cli(one, *args, "--grad-accum", "2", compiled=compiled), env=env(), capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((two / "train" / "summary.json").read_text())["processes"] == 2
+    r = subprocess.run(cli(two, *args, "--grad-accum", "1", "--parallel", parallel, torchrun=2, compiled=compiled),
+                       env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summaries = [json.loads((run / "train" / "summary.json").read_text()) for run in (one, two)]
+    assert summaries[1]["processes"] == 2
+    assert [s["drafter_step"] for s in summaries] == ["compiled" if compiled else "eager"] * 2
     a = load_file(str(one / "ckpt" / "step-0000003" / "model.safetensors"))
     b = load_file(str(two / "ckpt" / "step-0000003" / "model.safetensors"))
     assert losses(one) == pytest.approx(losses(two), rel=1e-5)
