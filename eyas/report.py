@@ -48,6 +48,13 @@ def write_report(run: Path) -> dict:
         ppa = ev.get("per_position_acceptance")
         if ppa:
             lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]
+        for key, what, name in (("by_turn", "the answer's place in its conversation", "answer {}"),
+                                ("by_repetition", "how much the answer repeats itself (the share of its 8-grams "
+                                                  "seen earlier in it)", "{}")):
+            if ev.get(key):
+                lines += [f"τ by {what}: " + ", ".join(
+                    f"{name.format(b)}: {v['acceptance_length']:.2f} ({v['answers']} answers)"
+                    for b, v in ev[key].items()), ""]
         for png in sorted((run / "eval").glob("*.png")):
             lines.append(f"![{png.stem}](eval/{png.name})")
         lines.append("")

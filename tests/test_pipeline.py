@@ -45,6 +45,9 @@ def test_report_tau_and_lossless(full_run):
     md = (out / "report.md").read_text()
     for section in ("## Result", "## Stages", "## Data", "## Vocabulary", "## Training"):
         assert section in md
+    first = rep["by_turn"]["1"]  # the eval's splits of τ are on the page too
+    assert f"answer 1: {first['acceptance_length']:.2f} ({first['answers']} answers)" in md
+    assert "τ by how much the answer repeats itself" in md
     man = json.loads((out / "manifest.json").read_text())
     assert [s for s, v in man["stages"].items() if v["status"] == "done"] == \
         ["regen", "tokenize", "vocab", "extract", "train", "eval", "export"]
