@@ -418,6 +418,14 @@ def test_kill9_keeps_the_finished_conversations_of_an_open_shard(tmp_path):
     assert asked == {"q3 [hangx1]", "r3"}  # the journaled conversations were not asked again
     assert (d / "shard-00000.jsonl").read_bytes() == (regen_dir(tmp_path / "run") / "shard-00000.jsonl").read_bytes()
     assert not journal.exists()
+    journal.write_text(lines[0] + "\n")  # left by a kill after the shard was written: removed, the shard kept
+    srv = FakeOpenAI()
+    try:
+        r = subprocess.run([sys.executable, "-m", "eyas", "regen", *args, "--endpoint", srv.url], env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        srv.close()
+    assert r.returncode == 0 and not srv.requests and not journal.exists(), r.stderr[-2000:]
 
 
 def test_journal_read_back_drops_torn_and_foreign_lines(tmp_path):

@@ -794,6 +794,8 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
     n_shards = math.ceil(len(convs) / size)
     mine = [k for k in range(n_shards) if k % world == rank]
     todo = [k for k in mine if not shard_path(d, k, sample).exists()]
+    for k in set(mine) - set(todo):  # a kill between a shard's write and its journal's removal
+        journal_path(d, k, sample).unlink(missing_ok=True)
     later = sample == LATER
     of = "later turns: " if later else f"sample {sample} of {samples}: " if samples > 1 else ""
     work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
