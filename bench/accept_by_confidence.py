@@ -31,11 +31,6 @@ def bin_of(x: float, edges: list[float]) -> int:
     return len(edges) - 2
 
 
-def kind_of(share: float) -> str:
-    """An answer by its repetition (the share of its 8-grams seen earlier in it), as eyas eval's by_repetition."""
-    return "<0.1" if share < 0.1 else "0.1-0.5" if share < 0.5 else ">=0.5"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report", required=True, help="a bench/bench_decode.py JSON report (its eyas_plain outputs)")
@@ -57,10 +52,10 @@ def main(argv=None) -> int:
     from bench_decode import bench_drafter, load_prompts
 
     from eyas.config import TargetConfig
+    from eyas.evaluate import REPEAT_BUCKETS, repeat_bucket  # answers split as eyas eval's by_repetition
     from eyas.features import Sample, compute_features
     from eyas.target import load_target
     from eyas.ttt import pack_samples, target_labels, ttt_unroll
-    from eyas.util import repeated_share
 
     rep = json.load(open(a.report))
     outputs = rep["methods"][a.method]["outputs"]
@@ -76,7 +71,7 @@ def main(argv=None) -> int:
     answers = {}
     for p, out in zip(prompts, outputs):
         out = [x for x in out if x not in stop]
-        kind = kind_of(repeated_share(out, 8))
+        kind = repeat_bucket(out)
         answers[kind] = answers.get(kind, 0) + 1
         ids = torch.tensor(p + out)
         mask = torch.zeros(len(ids), dtype=torch.bool)
@@ -89,11 +84,11 @@ def main(argv=None) -> int:
             st = ttt_unroll(drafter, batch, labels, a.steps, chain=True)
             conf = torch.softmax(lm_head(batch.final.to(lm_head.weight.dtype)).float(), -1).amax(-1)  # [n]
         n = len(ids)
+        rows = torch.arange(n, device=conf.device)
+        al = alive.setdefault(kind, [[0] * nb for _ in range(a.steps)])
+        hi = hits.setdefault(kind, [[0] * nb for _ in range(a.steps)])
         for j in range(a.steps):
-            rows = torch.arange(n, device=conf.device)
             c = conf[(rows + j + 1).clamp(max=n - 1)]  # the target's distribution over the token step j drafts
-            al, hi = alive.setdefault(kind, [[0] * nb for _ in range(a.steps)]), \
-                hits.setdefault(kind, [[0] * nb for _ in range(a.steps)])
             for t in st.alive[j].nonzero().flatten().tolist():
                 b = bin_of(float(c[t]), edges)
                 al[j][b] += 1
@@ -101,7 +96,7 @@ def main(argv=None) -> int:
     result = {"report": a.report, "draft": a.draft, "device": a.device, "dtype": a.dtype, "bins": edges,
               "answers": answers, "by_kind": {}}
     names = [f"[{lo:g},{hi:g})" for lo, hi in zip(edges, edges[1:])]
-    for kind in sorted(alive, key=["<0.1", "0.1-0.5", ">=0.5"].index):
+    for kind in sorted(alive, key=REPEAT_BUCKETS.index):
         rows = {}
         print(f"answers repeating {kind} ({answers[kind]} answers)")
         for j in range(a.steps):

@@ -252,8 +252,9 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 g = dec.generate(ids, max_new_tokens, stop, speculative=True)
                 t.add_rounds(g.accepted)
                 answered += 1
+                content = [x for x in g.tokens if x not in stop]
                 for tb in (turns.setdefault(turn_bucket(answered), Tally(k)),
-                           repeats.setdefault(repeat_bucket([x for x in g.tokens if x not in stop]), Tally(k))):
+                           repeats.setdefault(repeat_bucket(content), Tally(k))):
                     tb.add_rounds(g.accepted)
                     tb.tokens += len(g.tokens)
                     tb.answers += 1
@@ -276,7 +277,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                                          min(len(b.tokens), len(g.tokens)))
                             t.mismatches.append(f"{conv.id}: first difference at new token {first}")
                 n_prompts += 1
-                answer = tok.decode([x for x in g.tokens if x not in stop], skip_special_tokens=True)
+                answer = tok.decode(content, skip_special_tokens=True)
                 history = msgs + [{"role": "assistant", "content": answer}]
             bar.update(1)
         bar.close()

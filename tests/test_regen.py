@@ -406,12 +406,16 @@ def test_kill9_keeps_the_finished_conversations_of_an_open_shard(tmp_path):
     assert sorted(json.loads(x)["id"] for x in lines) == ["c0", "c1", "c2"]
     with journal.open("a") as f:  # a line cut short by the kill: not a finished conversation
         f.write(lines[0][: len(lines[0]) // 2])
-    srv = FakeOpenAI()
-    try:
-        r = subprocess.run([sys.executable, "-m", "eyas", "regen", *args, "--endpoint", srv.url], env=env,
-                           capture_output=True, text=True, timeout=120)
-    finally:
-        srv.close()
+
+    def resume():  # the same command against a fresh server: (the run, the server's requests)
+        srv = FakeOpenAI()
+        try:
+            return subprocess.run([sys.executable, "-m", "eyas", "regen", *args, "--endpoint", srv.url], env=env,
+                                  capture_output=True, text=True, timeout=120), srv
+        finally:
+            srv.close()
+
+    r, srv = resume()
     assert r.returncode == 0, r.stderr[-2000:]
     assert "3 finished conversations of unfinished shards read back" in r.stderr
     asked = {m["content"] for body in srv.requests for m in body["messages"] if m["role"] == "user"}
@@ -419,12 +423,7 @@ def test_kill9_keeps_the_finished_conversations_of_an_open_shard(tmp_path):
     assert (d / "shard-00000.jsonl").read_bytes() == (regen_dir(tmp_path / "run") / "shard-00000.jsonl").read_bytes()
     assert not journal.exists()
     journal.write_text(lines[0] + "\n")  # left by a kill after the shard was written: removed, the shard kept
-    srv = FakeOpenAI()
-    try:
-        r = subprocess.run([sys.executable, "-m", "eyas", "regen", *args, "--endpoint", srv.url], env=env,
-                           capture_output=True, text=True, timeout=120)
-    finally:
-        srv.close()
+    r, srv = resume()
     assert r.returncode == 0 and not srv.requests and not journal.exists(), r.stderr[-2000:]
 
 
@@ -438,11 +437,11 @@ def test_journal_read_back_drops_torn_and_foreign_lines(tmp_path):
     j = tmp_path / "shard-00001.partial"
     j.write_text("".join(json.dumps(o) + "\n" for o in good) + json.dumps({"i": 5, "id": "other", "line": "{}"})
                  + "\n" + json.dumps({"i": 0, "id": "c0", "line": "{}"}) + "\n" + '{"i": 5, "id": "c5", "li')
-    assert _read_journal(j, convs, 3, 6) == {3: good[0], 4: good[1]}
+    assert _read_journal(j, convs, range(3, 6)) == {3: good[0], 4: good[1]}
     with j.open("a") as f:
         f.write(json.dumps({"i": 5, "id": "c5", "line": "{}"}) + "\n")
-    assert sorted(_read_journal(j, convs, 3, 6)) == [3, 4, 5]
-    assert _read_journal(tmp_path / "none.partial", convs, 0, 3) == {}
+    assert sorted(_read_journal(j, convs, range(3, 6))) == [3, 4, 5]
+    assert _read_journal(tmp_path / "none.partial", convs, range(0, 3)) == {}
 
 
 # --------------------------------------------------------------------------- embedded backend

@@ -57,8 +57,13 @@ def _tag(sample: int | str) -> str:
     return "" if sample == 1 else f"s{sample}" if isinstance(sample, int) else sample
 
 
+def _shard_prefix(sample: int | str) -> str:
+    """What every file name of a set's shards starts with, before the shard's number."""
+    return f"shard-{_tag(sample)}-" if _tag(sample) else "shard-"
+
+
 def _shard_stem(k: int, sample: int | str) -> str:
-    return f"shard-{_tag(sample)}-{k:05d}" if _tag(sample) else f"shard-{k:05d}"
+    return f"{_shard_prefix(sample)}{k:05d}"
 
 
 def shard_path(d: Path, k: int, sample: int | str = 1) -> Path:
@@ -679,7 +684,7 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | st
                                 f"--out, or delete {d} to start over")
         return old
     # a new plan: journals left from an earlier one (its plan deleted by hand) are not this plan's work
-    for stale in d.glob(f"shard-{_tag(sample)}-*.partial" if _tag(sample) else "shard-[0-9]*.partial"):
+    for stale in d.glob(f"{_shard_prefix(sample)}[0-9]*.partial"):
         stale.unlink()
     atomic_write_json(path, plan)
     return plan
@@ -798,7 +803,10 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         journal_path(d, k, sample).unlink(missing_ok=True)
     later = sample == LATER
     of = "later turns: " if later else f"sample {sample} of {samples}: " if samples > 1 else ""
-    work = [(k, i) for k in todo for i in range(k * size, min(len(convs), (k + 1) * size))]
+    def span(k: int) -> range:  # the plan's conversations in shard k
+        return range(k * size, min(len(convs), (k + 1) * size))
+
+    work = [(k, i) for k in todo for i in span(k)]
     backend_meta = {k: v for k, v in ident.items() if k != "endpoints"}
     if world > 1:  # every process says what it takes (log() speaks for rank 0 only)
         print(f"regen: {of}rank {rank} of {world} regenerates {len(todo)} of its {len(mine)} shards "
@@ -811,8 +819,7 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         log(f"regen: {of}resuming, {len(mine) - len(todo)} of {len(mine)} shards already done"
             + (f" (rank {rank} of {world})" if world > 1 else ""))
     # each unfinished shard's outcomes so far (index -> outcome), read back from its journal
-    done_by_shard = {k: _read_journal(journal_path(d, k, sample), convs, k * size, min(len(convs), (k + 1) * size))
-                     for k in todo}
+    done_by_shard = {k: _read_journal(journal_path(d, k, sample), convs, span(k)) for k in todo}
     kept = sum(len(v) for v in done_by_shard.values())
     if kept:
         log(f"regen: {of}{kept} finished conversations of unfinished shards read back from their journals"
@@ -827,7 +834,7 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
                    **({} if rank == 0 else {"disable": True}))
 
     def shard_done(k: int) -> None:
-        if len(done_by_shard[k]) == min(len(convs), (k + 1) * size) - k * size:
+        if len(done_by_shard[k]) == len(span(k)):
             _write_shard(d, k, [done_by_shard[k][i] for i in sorted(done_by_shard[k])], sample)
             journal_path(d, k, sample).unlink(missing_ok=True)
             del done_by_shard[k]
@@ -888,8 +895,8 @@ def _outcome(st: ConvState, settings: dict, backend_meta: dict) -> dict:
     return {"i": st.index, "id": st.conv.id, "line": json.dumps(st.record(settings, backend_meta), ensure_ascii=False)}
 
 
-def _read_journal(path: Path, convs: list[Conversation], lo: int, hi: int) -> dict[int, dict]:
-    """The outcomes a shard's journal holds for conversations lo..hi-1 of the plan. A line cut short by a kill
+def _read_journal(path: Path, convs: list[Conversation], span: range) -> dict[int, dict]:
+    """The outcomes a shard's journal holds for its conversations `span` of the plan. A line cut short by a kill
     (or not this plan's) is left out, and the journal rewritten without it, so that lines appended later are
     whole."""
     if not path.exists():
@@ -902,7 +909,7 @@ def _read_journal(path: Path, convs: list[Conversation], lo: int, hi: int) -> di
         except ValueError:
             continue
         i = o.get("i") if isinstance(o, dict) else None
-        if (isinstance(i, int) and lo <= i < hi and o.get("id") == convs[i].id
+        if (isinstance(i, int) and i in span and o.get("id") == convs[i].id
                 and isinstance(o.get("line") or o.get("error"), (str, dict))):
             got[i] = o
     if len(got) != len(lines):
