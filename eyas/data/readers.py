@@ -297,13 +297,19 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
     raise EyasError(f"{path}: unknown data format (expected .json/.json.gz ShareGPT, .jsonl messages or .txt prompts)")
 
 
+# what regen appends to a source record's id for its copies (eyas.data.regen.sample_copy, later_copy)
+SAMPLE_SUFFIX = "~sample"
+LATER_SUFFIX = "~later"
+_COPY_SUFFIX = re.compile(f"({re.escape(SAMPLE_SUFFIX)}\\d+|{re.escape(LATER_SUFFIX)})$")
+
+
 def split_of(record_id: str, val_ratio: float, test_ratio: float, salt: str = "") -> str:
     """Deterministic split by a hash of the record id: 'train', 'val' or 'test'. ShareGPT splits long
     chats into records `<id>_0`, `<id>_1`, ...; those share a split, so no chat leaks across splits (and so do
     regen.samples' copies, `<id>~sample2`, ..., and regen.later_turns' `<id>~later`).
     A split of a split needs its own `salt`: with the same hash, the records left in 'train' all have
     u >= val_ratio + test_ratio and a second cut at a smaller ratio would select none of them."""
-    base = re.sub(r"_\d+$", "", re.sub(r"~(sample\d+|later)$", "", record_id))  # regen's copies: the source's side
+    base = re.sub(r"_\d+$", "", _COPY_SUFFIX.sub("", record_id))  # regen's copies: the source's side
     u = (stable_hash(salt + base) % 1_000_000) / 1_000_000
     if u < test_ratio:
         return "test"

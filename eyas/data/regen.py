@@ -43,7 +43,7 @@ from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrie
                     mem_available, progress, read_json, repeated_share, stable_hash, text_lines, to_device)
 from .conversation import Conversation, Turn
 from .prepare import regen_dir
-from .readers import read_dataset, select_split
+from .readers import LATER_SUFFIX, SAMPLE_SUFFIX, read_dataset, select_split
 from .server import ServerBackend, TurnResult, split_reasoning
 
 PLAN_VERSION = 1
@@ -82,10 +82,6 @@ def journal_path(d: Path, k: int, sample: int | str = 1) -> Path:
 
 def plan_path(d: Path, sample: int | str = 1) -> Path:
     return d / (f"plan-{_tag(sample)}.json" if _tag(sample) else "plan.json")
-
-
-SAMPLE_SUFFIX = "~sample"
-LATER_SUFFIX = "~later"
 
 
 def sample_copy(conv: Conversation, sample: int) -> Conversation:
