@@ -9,11 +9,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA device")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    import shutil
+
+    missing = {"gpu": None if torch.cuda.is_available() else "needs a CUDA device",
+               "compiler": None if shutil.which(os.environ.get("CXX", "g++"))
+               else "torch.compile on the CPU needs a C++ compiler"}
+    for item in items:
+        for mark, why in missing.items():
+            if why and mark in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(scope="session")

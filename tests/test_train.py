@@ -205,12 +205,7 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
         1 + best["val_accept"][2])))  # the forecast from the greedy chain's per-position acceptance
 
 
-def _compiler_missing() -> bool:
-    return shutil.which(os.environ.get("CXX", "g++")) is None
-
-
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", pytest.param("ddp-compiled", marks=pytest.mark.skipif(
-    _compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler"))])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", pytest.param("ddp-compiled", marks=pytest.mark.compiler)])
 def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path, parallel):
     """2 processes x 1 micro-batch and 1 process x 2 micro-batches see the same global batches, so
     after 3 AdamW steps the weights agree to float32 rounding (atol 1e-6, while they move ~1e-3), with the

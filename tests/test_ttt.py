@@ -1,7 +1,6 @@
 """Training-time test: the packed, masked unroll equals a slow reference that drafts each sequence
 on its own with an explicit loop over steps and positions (attention by hand)."""
 import math
-import os
 
 import pytest
 import torch
@@ -266,13 +265,7 @@ def test_step_loss_equals_log_softmax_form():
     assert int(hits.sum()) > 0 and correct.item() == int(hits.sum())
 
 
-def _compiler_missing() -> bool:
-    import shutil
-
-    return shutil.which(os.environ.get("CXX", "g++")) is None
-
-
-@pytest.mark.skipif(_compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.compiler
 def test_compiled_step_loss_equals_eager(monkeypatch):
     """The step loss as torch.compile builds it (what training runs on a GPU) gives the eager loss, count and
     gradient; here through inductor's CPU code, on a GPU below through its Triton code."""
@@ -348,7 +341,7 @@ def _unroll_grads(drafter, batch, labels, backend="auto", steps=3):
             {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
 
 
-@pytest.mark.skipif(_compiler_missing(), reason="torch.compile on the CPU needs a C++ compiler")
+@pytest.mark.compiler
 @pytest.mark.parametrize("backend", ["docs", "dense"])
 def test_compiled_drafter_step_equals_eager(tiny, setup, monkeypatch, backend):
     """The unroll with the drafter's two parts compiled around the attention (`DRAFTER_COMPILE`) gives the eager
