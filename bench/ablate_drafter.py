@@ -191,12 +191,14 @@ def main() -> int:
     ap.add_argument("--ttt-steps", type=int, default=3, help="TTT steps trained (validation always reports 3)")
     ap.add_argument("--cache", default="", help="keep the tokenized features in this .pt file and reuse them")
     ap.add_argument("--out", default="ablate.jsonl", help="results appended as JSON lines")
+    ap.add_argument("--aux-layers", default="", help="comma list of aux layer ids (the residual stream entering "
+                    "those decoder layers) instead of the target's default [2, N//2, N-3]; a variant's own wins")
     a = ap.parse_args()
     if a.list:
         print("\n".join(f"{k}: {v}" for k, v in VARIANTS.items()))
         return 0
     kw = {"ttt": a.ttt_steps, **VARIANTS[a.variant]}
-    aux = None
+    aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
     if kw.pop("aux_layers", None) == "last3":
         aux = [27, 28, 29]
     t = load_target(TargetConfig(name="smollm2", device=a.device, **({"aux_layers": aux} if aux else {})))
@@ -219,7 +221,7 @@ def main() -> int:
     draft_ids = cnt.topk(dv).indices.sort().values
     prep = time.time() - t0
     res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, **kw)
-    res = {"variant": a.variant, **res, "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
+    res = {"variant": a.variant, "aux_layers": t.aux_layers, **res, "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
            "device": torch.cuda.get_device_name() if t.device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)}
     print(json.dumps(res), flush=True)

@@ -56,11 +56,12 @@ def bench_drafter(spec: str, target):
     import torch
 
     from eyas.draft import build_drafter
-    from eyas.evaluate import load_eval_drafter
+    from eyas.evaluate import adopt_drafter_aux_layers, load_eval_drafter
 
     if spec in ("", "untrained"):
         torch.manual_seed(0)
         return build_drafter(target, 32000, intermediate_size=6144)
+    adopt_drafter_aux_layers(target, spec)
     return load_eval_drafter(spec, target)
 
 

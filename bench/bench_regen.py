@@ -84,11 +84,13 @@ def regen_config(users: list[str], args, engine: str):
     cfg.data.max_seq_len = args.max_prompt_tokens + 64  # room for rendering differences; none is refused
     r = cfg.regen
     r.split, r.turns, r.max_new_tokens, r.temperature = "all", 1, args.max_new_tokens, 0.0
-    r.batch_size, r.shard_size, r.engine = args.batch_size, 256, engine
+    name, *opts = engine.split(":")
+    bs = next((int(o.partition("=")[2]) for o in opts if o.startswith("bs=")), args.batch_size)
+    r.batch_size, r.shard_size, r.engine = bs, 256, name
     return cfg
 
 
-VARIANT_KEYS = {"groups": "row_groups", "check": "check_every", "long": "long_prompt", "fuse": "fuse",
+VARIANT_KEYS = {"bs": None, "groups": "row_groups", "check": "check_every", "long": "long_prompt", "fuse": "fuse",
                 "overlap": "overlap", "norm": "fused_norm", "norm1k": "norm_one_kernel"}
 
 
@@ -106,10 +108,12 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     for o in opts:
         k, _, v = o.partition("=")
         attr = VARIANT_KEYS[k]
+        if attr is None:  # bs: a regen setting (regen_config), not an engine attribute
+            continue
         cls = FastLM if hasattr(FastLM, attr) else StaticEngine
         saved[(cls, attr)] = getattr(cls, attr)
         setattr(cls, attr, bool(int(v)) if isinstance(saved[(cls, attr)], bool) else int(v))
-    cfg = regen_config(users, args, name)
+    cfg = regen_config(users, args, engine)
     sync()
     t0 = time.perf_counter()
     try:
@@ -120,7 +124,8 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     sync()
     dt = time.perf_counter() - t0
     gen = rep["completion_tokens"].get("total", 0) + (rep["assistant_turns"] - rep["truncated_turns"])  # + eot
-    return {"prompts": len(users), "records": rep["records"], "errors": rep["errors"], "seconds": round(dt, 2),
+    return {"prompts": len(users), "batch_size": cfg.regen.batch_size, "records": rep["records"],
+            "errors": rep["errors"], "seconds": round(dt, 2),
             "generated_tokens": gen, "tokens_per_s": round(gen / dt, 1), "engine": engine,
             "truncated_turns": rep["truncated_turns"]}
 
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--baseline-batches", type=int, default=2, help="timed generate batches (after one warm-up)")
+    p.add_argument("--baseline-batches", type=int, default=2,
+                   help="timed generate batches (after one warm-up); 0 = no baseline (comparing eyas settings only)")
     p.add_argument("--baseline-seconds", type=float, default=120, help="stop the baseline after this long")
     p.add_argument("--static-baseline", action="store_true", help="also time generate with a static cache")
     p.add_argument("--engine", default="static,generate",
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
            or any(o.partition("=")[0] not in VARIANT_KEYS or not o.partition("=")[2].isdigit() for o in e.split(":")[1:])]
     if not engines or bad:
         p.error(f"--engine: {bad or args.engine!r}: not a comma-separated list of auto, static, continuous, generate "
-                f"(static may add :groups=0|1, :check=N, :long=N, :fuse=0|1, :overlap=0|1, :norm=0|1)")
+                f"(static may add :bs=N, :groups=0|1, :check=N, :long=N, :fuse=0|1, :overlap=0|1, :norm=0|1)")
 
     import torch
     import transformers
@@ -212,23 +218,27 @@ def main(argv=None) -> int:
         key = e if e not in res["eyas_regen"] else f"{e}#{sum(k.split('#')[0] == e for k in res['eyas_regen']) + 1}"
         res["eyas_regen"][key] = bench_eyas(target, users, args, e)
         print(f"eyas regen ({key}): {res['eyas_regen'][key]}", file=sys.stderr)
-    res["hf_generate"] = bench_generate(target, users, args)
-    print(f"hf generate: {res['hf_generate']}", file=sys.stderr)
-    base = res["hf_generate"]["tokens_per_s"]
+    if args.baseline_batches > 0:
+        res["hf_generate"] = bench_generate(target, users, args)
+        print(f"hf generate: {res['hf_generate']}", file=sys.stderr)
+        base = res["hf_generate"]["tokens_per_s"]
+    else:  # the first engine is the baseline
+        base = next(iter(res["eyas_regen"].values()))["tokens_per_s"]
     if args.static_baseline:
         res["hf_generate_static"] = bench_generate(target, users, args, static=True)
         base = max(base, res["hf_generate_static"]["tokens_per_s"])
     res["speedup"] = {e: round(r["tokens_per_s"] / max(base, 1e-9), 2) for e, r in res["eyas_regen"].items()}
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     rows = [(f"eyas regen ({e})", r) for e, r in res["eyas_regen"].items()]
-    rows.append(("transformers generate", res["hf_generate"]))
+    if "hf_generate" in res:
+        rows.append(("transformers generate", res["hf_generate"]))
     if args.static_baseline:
         rows.append(("transformers generate, static cache", res["hf_generate_static"]))
     print(f"\n{res['device']}, {target.name}, batch {args.batch_size}, greedy, max {args.max_new_tokens} new tokens")
     print(f"{'what':<40} {'tokens':>10} {'seconds':>9} {'tok/s':>10}")
     for name, r in rows:
         print(f"{name:<40} {r['generated_tokens']:>10} {r['seconds']:>9} {r['tokens_per_s']:>10}")
-    print("speedup over the strongest baseline: " + ", ".join(f"{e} {x}x" for e, x in res["speedup"].items())
+    print(("speedup over the strongest baseline: " if "hf_generate" in res else f"over {engines[0]}: ") + ", ".join(f"{e} {x}x" for e, x in res["speedup"].items())
           + f"  (written to {args.out})")
     return 0
 

@@ -47,6 +47,42 @@ def load_eval_drafter(path: str | Path, target):
     return import_drafter(path, target)
 
 
+def recorded_aux_layers(path: str | Path) -> list[int] | None:
+    """The aux layers (eyas ids) a drafter folder says it was trained on: an eyas folder's `aux_layers`, a vLLM
+    folder's `eagle_aux_hidden_state_layer_ids`, an SGLang folder's nested `eagle_config` ids; None where the
+    folder records none (the engines then use the target's default) or cannot be read (the loader says why)."""
+    import json
+
+    from .export import eyas_aux_ids
+
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    if raw.get("eyas_format") == 1:
+        return [int(a) for a in raw["aux_layers"]] if raw.get("aux_layers") else None
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return eyas_aux_ids(nested, "sglang")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    return eyas_aux_ids(top, "vllm") if top else None
+
+
+def adopt_drafter_aux_layers(target, path: str | Path, explicit: bool = False) -> None:
+    """Capture the layers the drafter at `path` was trained on. Unless the user named the target's aux layers
+    (`explicit`: then a drafter trained on others is refused when it is loaded, saying which), the target takes
+    the drafter's recorded ones, so `eyas eval --set eval.draft=DIR` needs no `target.aux_layers`."""
+    from .target import check_aux_layers
+
+    aux = recorded_aux_layers(path)
+    if explicit or aux is None or list(aux) == list(target.aux_layers):
+        return
+    target.aux_layers = check_aux_layers(aux, target.num_layers)
+    log(f"eval: capturing aux layers {target.aux_layers}, the ones the drafter in {path} was trained on")
+
+
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):
@@ -401,6 +437,7 @@ def run_eval(cfg) -> dict:
     draft_path = Path(e.draft or os.path.join(cfg.out, "draft")).expanduser()
     tcfg = replace(cfg.target, dtype=e.dtype) if e.dtype else cfg.target
     target = load_target(tcfg)
+    adopt_drafter_aux_layers(target, draft_path, explicit=bool(cfg.target.aux_layers))
     drafter = load_eval_drafter(draft_path, target)
     set_name, convs = load_prompt_set(cfg)
     log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")

@@ -109,6 +109,12 @@ EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel",
 # at that value, so a run made before them resumes instead of starting over
 KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False}
 
+# target.aux_layers: which hidden states the drafter is fed. The answers and tokens do not depend on them, so regen
+# and tokenize hash them at the default (trying other layers keeps the regenerated data), and the stages that
+# capture or train on the states (extract, train: train also covers the online features) key them while changed
+AUX_KEY = "target.aux_layers"
+AUX_READERS = ("extract", "train")
+
 
 def stage_keys(cfg: C.Config) -> dict[str, str]:
     """A key per stage: a hash of the settings it reads (less EXECUTION_ONLY) and of the stage before it."""
@@ -120,12 +126,17 @@ def stage_keys(cfg: C.Config) -> dict[str, str]:
         sec, _, field = key.partition(".")
         if d[sec].get(field) == old:
             d[sec].pop(field)
+    aux_sec, _, aux_field = AUX_KEY.partition(".")
+    aux, aux_default = d[aux_sec][aux_field], _default(AUX_KEY)
+    d[aux_sec][aux_field] = aux_default
     keys, prev = {}, ""
     for name, _, reads, _ in STAGES:
         part = {}
         for r in reads:
             sec, _, field = r.partition(".")
             part[r] = d[sec][field] if field else d[sec]
+        if name in AUX_READERS and aux != aux_default:
+            part[AUX_KEY] = aux
         if name == "extract" and cfg.train.online:
             part = {"skipped": "online"}
         prev = sha256_json({"stage": name, "config": part, "prev": prev})[:16]

@@ -133,3 +133,18 @@ def test_stage_keys_ignore_how_a_stage_runs():
     cut = names.index("train")
     assert all(lr[n] == base[n] for n in names[:cut]) and all(lr[n] != base[n] for n in names[cut:])
     assert stage_keys(C.resolve(None, "smollm2", {"target.dtype": "float32"}))["regen"] != base["regen"]
+
+
+def test_other_aux_layers_keep_the_regenerated_data():
+    """Other aux layers change what the drafter is fed, not the answers or tokens: regen, tokenize and vocab keep
+    their keys (no regeneration), extract and train get new ones, online or not; the default's keys are as before."""
+    from eyas.pipeline import stage_keys
+
+    for online in ("false", "true"):
+        base = stage_keys(C.resolve(None, "smollm2", {"train.online": online}))
+        other = stage_keys(C.resolve(None, "smollm2", {"train.online": online, "target.aux_layers": "2,15,29"}))
+        assert [other[n] == base[n] for n in ("regen", "tokenize", "vocab", "extract", "train", "eval")] == \
+            [True, True, True, online == "true", False, False]
+        assert stage_keys(C.resolve(None, "smollm2", {"train.online": online, "target.aux_layers": "2,15,27"})) \
+            != base  # the preset's own layers named explicitly are still a change from [] (the target's default)
+

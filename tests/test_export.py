@@ -227,6 +227,39 @@ def test_engine_captures_the_trained_layers(tiny, tmp_path, aux, fmt, captured):
     assert import_drafter(p, target=target).config.aux_layers == aux
 
 
+@pytest.mark.parametrize("fmt", ["eyas", "sglang", "vllm"])
+def test_eval_captures_the_layers_the_drafter_was_trained_on(tiny, tmp_path, fmt):
+    """A drafter trained on other aux layers than the target's default: the eval (and bench_decode) reads them from
+    the folder and captures those, unless the user named the target's layers, when loading refuses the drafter."""
+    from eyas.evaluate import adopt_drafter_aux_layers, load_eval_drafter, recorded_aux_layers
+
+    trained = dataclasses.replace(tiny, aux_layers=[1, 3, 7])
+    d = _drafter(trained)
+    p = tmp_path / fmt
+    if fmt == "eyas":
+        save_drafter(d, p)
+    else:
+        export_drafter(d, p, fmt, "x")
+    assert recorded_aux_layers(p) == [1, 3, 7]
+    named = dataclasses.replace(tiny)
+    adopt_drafter_aux_layers(named, p, explicit=True)
+    assert named.aux_layers == tiny.aux_layers != [1, 3, 7]
+    with pytest.raises(EyasError, match=r"aux layers \[1, 3, 7\] != the target's"):
+        load_eval_drafter(p, named)
+    target = dataclasses.replace(tiny)
+    adopt_drafter_aux_layers(target, p)
+    assert target.aux_layers == [1, 3, 7] and load_eval_drafter(p, target).config.aux_layers == [1, 3, 7]
+    ids = torch.randint(0, tiny.vocab_size, (1, 7))
+    with torch.no_grad():
+        hs = tiny.model(ids, output_hidden_states=True).hidden_states
+    assert torch.allclose(target.capture(ids)[0], torch.cat([hs[i] for i in (1, 3, 7)], dim=-1), atol=1e-6)
+    # a folder that records no ids (original EAGLE) keeps the target's default, as the engines do
+    raw = json.loads((p / "config.json").read_text())
+    raw.pop("aux_layers", None), raw.pop("eagle_aux_hidden_state_layer_ids", None), raw.pop("eagle_config", None)
+    (p / "config.json").write_text(json.dumps(raw))
+    assert recorded_aux_layers(p) is None
+
+
 def test_aux_id_translation_and_limits():
     assert engine_aux_ids([2, 15, 27], "sglang", 30) == [1, 14, 26]
     assert engine_aux_ids([2, 15, 27], "vllm", 30) == [2, 15, 27]
