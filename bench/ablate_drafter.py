@@ -191,12 +191,18 @@ def main() -> int:
     ap.add_argument("--ttt-steps", type=int, default=3, help="TTT steps trained (validation always reports 3)")
     ap.add_argument("--cache", default="", help="keep the tokenized features in this .pt file and reuse them")
     ap.add_argument("--out", default="ablate.jsonl", help="results appended as JSON lines")
+    ap.add_argument("--drafter-compile", type=int, default=0, choices=(0, 1),
+                    help="the drafter's TTT step compiled (eyas.ttt.DRAFTER_COMPILE); off by default: the batches are "
+                         "not padded to one length, so each new length would compile again")
     ap.add_argument("--aux-layers", default="", help="comma list of aux layer ids (the residual stream entering "
                     "those decoder layers) instead of the target's default [2, N//2, N-3]; a variant's own wins")
     a = ap.parse_args()
     if a.list:
         print("\n".join(f"{k}: {v}" for k, v in VARIANTS.items()))
         return 0
+    from eyas import ttt
+
+    ttt.DRAFTER_COMPILE = bool(a.drafter_compile)
     kw = {"ttt": a.ttt_steps, **VARIANTS[a.variant]}
     aux = [int(x) for x in a.aux_layers.split(",")] if a.aux_layers else None
     if kw.pop("aux_layers", None) == "last3":
@@ -221,7 +227,8 @@ def main() -> int:
     draft_ids = cnt.topk(dv).indices.sort().values
     prep = time.time() - t0
     res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, **kw)
-    res = {"variant": a.variant, "aux_layers": t.aux_layers, **res, "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
+    res = {"variant": a.variant, "aux_layers": t.aux_layers, "drafter_compile": a.drafter_compile, **res,
+           "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
            "device": torch.cuda.get_device_name() if t.device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)}
     print(json.dumps(res), flush=True)

@@ -370,7 +370,9 @@ class CompiledStep:
     the earlier steps' keys, run as it is between them. Checked like `CompiledLoss`: the first call of each
     kind (with or without grad, from the target's states or the drafter's own) also runs on detached copies,
     through the backward where there is one, and a failure anywhere leaves the drafter eager from then on, with
-    the reason in `state`."""
+    the reason in `state`. A new input shape counts as a new kind: its first call is compiled inside the check, so
+    once torch's recompile limit is reached (unpadded batches of many lengths: training pads them where the step
+    is compiled, but a caller of `ttt_unroll` may not) the step goes eager instead of failing the call."""
 
     def __init__(self, drafter):
         self.drafter = drafter
@@ -383,7 +385,7 @@ class CompiledStep:
         if self.state != "compiled":
             return self.drafter(ids, hidden, pos, attend)
         grad = torch.is_grad_enabled()
-        kind = (grad, hidden.shape[-1], hidden.requires_grad, self.drafter.training)
+        kind = (grad, tuple(hidden.shape), tuple(ids.shape), hidden.requires_grad, self.drafter.training)
         if kind not in self.checked:
             try:
                 self._probe(ids, hidden, pos, attend, grad)

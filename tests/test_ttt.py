@@ -402,6 +402,38 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
             torch.testing.assert_close(got[2][n], g)
 
 
+@pytest.mark.compiler
+def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, monkeypatch):
+    """Batches of ever new lengths (a caller that does not pad, as bench/ablate_drafter.py did on the twentieth GPU
+    session): once torch's recompile limit is reached the step runs eagerly, with the reason in `state`, instead of
+    failing the call (fullgraph=True makes the limit an exception); every unroll gives the eager results."""
+    import copy
+
+    drafter = copy.deepcopy(setup[0])
+    samples, draft_ids = setup[1], setup[2]
+    lm_head = tiny.model.get_output_embeddings()
+    batches = [pack_samples(samples, pad_to=n) for n in (48, 56, 64)]
+    labels = [target_labels(b.final, lm_head, draft_ids) for b in batches]
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
+    eager = [_unroll_grads(drafter, b, lab) for b, lab in zip(batches, labels)]
+    torch._dynamo.reset()
+    # each part is compiled for the target's states and for the drafter's own: 2 graphs a length, so the limit is
+    # reached at the second length
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
+    states = []
+    try:
+        for b, lab, want in zip(batches, labels, eager):
+            got = _unroll_grads(drafter, b, lab)
+            states.append(ttt.drafter_state(drafter, torch.device("cpu")))
+            assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1]
+            for n, g in want[2].items():
+                torch.testing.assert_close(got[2][n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()))
+    finally:
+        torch._dynamo.reset()
+    assert states[0] == "compiled" and states[1] == states[2] and states[2].startswith("eager: torch.compile failed")
+
+
 @pytest.mark.gpu
 def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch):
     """On CUDA in bf16 with the flex attention, the compiled drafter step agrees with the eager one."""
