@@ -25,11 +25,6 @@ NO_REGEN_TGZ=1 keep /tmp/rA runA
 mkdir -p /tmp/rB && cp -r /tmp/rA/data /tmp/rA/vocab /tmp/rA/manifest.json /tmp/rB/ 2>/dev/null
 job run_b python3 -m eyas run --out /tmp/rB $common $B_SET
 NO_REGEN_TGZ=1 keep /tmp/rB runB
-for r in A B; do
-  if [ -d /tmp/r$r/draft ]; then
-    job decode_$r timeout 150 python3 bench/bench_decode.py --draft /tmp/r$r/draft --prompts sharegpt --limit 80 \
-      --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_$r.json
-  fi
-done
+decode_runs A=/tmp/rA B=/tmp/rB
 wait
 touch $S/finished_$tag

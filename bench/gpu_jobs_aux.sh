@@ -34,11 +34,6 @@ mkdir -p /tmp/rB && cp -r /tmp/rA/data /tmp/rA/vocab /tmp/rA/manifest.json /tmp/
 job run_b python3 -m eyas run --out /tmp/rB $common --set target.aux_layers=$AUX
 NO_REGEN_TGZ=1 keep /tmp/rB runB
 (cd /tmp/rA/data && tar czf $S/regen_1sample.tgz regen 2>/dev/null)
-for r in A B; do
-  if [ -d /tmp/r$r/draft ]; then
-    job decode_$r timeout 150 python3 bench/bench_decode.py --draft /tmp/r$r/draft --prompts sharegpt --limit 80 \
-      --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_$r.json
-  fi
-done
+decode_runs A=/tmp/rA B=/tmp/rB
 wait
 touch $S/finished_$tag

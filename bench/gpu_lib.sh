@@ -38,3 +38,12 @@ pieces() {  # pieces NAME DIR PATH...: DIR's PATHs (globs) into $S/NAME.partN.tg
   split -b 14m -d -a 1 --additional-suffix=.tgz $S/$name.whole $S/$name.part && rm -f $S/$name.whole
   ls -l $S/$name.part*.tgz
 }
+decode_runs() {  # decode_runs NAME=RUN...: each run's drafter on the chat prompts' first turns, K=3 and 7, plain
+  # decoding beside it, into $S/decode_NAME.json (a run with no drafter is left out)
+  local nr
+  for nr in "$@"; do
+    [ -d ${nr#*=}/draft ] || continue
+    job decode_${nr%%=*} timeout 150 python3 bench/bench_decode.py --draft ${nr#*=}/draft --prompts sharegpt \
+      --limit 80 --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_${nr%%=*}.json
+  done
+}
