@@ -80,7 +80,9 @@ def write_report(run: Path) -> dict:
             lines += [f"- tokenized from {tok.get('source')}: {tok.get('conversations')} conversations, "
                       f"{_fmt(tok.get('tokens'))} tokens ({_fmt(tok.get('loss_tokens'))} trained on), "
                       f"{tok.get('truncated')} truncated, {len(tok.get('train_ids', []))} train / "
-                      f"{len(tok.get('val_ids', []))} validation"]
+                      f"{len(tok.get('val_ids', []))} validation"
+                      + ("; seconds " + ", ".join(f"{k} {v}" for k, v in tok["seconds"].items())
+                         if isinstance(tok.get("seconds"), dict) else "")]
         lines.append("")
     voc = _load(run / "vocab" / "coverage.json")
     if voc:
