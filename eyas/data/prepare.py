@@ -134,13 +134,21 @@ POOL_FROM = 2000  # conversations from which data.tokenize_workers=0 starts work
 _worker: tuple | None = None  # in a worker process: (tokenizer, max_seq_len, reasoning, eot_ids)
 
 
-def _init_worker(tokenizer, args) -> None:
+def _init_worker(tokenizer_dir: str, tokenizer_class: tuple[str, str], args) -> None:
+    """A worker loads the tokenizer from the folder the parent saved it in, with the parent tokenizer's own class
+    (importing transformers' AutoTokenizer alone took 1.8 s on this project's CPU, the class's module 0.5 s). A
+    pickled tokenizer (1.6 MB for SmolLM2's) sent as the pool's initargs made each worker's start wait until the
+    one before had started Python, imported its modules and read it from the pipe: the workers started one after
+    another (bench/pool_startup.py)."""
+    import importlib
     import signal
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread each: the workers are the parallelism
-    _worker = (tokenizer, *args)
+    module, name = tokenizer_class
+    cls = getattr(importlib.import_module(module), name)
+    _worker = (cls.from_pretrained(tokenizer_dir), *args)
 
 
 def _tokenize_one(conv: Conversation) -> Tokenized:
@@ -176,13 +184,17 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
     kept, stats = [], {"conversations": len(convs), "truncated": 0, "empty_mask": 0}
     args = (cfg.data.max_seq_len, cfg.data.reasoning, eot_ids)
     n = tokenize_workers(cfg.data.tokenize_workers if workers is None else workers, len(convs))
-    pool = None
+    pool, tok_dir = None, None
     if n > 1:
         # spawned, not forked: the parent may hold a CUDA context and the tokenizer's threads
         import multiprocessing as mp
+        import tempfile
 
         try:
-            pool = mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=(tokenizer, args))
+            tok_dir = tempfile.mkdtemp(prefix="eyas-tokenizer-")
+            tokenizer.save_pretrained(tok_dir)
+            cls = (type(tokenizer).__module__, type(tokenizer).__qualname__)
+            pool = mp.get_context("spawn").Pool(n, initializer=_init_worker, initargs=(tok_dir, cls, args))
         except OSError as e:  # no processes to be had here (limits, sandbox): the same work in this one
             log(f"tokenize: could not start {n} worker processes ({e}); tokenizing in this process")
     if pool is not None:
@@ -200,6 +212,10 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
     finally:
         if pool is not None:
             pool.terminate()
+        if tok_dir is not None:
+            import shutil
+
+            shutil.rmtree(tok_dir, ignore_errors=True)
     return kept, stats
 
 
@@ -255,3 +271,4 @@ def load_tokens(run_dir: str | Path, split: str = "train") -> TokenSet:
         raise EyasError(f"{d}: no tokenized data (run `eyas run` or the tokenize stage first)")
     meta = read_json(meta_path)
     return TokenSet.load(d / f"{split}.safetensors", meta[f"{split}_ids"])
+
