@@ -254,7 +254,7 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     n_masked = sum(sum(t.loss_mask) for t in items)
     seconds["write"] = lap()
     # where the stage's time goes (the twentieth GPU session's took 103 s on the H200 host, of which its progress bar
-    # showed 7 s of tokenizing, against 28 s in all on this project's 2-core CPU for as many conversations)
+    # showed 7 s of tokenizing, against 27.5-32 s in all on this project's 2-core CPU for as many conversations)
     meta = {"source": source, "target": target.identity(), **stats, "train_ids": [t.id for t in train],
             "val_ids": [t.id for t in val], "tokens": n_tok, "loss_tokens": n_masked, "seconds": seconds}
     atomic_write_json(d / "meta.json", meta)
@@ -271,4 +271,3 @@ def load_tokens(run_dir: str | Path, split: str = "train") -> TokenSet:
         raise EyasError(f"{d}: no tokenized data (run `eyas run` or the tokenize stage first)")
     meta = read_json(meta_path)
     return TokenSet.load(d / f"{split}.safetensors", meta[f"{split}_ids"])
-
