@@ -238,8 +238,8 @@ def main(argv=None) -> int:
     print(f"{'what':<40} {'tokens':>10} {'seconds':>9} {'tok/s':>10}")
     for name, r in rows:
         print(f"{name:<40} {r['generated_tokens']:>10} {r['seconds']:>9} {r['tokens_per_s']:>10}")
-    print(("speedup over the strongest baseline: " if "hf_generate" in res else f"over {engines[0]}: ") + ", ".join(f"{e} {x}x" for e, x in res["speedup"].items())
-          + f"  (written to {args.out})")
+    head = "speedup over the strongest baseline: " if "hf_generate" in res else f"over {engines[0]}: "
+    print(head + ", ".join(f"{e} {x}x" for e, x in res["speedup"].items()) + f"  (written to {args.out})")
     return 0
 
 
