@@ -53,7 +53,7 @@ def recorded_aux_layers(path: str | Path) -> list[int] | None:
     folder records none (the engines then use the target's default) or cannot be read (the loader says why)."""
     import json
 
-    from .export import eyas_aux_ids
+    from .export import config_aux_ids
 
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
@@ -63,11 +63,7 @@ def recorded_aux_layers(path: str | Path) -> list[int] | None:
         return None
     if raw.get("eyas_format") == 1:
         return [int(a) for a in raw["aux_layers"]] if raw.get("aux_layers") else None
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if nested:
-        return eyas_aux_ids(nested, "sglang")
-    top = raw.get("eagle_aux_hidden_state_layer_ids")
-    return eyas_aux_ids(top, "vllm") if top else None
+    return config_aux_ids(raw)
 
 
 def adopt_drafter_aux_layers(target, path: str | Path, explicit: bool = False) -> None:

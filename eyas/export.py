@@ -133,6 +133,17 @@ def eyas_aux_ids(ids: list[int], fmt: str) -> list[int]:
     return [int(i) + 1 for i in ids] if fmt == "sglang" else [int(i) for i in ids]
 
 
+def config_aux_ids(raw: dict) -> list[int] | None:
+    """The aux layers (eyas ids) an engine-format drafter config records: SGLang's nested
+    `eagle_config["eagle_aux_hidden_state_layer_ids"]`, else a top-level `eagle_aux_hidden_state_layer_ids`, read as
+    vLLM reads it (as-is); None where it records none."""
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if nested:
+        return eyas_aux_ids(nested, "sglang")
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    return eyas_aux_ids(top, "vllm") if top else None
+
+
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise EyasError(f"export format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -357,13 +368,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
         aux = eyas_aux_ids(ids, "vllm") if ids else None
     else:
         lc = raw
-        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if nested:
-            aux = eyas_aux_ids(nested, "sglang")
-        elif raw.get("eagle_aux_hidden_state_layer_ids"):  # top-level: vLLM reads it as-is
-            aux = eyas_aux_ids(raw["eagle_aux_hidden_state_layer_ids"], "vllm")
-        else:
-            aux = None
+        aux = config_aux_ids(raw)
     _refuse_unsupported(lc, raw, where)
 
     # normalise weight names to eyas' own
