@@ -8,7 +8,6 @@ Layout of `<run>/data/tokens/` (safetensors, so files are data):
 from __future__ import annotations
 
 import os
-import time
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..util import EyasError, atomic_path, atomic_write_json, log, progress, read_json
+from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json
 from .conversation import Conversation
 from .readers import read_dataset, select_split, split_of
 from .tokenize import Tokenized, check_mask, tokenize_conversation
@@ -227,18 +226,16 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     from ..target import load_target
 
     target = target or load_target(cfg.target)
-    clock = [time.perf_counter()]
-
-    def lap() -> float:  # seconds since the last lap
-        clock.append(time.perf_counter())
-        return round(clock[-1] - clock[-2], 2)
-
+    clock = PhaseClock(torch.device("cpu"))
+    t0 = clock.start()
     convs, source = training_conversations(cfg)
     if not convs:
         raise EyasError(f"no training conversations found in {source}")
-    seconds = {"read": lap()}
+    clock.stop("read", t0)
+    t0 = clock.start()
     items, stats = tokenize_all(convs, target.tokenizer, cfg, target.eot_token_ids)
-    seconds["tokenize"] = lap()
+    clock.stop("tokenize", t0)
+    t0 = clock.start()
     if not items:
         raise EyasError("every conversation lost its assistant tokens (check data.max_seq_len)")
     # the training records are the data set's 'train' split already: the validation cut is salted
@@ -252,7 +249,8 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     TokenSet.from_tokenized(val).save(d / "val.safetensors")
     n_tok = sum(len(t.input_ids) for t in items)
     n_masked = sum(sum(t.loss_mask) for t in items)
-    seconds["write"] = lap()
+    clock.stop("write", t0)
+    seconds = {k: round(v, 2) for k, v in clock.totals().items()}
     # where the stage's time goes (the twentieth GPU session's took 103 s on the H200 host, of which its progress bar
     # showed 7 s of tokenizing, against 27.5-32 s in all on this project's 2-core CPU for as many conversations)
     meta = {"source": source, "target": target.identity(), **stats, "train_ids": [t.id for t in train],
