@@ -70,9 +70,10 @@ def prompts(target, n: int, max_tokens: int) -> list[str]:
     return out
 
 
-def regen_config(users: list[str], args, engine: str):
+def regen_config(users: list[str], args, engine: str, batch_size: int | None = None):
     """A fresh run directory whose data set is `users` (one user turn each), and the config that
-    regenerates them greedily with `engine` at the sizes in `args`."""
+    regenerates them greedily with `engine` (its name, without settings) at the sizes in `args`, `batch_size` rows
+    (default --batch-size) decoded together."""
     from eyas.config import Config
 
     tmp = Path(tempfile.mkdtemp(prefix="eyas-bench-regen-"))
@@ -84,9 +85,7 @@ def regen_config(users: list[str], args, engine: str):
     cfg.data.max_seq_len = args.max_prompt_tokens + 64  # room for rendering differences; none is refused
     r = cfg.regen
     r.split, r.turns, r.max_new_tokens, r.temperature = "all", 1, args.max_new_tokens, 0.0
-    name, *opts = engine.split(":")
-    bs = next((int(o.partition("=")[2]) for o in opts if o.startswith("bs=")), args.batch_size)
-    r.batch_size, r.shard_size, r.engine = bs, 256, name
+    r.batch_size, r.shard_size, r.engine = batch_size or args.batch_size, 256, engine
     return cfg
 
 
@@ -96,7 +95,8 @@ VARIANT_KEYS = {"bs": None, "groups": "row_groups", "check": "check_every", "lon
 
 def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     """One engine, optionally with StaticEngine settings changed for this run: `static:groups=0:check=16`
-    (row groups off, a host check every 16 decode steps; `long=N` sets the long-prompt threshold, `fuse=0`
+    (row groups off, a host check every 16 decode steps; `bs=N` decodes N rows together instead of --batch-size,
+    `long=N` sets the long-prompt threshold, `fuse=0`
     runs q/k/v and gate/up as separate products, `overlap=0` waits for each check before queueing the next steps,
     `norm=0` runs the model's own RMSNorm modules instead of torch's fused kernel, `norm1k=0` the fused kernel
     with HF's rounding steps instead of one kernel in the model's dtype)."""
@@ -105,15 +105,17 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
 
     name, *opts = engine.split(":")
     saved = {}
+    bs = args.batch_size
     for o in opts:
         k, _, v = o.partition("=")
         attr = VARIANT_KEYS[k]
-        if attr is None:  # bs: a regen setting (regen_config), not an engine attribute
+        if attr is None:  # bs: rows decoded together, a regen setting rather than an engine attribute
+            bs = int(v)
             continue
         cls = FastLM if hasattr(FastLM, attr) else StaticEngine
         saved[(cls, attr)] = getattr(cls, attr)
         setattr(cls, attr, bool(int(v)) if isinstance(saved[(cls, attr)], bool) else int(v))
-    cfg = regen_config(users, args, engine)
+    cfg = regen_config(users, args, name, bs)
     sync()
     t0 = time.perf_counter()
     try:
