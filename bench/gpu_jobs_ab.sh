@@ -6,9 +6,10 @@
 # ~/eyas-stage`, call 2 `bash .stage/01/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_ab.sh" bash
 # bench/gpu_queue.sh 540`), polled with no gap over 30 s:
 #   JOBS="bench/gpu_jobs_ab.sh" bash bench/gpu_queue.sh 540
-# A machine goes back 30 minutes after it started, at the end of the call in flight, whatever runs on it (the
-# twentieth session lost its run B that way: see BENCHMARKS.md): the chain below takes about 21 minutes, so it
-# must start in the call after the first piece, and the poll that ends past the 30 minutes brings back what is done.
+# A machine goes back 30 minutes after it started, at the end of the call in flight, whatever runs on it, and 30 s
+# after a call when no other follows (the twentieth session lost its run B between two polls, most likely so: see
+# BENCHMARKS.md): the chain below takes about 21 minutes, so it must start in the call after the first piece, each
+# poll must follow the last at once, and the poll that ends past the 30 minutes brings back what is done.
 # 1. Run A: `eyas run` with one sample and 3 epochs, everything else the GPU default for SmolLM2.
 # 2. Run B: the same with $B_SET (default: train.lr 2e-3 against the default 1e-3, whose choice came from a CPU
 #    ablation at 2,048-token batches; the GPU trains on 8,192). A's regen, tokens and vocabulary are copied, so only
@@ -19,12 +20,7 @@ S=$1; tag=$2
 B_SET=${B_SET:---set train.lr=2e-3}
 source bench/gpu_lib.sh
 machine_info
-common="--set regen.samples=1 --set train.epochs=3"
-job run_a python3 -m eyas run --out /tmp/rA $common
-NO_REGEN_TGZ=1 keep /tmp/rA runA
-mkdir -p /tmp/rB && cp -r /tmp/rA/data /tmp/rA/vocab /tmp/rA/manifest.json /tmp/rB/ 2>/dev/null
-job run_b python3 -m eyas run --out /tmp/rB $common $B_SET
-NO_REGEN_TGZ=1 keep /tmp/rB runB
+ab_runs "--set regen.samples=1 --set train.epochs=3" "$B_SET"
 decode_runs A=/tmp/rA B=/tmp/rB
 wait
 touch $S/finished_$tag

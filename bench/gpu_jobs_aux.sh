@@ -27,12 +27,7 @@ job regen_bs timeout 300 python3 bench/bench_regen.py --prompts 2048 --batch-siz
 bs=$(python3 -c "import json; r = json.load(open('$S/regen_bs.json'))['eyas_regen']
 print(max(r.values(), key=lambda x: x['tokens_per_s'])['batch_size'])" 2>/dev/null || echo 256)
 echo "$(date +%T) regen batch size $bs"
-common="--set regen.samples=1 --set train.epochs=3 --set regen.batch_size=$bs"
-job run_a python3 -m eyas run --out /tmp/rA $common
-NO_REGEN_TGZ=1 keep /tmp/rA runA
-mkdir -p /tmp/rB && cp -r /tmp/rA/data /tmp/rA/vocab /tmp/rA/manifest.json /tmp/rB/ 2>/dev/null
-job run_b python3 -m eyas run --out /tmp/rB $common --set target.aux_layers=$AUX
-NO_REGEN_TGZ=1 keep /tmp/rB runB
+ab_runs "--set regen.samples=1 --set train.epochs=3 --set regen.batch_size=$bs" "--set target.aux_layers=$AUX"
 (cd /tmp/rA/data && tar czf $S/regen_1sample.tgz regen 2>/dev/null)
 decode_runs A=/tmp/rA B=/tmp/rB
 wait
