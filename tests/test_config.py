@@ -147,4 +147,3 @@ def test_other_aux_layers_keep_the_regenerated_data():
             [True, True, True, online == "true", False, False]
         assert stage_keys(C.resolve(None, "smollm2", {"train.online": online, "target.aux_layers": "2,15,27"})) \
             != base  # the preset's own layers named explicitly are still a change from [] (the target's default)
-
