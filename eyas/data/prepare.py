@@ -252,7 +252,8 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     clock.stop("write", t0)
     seconds = {k: round(v, 2) for k, v in clock.totals().items()}
     # where the stage's time goes (the twentieth GPU session's took 103 s on the H200 host, of which its progress bar
-    # showed 7 s of tokenizing, against 27.5-32 s in all on this project's 2-core CPU for as many conversations)
+    # showed 7 s of tokenizing; this project's 2-core CPU tokenizes as many conversations in about 25 s:
+    # bench/bench_tokenize.py, BENCHMARKS.md)
     meta = {"source": source, "target": target.identity(), **stats, "train_ids": [t.id for t in train],
             "val_ids": [t.id for t in val], "tokens": n_tok, "loss_tokens": n_masked, "seconds": seconds}
     atomic_write_json(d / "meta.json", meta)
