@@ -121,6 +121,9 @@ class TrainConfig:
     ttt_steps: int = opt(3, "training-time-test unroll steps")
     ttt_decay: float = opt(1.0, "loss weight multiplier per TTT step (step k weighs decay**k)")
     noise_std: float = opt(0.0, "std of Gaussian noise added to the target hidden states during training")
+    label_temperature: float = opt(1.0, "the target's logits are divided by this before they become the training "
+                                   "labels: below 1 the labels are sharper, nearer the greedy token a decoder "
+                                   "verifies (validation always scores against the target's own distribution)")
     val_ratio: float = opt(0.02, "share of training conversations held out for validation")
     scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
     warmup_ratio: float = opt(0.02, "share of steps used for linear warm-up")

@@ -107,7 +107,7 @@ EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel",
 
 # settings added after runs were made, at the value that does what those runs did: left out of the stage keys while
 # at that value, so a run made before them resumes instead of starting over
-KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False}
+KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0}
 
 # target.aux_layers: which hidden states the drafter is fed. The answers and tokens do not depend on them, so regen
 # and tokenize hash them at the default (trying other layers keeps the regenerated data), and the stages that

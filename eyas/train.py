@@ -40,6 +40,9 @@ from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
                    "warmup_ratio", "finetune_from", "batch_tokens", "grad_accum", "grad_clip", "seed",
                    "max_steps", "draft_intermediate_size", "init_head", "fc_init", "precision"]
+# settings added later, at the value earlier checkpoints trained with: in the fingerprint only while changed, so
+# those checkpoints still resume
+TRAJECTORY_WHEN_CHANGED = {"label_temperature": 1.0}
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -570,7 +573,9 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
 
 
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
-    return {"train": {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}, "target": target.identity(),
+    train = {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}
+    train.update({k: getattr(cfg.train, k) for k, old in TRAJECTORY_WHEN_CHANGED.items() if getattr(cfg.train, k) != old})
+    return {"train": train, "target": target.identity(),
             "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
             "world": world}
 
@@ -591,6 +596,8 @@ def run_train(cfg: Config, target=None) -> dict:
         raise EyasError(f"train.ttt_steps must be at least 1, got {tc.ttt_steps}")
     if tc.batch_tokens < 16 or tc.grad_accum < 1 or tc.epochs < 1:
         raise EyasError("train.batch_tokens must be >= 16, train.grad_accum and train.epochs >= 1")
+    if not tc.label_temperature > 0:
+        raise EyasError(f"train.label_temperature must be above 0, got {tc.label_temperature}")
     d = dist_setup(cfg.target.device)
     run = Path(cfg.out)
     torch.manual_seed(tc.seed)
@@ -689,7 +696,8 @@ def run_train(cfg: Config, target=None) -> dict:
     if state is not None:
         if state.get("fingerprint") != fp:
             old = state.get("fingerprint", {})
-            diff = sorted(k for k in fp["train"] if old.get("train", {}).get(k) != fp["train"][k])
+            was = old.get("train", {})
+            diff = sorted(k for k in {*fp["train"], *was} if was.get(k) != fp["train"].get(k))
             what = ", ".join(f"train.{k}" for k in diff) or "the target, draft vocabulary or process count"
             raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({what} changed); "
                             f"use another --out or delete {ckpt_dir(run)} to start over")
@@ -799,7 +807,8 @@ def run_train(cfg: Config, target=None) -> dict:
             sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
             with sync:
                 with autocast(d.device, tc.precision):
-                    labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top)
+                    labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top,
+                                           temperature=tc.label_temperature)
                     st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen)
                 loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
                 clock.stop("forward", t_ph)

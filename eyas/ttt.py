@@ -213,13 +213,16 @@ class Labels:
 
 @torch.no_grad()
 def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torch.Tensor, chunk: int = 4096,
-                  top: torch.Tensor | None = None) -> Labels:
+                  top: torch.Tensor | None = None, temperature: float = 1.0) -> Labels:
     """Target logits restricted to the draft vocabulary, and whether the full-vocabulary argmax
-    is in it: `top` when the features carry it, else computed here in row chunks."""
+    is in it: `top` when the features carry it, else computed here in row chunks. `temperature` divides the
+    logits (below 1 the soft labels are sharper, nearer the greedy token a decoder verifies; the argmax is kept)."""
     W = lm_head.weight
     b = getattr(lm_head, "bias", None)
     Wd = W[draft_ids]
     logits = F.linear(final.to(W.dtype), Wd, None if b is None else b[draft_ids])
+    if temperature != 1.0:
+        logits = logits / temperature
     to_draft = torch.full((W.shape[0],), -1, dtype=torch.long, device=W.device)
     to_draft[draft_ids] = torch.arange(draft_ids.numel(), device=W.device)
     if top is None:

@@ -135,6 +135,17 @@ def test_stage_keys_ignore_how_a_stage_runs():
     assert stage_keys(C.resolve(None, "smollm2", {"target.dtype": "float32"}))["regen"] != base["regen"]
 
 
+def test_label_temperature_keys_the_training_only_when_changed():
+    """train.label_temperature at 1 (what runs made before it trained with) leaves every stage key as it was; another
+    value keys train and the stages after it, not the data stages."""
+    from eyas.pipeline import stage_keys
+
+    base = stage_keys(C.resolve(None, "smollm2", {}))
+    assert stage_keys(C.resolve(None, "smollm2", {"train.label_temperature": "1.0"})) == base
+    sharp = stage_keys(C.resolve(None, "smollm2", {"train.label_temperature": "0.5"}))
+    assert [sharp[n] == base[n] for n in ("regen", "tokenize", "vocab", "train", "eval")] == [True] * 3 + [False] * 2
+
+
 def test_other_aux_layers_keep_the_regenerated_data():
     """Other aux layers change what the drafter is fed, not the answers or tokens: regen, tokenize and vocab keep
     their keys (no regeneration), extract and train get new ones, online or not; the default's keys are as before."""

@@ -379,6 +379,24 @@ def test_bf16_precision_on_cpu_trains_under_autocast(tiny_run, tiny, tmp_path):
     assert abs(losses["fp32"][0] - losses["bf16"][0]) < 0.05 * abs(losses["fp32"][0])
 
 
+def test_label_temperature_trains_on_sharper_labels(tiny_run, tiny, tmp_path):
+    """train.label_temperature reaches the training loss (it moves off the default's from the first step), and a
+    checkpoint made at one temperature is not resumed at another, either way, with the setting named."""
+    losses = {}
+    for t in (1.0, 0.5):
+        run = clone_run(tiny_run, tmp_path / str(t))
+        cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.max_steps": 2, "train.batch_tokens": 512,
+                                                     "train.max_seq_len": 256, "train.label_temperature": t})
+        run_train(cfg, tiny)
+        rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+        losses[t] = [r["loss"] for r in rows if "loss" in r]
+        other = resolve(preset_name="tiny", overrides={"out": str(run), "train.max_steps": 2, "train.batch_tokens": 512,
+                                                       "train.max_seq_len": 256, "train.label_temperature": 1.5 - t})
+        with pytest.raises(EyasError, match=r"\(train.label_temperature changed\)"):
+            run_train(other, tiny)
+    assert len(losses[1.0]) == len(losses[0.5]) == 2 and losses[1.0][0] != losses[0.5][0]
+
+
 def test_feature_cache_trains_like_recomputing(tiny_run, tiny, tmp_path):
     """Online features kept after their first computation (train.feature_cache_gb) give the losses of
     recomputing them every epoch (to float rounding: a sequence's forward can fall in another padded

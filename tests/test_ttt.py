@@ -265,6 +265,26 @@ def test_step_loss_equals_log_softmax_form():
     assert int(hits.sum()) > 0 and correct.item() == int(hits.sum())
 
 
+def test_label_temperature_sharpens_the_labels(tiny, setup):
+    """train.label_temperature divides the target's draft-vocabulary logits and keeps which token is on top; far
+    below 1 the soft cross-entropy becomes the hard one against the target's top token."""
+    drafter, samples, draft_ids = setup
+    b = pack_samples(samples)
+    head = tiny.model.get_output_embeddings()
+    one, half = (target_labels(b.final, head, draft_ids, temperature=t) for t in (1.0, 0.5))
+    torch.testing.assert_close(half.logits, one.logits / 0.5)
+    assert torch.equal(half.draft_idx, one.draft_idx) and int((one.draft_idx >= 0).sum()) > 0
+    n = b.input_ids.shape[0]
+    lg = torch.randn(n, draft_ids.numel(), generator=torch.Generator().manual_seed(5))
+    nxt, valid = torch.arange(n), torch.ones(n, dtype=torch.bool)
+    trains = one.draft_idx >= 0
+    hard = torch.nn.functional.cross_entropy(lg[trains], one.draft_idx[trains], reduction="sum")
+    cold = target_labels(b.final, head, draft_ids, temperature=1e-4)
+    sharp, _ = ttt._step_loss(lg, cold.logits, nxt, cold.draft_idx, valid)
+    soft, _ = ttt._step_loss(lg, one.logits, nxt, one.draft_idx, valid)
+    assert sharp.item() == pytest.approx(hard.item(), rel=1e-4) and abs(soft.item() - hard.item()) > 1e-2 * hard.item()
+
+
 @pytest.mark.compiler
 def test_compiled_step_loss_equals_eager(monkeypatch):
     """The step loss as torch.compile builds it (what training runs on a GPU) gives the eager loss, count and
