@@ -67,6 +67,10 @@ VARIANTS = {
     "last3": {"aux_layers": "last3"},
     "noise": {"noise": 0.05},
     "wide_fcscale_lr1e-3": {"fcscale": True, "lr": 1e-3, "mlp_mult": 4},
+    "fcscale_lr1e-3_lt0.5": {"fcscale": True, "lr": 1e-3, "label_temp": 0.5},
+    "fcscale_lr1e-3_lt0.25": {"fcscale": True, "lr": 1e-3, "label_temp": 0.25},
+    "fcscale_lr1e-3_lt0.05": {"fcscale": True, "lr": 1e-3, "label_temp": 0.05},
+    "fcscale_lr1e-3_decay0.8": {"fcscale": True, "lr": 1e-3, "decay": 0.8},
 }
 
 
@@ -108,7 +112,8 @@ def batches(data, budget: int, seed: int):
 
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
-                  fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1):
+                  fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1,
+                  label_temp=1.0, decay=1.0):
     from eyas.train import init_head_from_target
 
     dev = t.device
@@ -146,9 +151,9 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
         for g in opt.param_groups:
             g["lr"] = lr * f
         with autocast(dev):
-            lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top)
+            lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top, temperature=label_temp)
             st = ttt_unroll(d, b, lab, ttt, noise_std=noise)
-            loss = sum(ls / c.clamp(min=1) for ls, c in zip(st.loss_sum, st.count))
+            loss = sum(decay ** j * ls / c.clamp(min=1) for j, (ls, c) in enumerate(zip(st.loss_sum, st.count)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if clip > 0:
