@@ -14,6 +14,7 @@
 # 2. Run B: the same with $B_SET (default: train.lr 2e-3 against the default 1e-3, whose choice came from a CPU
 #    ablation at 2,048-token batches; the GPU trains on 8,192). A's regen, tokens and vocabulary are copied, so only
 #    the stages that read B's settings run (pipeline stage keys).
+#    Ran in the twenty-first session: eval tau 2.946 against 2.945, no gain (BENCHMARKS.md).
 # 3. Both drafters on the chat prompts' first turns, K=3 and 7, plain decoding beside them (cut if the time is out).
 # Budget: start and staging about 100 s; 1. about 790 s; 2. about 470; 3. about 2 x 100.
 S=$1; tag=$2

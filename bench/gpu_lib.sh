@@ -47,12 +47,20 @@ decode_runs() {  # decode_runs NAME=RUN...: each run's drafter on the chat promp
       --limit 80 --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_${nr%%=*}.json
   done
 }
-ab_runs() {  # ab_runs "SETTINGS" "B's SETTINGS": `eyas run` into /tmp/rA with SETTINGS, then into /tmp/rB on A's
-  # regenerated data, tokens and vocabulary (copied: the stages whose keys B's settings leave alone are skipped) with
-  # both; each run's results kept in $S as runA_* and runB_*
-  job run_a python3 -m eyas run --out /tmp/rA $1
-  NO_REGEN_TGZ=1 keep /tmp/rA runA
-  mkdir -p /tmp/rB && cp -r /tmp/rA/data /tmp/rA/vocab /tmp/rA/manifest.json /tmp/rB/ 2>/dev/null
-  job run_b python3 -m eyas run --out /tmp/rB $1 $2
-  NO_REGEN_TGZ=1 keep /tmp/rB runB
+data_runs() {  # data_runs "BASE" NAME="SETTINGS"...: `eyas run` into /tmp/rNAME with BASE and its SETTINGS, the first
+  # from nothing, each later one on the first's regenerated data, tokens and vocabulary (copied: the stages whose keys
+  # its settings leave alone are skipped); each run's results kept in $S as runNAME_*
+  local base=$1 first="" nr name; shift
+  for nr in "$@"; do
+    name=${nr%%=*}
+    if [ -n "$first" ]; then
+      mkdir -p /tmp/r$name && cp -r /tmp/r$first/data /tmp/r$first/vocab /tmp/r$first/manifest.json /tmp/r$name/ 2>/dev/null
+    fi
+    job run_${name,,} python3 -m eyas run --out /tmp/r$name $base ${nr#*=}
+    NO_REGEN_TGZ=1 keep /tmp/r$name run$name
+    first=${first:-$name}
+  done
+}
+ab_runs() {  # ab_runs "SETTINGS" "B's SETTINGS": run A with SETTINGS, then run B on A's data with both (data_runs)
+  data_runs "$1" A="" B="$2"
 }
