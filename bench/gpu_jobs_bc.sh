@@ -10,14 +10,19 @@
 #   JOBS="bench/gpu_jobs_bc.sh" bash bench/gpu_queue.sh 540
 # 1. Run B from nothing: run A's settings with $B_SET (default: train.ttt_decay 0.8, step j's loss weighted 0.8**j as
 #    the EAGLE-3 and SpecForge trainers weigh theirs; eyas weighs the 3 steps equally and 0.8 was only tried with 7).
-# 2. Run C on B's copied data with $C_SET instead (default: train.label_temperature 0.5, sharper soft labels).
+# 2. Run C on B's copied data with $C_SET instead (default: train.batch_tokens 4096 against the GPU default's 8,192;
+#    on the CPU half the batch for twice the steps learned a little more from fewer tokens, and 32,768 had lost to
+#    8,192 in the fifth session). C_SET="--set train.label_temperature=0.5" tries sharper labels instead (no change
+#    on the CPU).
 # 3. Both drafters on the chat prompts' first turns, K=3 and 7, plain decoding beside them (run A's are in
 #    BENCHMARKS.md, same command).
-# Budget: start and staging about 190 s; 1. about 760 s (regen 250, tokenize 20, train 410, eval 65); 2. about 400;
-# 3. about 2 x 70.
+# Budget: start and staging about 190 s; 1. about 760 s (regen 250, tokenize 20, train 410, eval 65); 2. about 500
+# (smaller batches train fewer tokens a second; not measured); 3. about 2 x 70, cut if the machine's time runs out.
+# B's regen records (16,200) and tokens (21,245,892) should equal run A's: if not, the data changed and run A's
+# figures are no baseline.
 S=$1; tag=$2
 B_SET=${B_SET:---set train.ttt_decay=0.8}
-C_SET=${C_SET:---set train.label_temperature=0.5}
+C_SET=${C_SET:---set train.batch_tokens=4096}
 source bench/gpu_lib.sh
 machine_info
 data_runs "--set regen.samples=1 --set train.epochs=3" B="$B_SET" C="$C_SET"
