@@ -71,6 +71,7 @@ VARIANTS = {
     "fcscale_lr1e-3_lt0.25": {"fcscale": True, "lr": 1e-3, "label_temp": 0.25},
     "fcscale_lr1e-3_lt0.05": {"fcscale": True, "lr": 1e-3, "label_temp": 0.05},
     "fcscale_lr1e-3_decay0.8": {"fcscale": True, "lr": 1e-3, "decay": 0.8},
+    "fcscale_lr1e-3_decay0.6": {"fcscale": True, "lr": 1e-3, "decay": 0.6},
 }
 
 
