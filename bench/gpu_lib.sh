@@ -54,7 +54,8 @@ data_runs() {  # data_runs "BASE" NAME="SETTINGS"...: `eyas run` into /tmp/rNAME
   for nr in "$@"; do
     name=${nr%%=*}
     if [ -n "$first" ]; then
-      mkdir -p /tmp/r$name && cp -r /tmp/r$first/data /tmp/r$first/vocab /tmp/r$first/manifest.json /tmp/r$name/ 2>/dev/null
+      mkdir -p /tmp/r$name
+      cp -r /tmp/r$first/data /tmp/r$first/vocab /tmp/r$first/manifest.json /tmp/r$name/ 2>/dev/null
     fi
     job run_${name,,} python3 -m eyas run --out /tmp/r$name $base ${nr#*=}
     NO_REGEN_TGZ=1 keep /tmp/r$name run$name

@@ -574,7 +574,8 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
 
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
     train = {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}
-    train.update({k: getattr(cfg.train, k) for k, old in TRAJECTORY_WHEN_CHANGED.items() if getattr(cfg.train, k) != old})
+    train.update({k: getattr(cfg.train, k) for k, old in TRAJECTORY_WHEN_CHANGED.items()
+                  if getattr(cfg.train, k) != old})
     return {"train": train, "target": target.identity(),
             "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
             "world": world}
