@@ -8,8 +8,8 @@
 # bench/gpu_queue.sh 540`), polled at once after each return (the machine goes back 30 s after a call when no
 # other follows, and 30 minutes after it started):
 #   JOBS="bench/gpu_jobs_bc.sh" bash bench/gpu_queue.sh 540
-# 1. Run B from nothing: run A's settings with $B_SET (default: train.ttt_decay 0.8, step j's loss weighted 0.8**j, a value
-#    common in EAGLE-3 trainers; eyas weighs the 3 steps equally and 0.8 was only tried with 7).
+# 1. Run B from nothing: run A's settings with $B_SET (default: train.ttt_decay 0.8, step j's loss weighted 0.8**j,
+#    a value common in EAGLE-3 trainers; eyas weighs the steps equally, and no decay was ever tried on the GPU).
 # 2. Run C on B's copied data with $C_SET instead (default: train.batch_tokens 4096 against the GPU default's 8,192;
 #    on the CPU half the batch for twice the steps learned a little more from fewer tokens, and 32,768 had lost to
 #    8,192 in the fifth session). C_SET="--set train.label_temperature=0.5" tries sharper labels instead (no change
