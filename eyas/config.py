@@ -204,6 +204,11 @@ class Config:
 
 SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "export"]
 
+# settings added after runs were made, at the value that does what those runs did: while at that value they are left
+# out of the pipeline's stage keys (pipeline.stage_keys) and, the train ones, out of a checkpoint's fingerprint
+# (train.fingerprint), so a run folder or checkpoint made before them resumes instead of starting over
+KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0}
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},
     "qwen-coder-0.5b": {"target": {"name": "qwen-coder-0.5b"}, "data": {"source": "sharegpt"}},

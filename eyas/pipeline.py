@@ -105,10 +105,6 @@ EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel",
                   "data.tokenize_workers"}
 
 
-# settings added after runs were made, at the value that does what those runs did: left out of the stage keys while
-# at that value, so a run made before them resumes instead of starting over
-KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0}
-
 # target.aux_layers: which hidden states the drafter is fed. The answers and tokens do not depend on them, so regen
 # and tokenize hash them at the default (trying other layers keeps the regenerated data), and the stages that
 # capture or train on the states (extract, train: train also covers the online features) key them while changed
@@ -122,7 +118,7 @@ def stage_keys(cfg: C.Config) -> dict[str, str]:
     for key in EXECUTION_ONLY:
         sec, _, field = key.partition(".")
         d[sec].pop(field, None)
-    for key, old in KEYED_WHEN_CHANGED.items():
+    for key, old in C.KEYED_WHEN_CHANGED.items():
         sec, _, field = key.partition(".")
         if d[sec].get(field) == old:
             d[sec].pop(field)

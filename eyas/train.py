@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import Config
+from .config import KEYED_WHEN_CHANGED, Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, drafter_compile_on,
                   drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
@@ -40,9 +40,6 @@ from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
                    "warmup_ratio", "finetune_from", "batch_tokens", "grad_accum", "grad_clip", "seed",
                    "max_steps", "draft_intermediate_size", "init_head", "fc_init", "precision"]
-# settings added later, at the value earlier checkpoints trained with: in the fingerprint only while changed, so
-# those checkpoints still resume
-TRAJECTORY_WHEN_CHANGED = {"label_temperature": 1.0}
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -574,8 +571,10 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
 
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
     train = {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}
-    train.update({k: getattr(cfg.train, k) for k, old in TRAJECTORY_WHEN_CHANGED.items()
-                  if getattr(cfg.train, k) != old})
+    for key, old in KEYED_WHEN_CHANGED.items():  # settings added later: keyed only while changed
+        sec, _, field = key.partition(".")
+        if sec == "train" and getattr(cfg.train, field) != old:
+            train[field] = getattr(cfg.train, field)
     return {"train": train, "target": target.identity(),
             "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
             "world": world}
