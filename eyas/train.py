@@ -598,6 +598,8 @@ def run_train(cfg: Config, target=None) -> dict:
         raise EyasError("train.batch_tokens must be >= 16, train.grad_accum and train.epochs >= 1")
     if not tc.label_temperature > 0:
         raise EyasError(f"train.label_temperature must be above 0, got {tc.label_temperature}")
+    if not tc.ttt_decay >= 0:
+        raise EyasError(f"train.ttt_decay must be 0 or above, got {tc.ttt_decay}")
     d = dist_setup(cfg.target.device)
     run = Path(cfg.out)
     torch.manual_seed(tc.seed)

@@ -397,6 +397,31 @@ def test_label_temperature_trains_on_sharper_labels(tiny_run, tiny, tmp_path):
     assert len(losses[1.0]) == len(losses[0.5]) == 2 and losses[1.0][0] != losses[0.5][0]
 
 
+def test_ttt_decay_weighs_each_step(tiny_run, tiny, tmp_path):
+    """The first step's loss at decay d is L0 + d*L1 + d**2*L2 (the TTT steps' losses on the same batch and the
+    same initial weights): the per-step losses solved from d = 0, 0.5 and 1 predict the loss at d = 2. A decay
+    below 0 is refused, naming the setting."""
+    first = {}
+    for d in (0.0, 0.5, 1.0, 2.0):
+        run = clone_run(tiny_run, tmp_path / str(d))
+        cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.max_steps": 1, "train.batch_tokens": 512,
+                                                     "train.max_seq_len": 256, "train.ttt_steps": 3,
+                                                     "train.ttt_decay": d})
+        run_train(cfg, tiny)
+        rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+        first[d] = [r["loss"] for r in rows if "loss" in r][0]
+    l0 = first[0.0]
+    # L1 + L2 = a and L1/2 + L2/4 = b
+    a, b = first[1.0] - l0, first[0.5] - l0
+    l2 = (a - 2 * b) * 2
+    l1 = a - l2
+    assert l1 > 0 and l2 > 0
+    assert first[2.0] == pytest.approx(l0 + 2 * l1 + 4 * l2, rel=1e-4)
+    bad = resolve(preset_name="tiny", overrides={"out": str(tmp_path / "bad"), "train.ttt_decay": -0.5})
+    with pytest.raises(EyasError, match=r"train.ttt_decay must be 0 or above, got -0.5"):
+        run_train(bad, tiny)
+
+
 def test_feature_cache_trains_like_recomputing(tiny_run, tiny, tmp_path):
     """Online features kept after their first computation (train.feature_cache_gb) give the losses of
     recomputing them every epoch (to float rounding: a sequence's forward can fall in another padded
