@@ -114,11 +114,11 @@ def batches(data, budget: int, seed: int):
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
                   fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1,
-                  label_temp=1.0, decay=1.0):
+                  label_temp=1.0, decay=1.0, seed=0):
     from eyas.train import init_head_from_target
 
     dev = t.device
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the drafter's initial weights (and any noise); seed 0 gives the earlier runs' figures
     inter = t.model.config.intermediate_size * mlp_mult if mlp_mult != 1 else 0
     d = build_drafter(t, dv, draft_ids.cpu(), intermediate_size=inter).to(dev)
     H = d.config.target_hidden_size
@@ -141,7 +141,7 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
     tokens = 0
     while s < steps:
         if not tb:
-            tb = batches(tr, budget, ep)
+            tb = batches(tr, budget, ep + 1000 * seed)  # each epoch's order
             ep += 1
         b = pack_samples(tb.pop())
         if zero_aux:
@@ -200,6 +200,8 @@ def main() -> int:
     ap.add_argument("--drafter-compile", type=int, default=0, choices=(0, 1),
                     help="the drafter's TTT step compiled (eyas.ttt.DRAFTER_COMPILE); off by default: the batches are "
                          "not padded to one length, so each new length would compile again")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the drafter's initial weights and the batches' "
+                    "order (0: the figures of the runs before it existed); a few seeds measure the spread")
     ap.add_argument("--aux-layers", default="", help="comma list of aux layer ids (the residual stream entering "
                     "those decoder layers) instead of the target's default [2, N//2, N-3]; a variant's own wins")
     a = ap.parse_args()
@@ -232,8 +234,8 @@ def main() -> int:
     dv = min(a.draft_vocab_size, t.vocab_size)
     draft_ids = cnt.topk(dv).indices.sort().values
     prep = time.time() - t0
-    res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, **kw)
-    res = {"variant": a.variant, "aux_layers": t.aux_layers, "drafter_compile": a.drafter_compile, **res,
+    res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, seed=a.seed, **kw)
+    res = {"variant": a.variant, "seed": a.seed, "aux_layers": t.aux_layers, "drafter_compile": a.drafter_compile, **res,
            "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
            "device": torch.cuda.get_device_name() if t.device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)}

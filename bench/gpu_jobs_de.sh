@@ -11,6 +11,9 @@
 # 1. Run D from nothing with $D_SET (default: answers sampled at temperature 0.6 instead of 0.8). The eval decodes
 #    greedily, and training text sampled cooler is nearer what the drafter sees there; greedy answers (temperature 0)
 #    had trained a worse drafter because 59% of them loop to the cap (eleventh session).
+#    On this session's CPU, 68 first answers sampled at 0.6 (`eyas regen --preset smollm2 --limit 128 --turns 1
+#    --temperature 0.6`, stopped there) looped 12 times (18%) by eyas' measure, against 6.75% of run B's 16,200 at 0.8
+#    on the H200 (other prompts, so only a sign that cooler answers loop more).
 # 2. Run E on D's copied data with $E_SET (default: train.ttt_decay 0.6, which beat 0.8 in the CPU ablation, simulated
 #    tau 1.429 against 1.422). E against D measures the decay; D against B the temperature.
 # 3. Both drafters on the chat prompts' first turns, K=3 and 7, plain decoding beside them.
