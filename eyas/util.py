@@ -150,14 +150,42 @@ def dist_barrier() -> None:
         dist.barrier()
 
 
+# where stderr is not a terminal (a log file, CI), a progress bar writes one plain line this often, from the first
+# time it has run this long: short work writes nothing, long work shows it is alive and how far it got
+PROGRESS_LINE_S = 60.0
+
+
+class _Lines:
+    """A stream for tqdm that turns each redraw ("\r" + state) into a line of its own."""
+
+    def __init__(self, stream):
+        self.stream, self.last = stream, ""
+
+    def write(self, s: str) -> None:
+        s = s.replace("\r", "").replace("\x1b[A", "").strip()
+        if s and s != self.last:  # the closing redraw repeats the last refresh
+            self.stream.write(s + "\n")
+            self.stream.flush()
+            self.last = s
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def progress(iterable: Iterable | None = None, **kw):
-    """A tqdm progress bar on stderr that stays quiet when stderr is not a terminal and
-    EYAS_PROGRESS is not set (so logs and CI output stay readable)."""
+    """A tqdm progress bar on stderr. Where stderr is not a terminal and EYAS_PROGRESS is not set, the bar is a
+    plain line every PROGRESS_LINE_S seconds once the work has run that long (so logs and CI output stay
+    readable and a long stage still reports how far it is)."""
     from tqdm.auto import tqdm
 
-    kw.setdefault("disable", not (sys.stderr.isatty() or os.environ.get("EYAS_PROGRESS")))
-    kw.setdefault("dynamic_ncols", True)
-    kw.setdefault("mininterval", 0.5)
+    if sys.stderr.isatty() or os.environ.get("EYAS_PROGRESS"):
+        kw.setdefault("dynamic_ncols", True)
+        kw.setdefault("mininterval", 0.5)
+    else:
+        kw.setdefault("file", _Lines(sys.stderr))
+        kw.setdefault("ncols", 100)
+        kw.setdefault("mininterval", PROGRESS_LINE_S)
+        kw.setdefault("delay", PROGRESS_LINE_S)
     return tqdm(iterable, **kw)
 
 

@@ -158,3 +158,26 @@ def test_other_aux_layers_keep_the_regenerated_data():
             [True, True, True, online == "true", False, False]
         assert stage_keys(C.resolve(None, "smollm2", {"train.online": online, "target.aux_layers": "2,15,27"})) \
             != base  # the preset's own layers named explicitly are still a change from [] (the target's default)
+
+
+def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):
+    """Without a terminal (a log file) a progress bar is quiet for short work and, for work longer than
+    PROGRESS_LINE_S, writes its state as plain lines (no carriage returns), the last one at 100%."""
+    import time
+
+    from eyas import util
+
+    monkeypatch.delenv("EYAS_PROGRESS", raising=False)
+    for _ in util.progress(range(50), desc="short"):
+        pass
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(util, "PROGRESS_LINE_S", 0.05)
+    bar = util.progress(total=6, desc="long", unit="conv")
+    for _ in range(6):
+        time.sleep(0.03)
+        bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and len(lines) >= 2 and len(set(lines)) == len(lines)
+    assert all(x.startswith("long:") for x in lines) and "6/6" in lines[-1] and "100%" in lines[-1]
