@@ -76,6 +76,10 @@ VARIANTS = {
     # about 3 / 6.6 / 22.6), on top of the default decay
     "fcscale_lr1e-3_decay0.8_noise0.2": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "noise": 0.2},
     "fcscale_lr1e-3_decay0.8_noise1": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "noise": 1.0},
+    # the loss on every position of the training sequences (the user turns and the template's tokens too), not only
+    # on the answers; the labels are the target's own distribution wherever the text came from. Validation stays
+    # on the answers
+    "fcscale_lr1e-3_decay0.8_allpos": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "all_positions": True},
 }
 
 
@@ -118,7 +122,7 @@ def batches(data, budget: int, seed: int):
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
                   fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1,
-                  label_temp=1.0, decay=1.0, seed=0):
+                  label_temp=1.0, decay=1.0, all_positions=False, seed=0):
     from eyas.train import init_head_from_target
 
     dev = t.device
@@ -152,6 +156,8 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
             b.aux = torch.zeros_like(b.aux)
         if inv is not None:
             b.aux = b.aux * inv.to(b.aux.dtype)
+        if all_positions:
+            b.loss_mask = torch.ones_like(b.loss_mask)
         f = min(1.0, (s + 1) / max(1, steps // 50)) * 0.5 * (1 + math.cos(math.pi * s / steps))
         for g in opt.param_groups:
             g["lr"] = lr * f

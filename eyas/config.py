@@ -125,6 +125,10 @@ class TrainConfig:
     label_temperature: float = opt(1.0, "the target's logits are divided by this before they become the training "
                                    "labels: below 1 the labels are sharper, nearer the greedy token a decoder "
                                    "verifies (validation always scores against the target's own distribution)")
+    loss_positions: str = opt("answers", "positions the training loss covers: answers (the assistant tokens, the "
+                              "loss mask) or all (every token of the training sequences, the user turns and the "
+                              "template's too; the labels are the target's own distribution wherever the text came "
+                              "from). Validation always scores the answers", choices=("answers", "all"))
     val_ratio: float = opt(0.02, "share of training conversations held out for validation")
     scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
     warmup_ratio: float = opt(0.02, "share of steps used for linear warm-up")
@@ -208,7 +212,8 @@ SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "ex
 # settings added after runs were made, at the value that does what those runs did: while at that value they are left
 # out of the pipeline's stage keys (pipeline.stage_keys) and, the train ones, out of a checkpoint's fingerprint
 # (train.fingerprint), so a run folder or checkpoint made before them resumes instead of starting over
-KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0}
+KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0,
+                      "train.loss_positions": "answers"}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},

@@ -110,8 +110,9 @@ def pack_indices(lengths: list[int], budget: int, seed: int) -> list[list[int]]:
 class Data:
     """Token lengths, epoch packing and feature access for one split."""
 
-    def __init__(self, tokens, features, max_len: int, budget: int, fp32: bool = False):
+    def __init__(self, tokens, features, max_len: int, budget: int, fp32: bool = False, all_positions: bool = False):
         self.tokens = tokens
+        self.all_positions = all_positions  # train.loss_positions=all: the loss on every token, not the answers only
         self.features = features
         self.max_len = max_len
         self.budget = budget
@@ -145,6 +146,8 @@ class Data:
             for i in b:
                 _, m = self.tokens[i]
                 L = self.lengths[i]
+                if self.all_positions:
+                    m = torch.ones_like(m)
                 for j, c in enumerate(count_positions(m[:L], [L], steps)):
                     total[j] += c
         return total
@@ -156,6 +159,8 @@ class Data:
         dev = torch.device(device)
         pad_to = self.budget if dev.type == "cuda" or drafter_compile_on(dev) else 0
         batch = pack_samples(samples, self.max_len, pad_to, multiple).to(device)
+        if self.all_positions:  # the padding stays out: step_targets counts only rows below n_real
+            batch.loss_mask = torch.ones_like(batch.loss_mask)
         if batch.aux.device.type != "cuda" or self.fp32:  # fp32 drafter math: stored bf16/fp8 features cast up
             batch.aux, batch.final = batch.aux.float(), batch.final.float()
         return batch
@@ -636,7 +641,7 @@ def run_train(cfg: Config, target=None) -> dict:
                 f"{human_bytes(budget)}" + (f", then in host memory up to {human_bytes(host_budget)}"
                                             if host_budget else ""))
     train = Data(train_tokens, make_features(cfg, target, train_tokens, "train", cache["train"], host["train"]),
-                 max_len, tc.batch_tokens, fp32)
+                 max_len, tc.batch_tokens, fp32, all_positions=tc.loss_positions == "all")
     val = Data(val_tokens, make_features(cfg, target, val_tokens, "val", cache["val"], host["val"]), max_len,
                tc.batch_tokens, fp32) if len(val_tokens) else None
     if len(train.tokens) == 0:

@@ -146,6 +146,17 @@ def test_label_temperature_keys_the_training_only_when_changed():
     assert [sharp[n] == base[n] for n in ("regen", "tokenize", "vocab", "train", "eval")] == [True] * 3 + [False] * 2
 
 
+def test_loss_positions_keys_the_training_only_when_changed():
+    """train.loss_positions at answers (what runs made before it trained with) leaves every stage key as it was; all
+    keys train and the stages after it, not the data stages."""
+    from eyas.pipeline import stage_keys
+
+    base = stage_keys(C.resolve(None, "smollm2", {}))
+    assert stage_keys(C.resolve(None, "smollm2", {"train.loss_positions": "answers"})) == base
+    every = stage_keys(C.resolve(None, "smollm2", {"train.loss_positions": "all"}))
+    assert [every[n] == base[n] for n in ("regen", "tokenize", "vocab", "train", "eval")] == [True] * 3 + [False] * 2
+
+
 def test_other_aux_layers_keep_the_regenerated_data():
     """Other aux layers change what the drafter is fed, not the answers or tokens: regen, tokenize and vocab keep
     their keys (no regeneration), extract and train get new ones, online or not; the default's keys are as before."""

@@ -397,6 +397,31 @@ def test_label_temperature_trains_on_sharper_labels(tiny_run, tiny, tmp_path):
     assert len(losses[1.0]) == len(losses[0.5]) == 2 and losses[1.0][0] != losses[0.5][0]
 
 
+def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
+    """train.loss_positions=all counts every position of a sequence that has a label at each TTT step (the answers
+    are a strict part of them), moves the loss off the answers-only one from the first step, and keys the
+    checkpoint like any training setting."""
+    from eyas.train import Data
+
+    tokens = load_tokens(tiny_run, "train")
+    answers, every = Data(tokens, None, 256, 512), Data(tokens, None, 256, 512, all_positions=True)
+    bins = every.bins(0)
+    want = [sum(max(0, every.lengths[i] - j - 2) for b in bins for i in b) for j in range(3)]
+    assert every.counts(bins, 3) == want
+    assert all(a < w for a, w in zip(answers.counts(bins, 3), want))
+    losses = {}
+    for pos in ("answers", "all"):
+        run = clone_run(tiny_run, tmp_path / pos)
+        over = {"out": str(run), "train.max_steps": 2, "train.batch_tokens": 512, "train.max_seq_len": 256}
+        run_train(resolve(preset_name="tiny", overrides={**over, "train.loss_positions": pos}), tiny)
+        rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+        losses[pos] = [r["loss"] for r in rows if "loss" in r]
+        other = "all" if pos == "answers" else "answers"
+        with pytest.raises(EyasError, match=r"\(train.loss_positions changed\)"):
+            run_train(resolve(preset_name="tiny", overrides={**over, "train.loss_positions": other}), tiny)
+    assert len(losses["answers"]) == len(losses["all"]) == 2 and losses["answers"][0] != losses["all"][0]
+
+
 def test_ttt_decay_weighs_each_step(tiny_run, tiny, tmp_path):
     """The first step's loss at decay d is L0 + d*L1 + d**2*L2 (the TTT steps' losses on the same batch and the
     same initial weights): the per-step losses solved from d = 0, 0.5 and 1 predict the loss at d = 2. A decay
