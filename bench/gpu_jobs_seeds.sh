@@ -11,6 +11,8 @@
 # 2. Runs S1 and S2 on D's copied data with train.seed 1 and 2: other initial weights and batch orders, the same
 #    data, validation split and eval text. Their spread says whether the 0.015-0.05 differences measured between
 #    settings (lr 2e-3, batch 4,096, decay 0.6 and 0.8, loss on every position) are the settings or the seed.
+#    Each run also reports greedy_tau (train.greedy_val, new in the twenty-seventh session: the chain simulated on the
+#    target's greedy answers to 256 validation prompts), to set beside the eval's tau on the first answers.
 # 3. The three drafters on the chat prompts' first turns, K=3 and 7, plain decoding beside them.
 # Budget: start and staging 190-350 s; 1. about 640 s; 2. about 340 s each; 3. about 60 s each.
 S=$1; tag=$2

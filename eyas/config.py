@@ -130,6 +130,10 @@ class TrainConfig:
                               "template's too; the labels are the target's own distribution wherever the text came "
                               "from). Validation always scores the answers", choices=("answers", "all"))
     val_ratio: float = opt(0.02, "share of training conversations held out for validation")
+    greedy_val: int = opt(256, "validation prompts (their first user turn) the target answers greedily, once at the "
+                          "start of training, up to eval.max_new_tokens tokens: each evaluation then also scores the "
+                          "drafter on that text, where the simulated chain is what eyas' decoder accepts, and reports "
+                          "greedy_tau, the forecast of the decoder's tau on first answers (0 = off)")
     scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
     warmup_ratio: float = opt(0.02, "share of steps used for linear warm-up")
     num_workers: int = opt(0, "data loader worker processes")

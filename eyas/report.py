@@ -108,6 +108,10 @@ def write_report(run: Path) -> dict:
                 lines.append(f"- best checkpoint: step {v.get('step')}, validation τ forecast {v['val_tau']:.2f} at "
                              f"K={len(v['val_accept'])} (greedy chain acceptance by position "
                              + ", ".join(f"{x:.3f}" for x in v["val_accept"]) + ")")
+                if "greedy_tau" in v:
+                    lines.append(f"- on the target's greedy answers to validation prompts (what the decoder verifies): "
+                                 f"τ forecast {v['greedy_tau']:.2f}, acceptance by position "
+                                 + ", ".join(f"{x:.3f}" for x in v["greedy_accept"]))
         _img(lines, run, "train/curves.png", "training curves")
         lines.append("")
     if ev:

@@ -504,15 +504,20 @@ def plot_curves(rows: list[dict], png: Path) -> None:
             ax[1].plot([r["step"] for r in tr], [r["acc"][j] for r in tr], lw=0.8, label=f"train step {j}")
     for j in range(len(ev[0]["val_acc"]) if ev else 0):
         ax[1].plot([r["step"] for r in ev], [r["val_acc"][j] for r in ev], "o-", label=f"val step {j}")
-    if ev:
-        ax[2].plot([r["step"] for r in ev], [r["val_al"] for r in ev], "o-")
+    for key, label in (("val_al", "val_al (sum of step accuracies' products)"), ("val_tau", "val_tau (sampled answers)"),
+                       ("greedy_tau", "greedy_tau (the target's greedy answers)")):
+        pts = [r for r in ev if key in r]
+        if pts:
+            ax[2].plot([r["step"] for r in pts], [r[key] for r in pts], "o-", label=label)
     ax[0].set_title("training loss (TTT, weighted)")
     ax[1].set_title("accuracy per TTT step")
-    ax[2].set_title("val simulated acceptance length")
+    ax[2].set_title("validation: simulated acceptance, tau forecasts")
     for a in ax:
         a.set_xlabel("optimizer step")
         a.grid(alpha=0.3)
     ax[1].legend(fontsize=7)
+    if ev:
+        ax[2].legend(fontsize=7)
     fig.tight_layout()
     with atomic_path(png) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
@@ -646,6 +651,22 @@ def run_train(cfg: Config, target=None) -> dict:
                tc.batch_tokens, fp32) if len(val_tokens) else None
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
+    greedy = None  # the target's greedy answers to validation prompts: the decoder's tau forecast (eyas.greedyval)
+    if tc.greedy_val > 0 and len(val_tokens):
+        from .features import OnlineFeatures
+        from .greedyval import greedy_val_set
+
+        n_new = cfg.eval.max_new_tokens
+        gen_tokens = 65536 if target.device.type == "cuda" else 4096
+        if d.main:
+            greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
+        d.barrier()
+        g_tokens = greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
+        if g_tokens is not None and len(g_tokens):
+            # the target's features of this text are computed as they are needed, with stored features too
+            feats = OnlineFeatures(target, g_tokens, max_batch_tokens=max(cfg.features.batch_tokens, tc.batch_tokens),
+                                   norm=cfg.features.norm)
+            greedy = Data(g_tokens, feats, max_len, tc.batch_tokens, fp32)
 
     warm = None
     if cache["train"] or host["train"]:  # this process's sequences through the target ahead, extraction-sized
@@ -731,13 +752,21 @@ def run_train(cfg: Config, target=None) -> dict:
         if val is None:
             return
         r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
+        if greedy is not None:
+            g = evaluate(module, drafter, greedy, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
+            r.update({"greedy_tau": g["val_tau"], "greedy_accept": g["val_accept"], "greedy_acc": g["val_acc"],
+                      "greedy_chain_positions": g["val_chain_positions"]})
         metrics.add({"step": s, **r})
         log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}; "
             f"greedy chain: acceptance {[round(a, 3) for a in r['val_accept']]}, tau {r['val_tau']:.3f} at "
-            f"K={len(r['val_accept'])}")
+            f"K={len(r['val_accept'])}" + (f"; on the target's greedy answers: acceptance "
+                                          f"{[round(a, 3) for a in r['greedy_accept']]}, tau {r['greedy_tau']:.3f}"
+                                          if greedy is not None else ""))
         if r["val_al"] > best["val_al"]:
             best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "val_tau": r["val_tau"],
-                    "val_accept": r["val_accept"], "step": s}
+                    "val_accept": r["val_accept"], "step": s,
+                    **({"greedy_tau": r["greedy_tau"], "greedy_accept": r["greedy_accept"]} if greedy is not None
+                       else {})}
             save_draft({"step": s, **r})
             if d.main:
                 atomic_write_json(ckpt_dir(run) / "best.json", best)

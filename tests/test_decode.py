@@ -619,6 +619,15 @@ def test_graphed_prefill_gives_the_eager_prefill_generation_on_gpu(monkeypatch):
     assert runs[None] == runs[False]
 
 
+def test_greedy_val_answers_are_the_decoders_text(smol, prompt_set, plain_outputs):
+    """The text `greedy_tau` is scored on (eyas.greedyval: transformers' generate, several prompts a batch, left
+    padded) is the decoder's plain greedy output token for token, the turn's end kept as the decoder keeps it."""
+    from eyas.greedyval import greedy_answers
+
+    got = greedy_answers(smol, prompt_set, NEW, batch_tokens=3 * (max(map(len, prompt_set)) + NEW))
+    assert got == plain_outputs
+
+
 def test_ttt_chain_simulates_the_decoders_acceptance(smol, prompt_set, plain_outputs, trained):
     """The greedy chain the TTT unroll simulates on the target's own greedy text (the validation's forecast
     of τ, `val_tau`) is what the decoder accepts: each round of a K=3 decoding starts at a position whose

@@ -422,6 +422,47 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
     assert len(losses["answers"]) == len(losses["all"]) == 2 and losses["answers"][0] != losses["all"][0]
 
 
+def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, monkeypatch):
+    """train.greedy_val: the target answers the validation split's first prompts greedily once (kept with the run),
+    each evaluation reports greedy_tau beside val_tau, the best checkpoint carries it, and the same run reads the
+    answers back instead of generating them again; 0 turns it off."""
+    import eyas.greedyval as gv
+    from eyas.data.prepare import TokenSet
+
+    run = clone_run(tiny_run, tmp_path / "g")
+    over = {"out": str(run), "train.max_steps": 2, "train.batch_tokens": 512, "train.max_seq_len": 256,
+            "train.greedy_val": 3}
+    summary = run_train(resolve(preset_name="tiny", overrides=over), tiny)
+    rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "val_tau" in r]
+    assert evals and all(1.0 <= r["greedy_tau"] <= 4.0 and len(r["greedy_accept"]) == 3 for r in evals)
+    assert summary["best"]["greedy_tau"] == evals[-1]["greedy_tau"]
+    meta = json.loads((run / "train" / "greedy_val.json").read_text())
+    g = TokenSet.load(run / "train" / "greedy_val.safetensors", meta["ids"])
+    assert len(g) == meta["answers"] == 3
+    for i in range(len(g)):  # prompt, then the target's greedy answer (transformers' generate, one prompt alone)
+        ids, mask = g[i]
+        a = int(mask.nonzero()[0])
+        assert not mask[:a].any() and mask[a:].all()
+        ref = tiny.model.generate(ids[None, :a], attention_mask=torch.ones(1, a, dtype=torch.long), do_sample=False,
+                                  max_new_tokens=16, eos_token_id=tiny.eot_token_ids, pad_token_id=0)[0, a:].tolist()
+        stop = next((j for j, t in enumerate(ref) if t in tiny.eot_token_ids), None)
+        assert ids[a:].tolist() == (ref[:stop + 1] if stop is not None else ref)
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(gv, "greedy_answers", no_generation)
+    shutil.rmtree(run / "ckpt", ignore_errors=True)  # a fresh training on the same run: the answers read back
+    run_train(resolve(preset_name="tiny", overrides={**over, "train.max_steps": 1}), tiny)
+    monkeypatch.undo()
+    off = clone_run(tiny_run, tmp_path / "off")
+    run_train(resolve(preset_name="tiny", overrides={**over, "out": str(off), "train.greedy_val": 0}), tiny)
+    rows = [json.loads(x) for x in (off / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert any("val_tau" in r for r in rows) and not any("greedy_tau" in r for r in rows)
+    assert not (off / "train" / "greedy_val.json").exists()
+
+
 def test_ttt_decay_weighs_each_step(tiny_run, tiny, tmp_path):
     """The first step's loss at decay d is L0 + d*L1 + d**2*L2 (the TTT steps' losses on the same batch and the
     same initial weights): the per-step losses solved from d = 0, 0.5 and 1 predict the loss at d = 2. A decay

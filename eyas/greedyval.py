@@ -1,0 +1,109 @@
+"""Greedy validation answers: the forecast of the decoder's τ, on the text the decoder meets.
+
+The validation split's answers were sampled (regen's temperature), and the decoder verifies greedy text, which a
+drafter predicts differently: on the H200 two settings raised the validation's forecast (`val_tau`) while lowering
+the decoder's τ (BENCHMARKS.md, twenty-seventh session). So the training can also score its drafter on the target's
+greedy answers to the validation split's first prompts (`train.greedy_val` of them), generated once here at the
+start of training and kept in `<run>/train/greedy_val.safetensors`. On that text the validation's simulated greedy
+chain is what eyas' decoder accepts round by round (`test_ttt_chain_simulates_the_decoders_acceptance`), so
+`greedy_tau` forecasts the decoder's τ on first answers from a few hundred of them at every evaluation.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .data.prepare import TokenSet
+from .util import atomic_write_json, log, progress, read_json, stable_hash
+
+
+def first_prompts(tokens: TokenSet, n: int, max_prompt: int) -> list[tuple[str, list[int]]]:
+    """(record id, the tokens before its first trained token) of the first `n` sequences whose prompt is at most
+    `max_prompt` tokens long, each prompt once (samples of one answer share it)."""
+    out, seen = [], set()
+    for i in range(len(tokens)):
+        ids, mask = tokens[i]
+        on = mask.nonzero()
+        if not len(on):
+            continue
+        p = ids[:int(on[0])].tolist()
+        if not p or len(p) > max_prompt or tuple(p) in seen:
+            continue
+        seen.add(tuple(p))
+        out.append((tokens.ids[i], p))
+        if len(out) >= n:
+            break
+    return out
+
+
+@torch.no_grad()
+def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_tokens: int) -> list[list[int]]:
+    """The target's greedy answer to each prompt, up to `max_new_tokens` tokens and through the first token that ends
+    a turn (kept, as the decoder keeps it). Prompts are left-padded in batches of about `batch_tokens` tokens."""
+    from transformers import GenerationConfig
+
+    stop = [int(s) for s in target.eot_token_ids]
+    pad = target.tokenizer.pad_token_id
+    pad = int(pad if pad is not None else (stop[0] if stop else 0))
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop or None,
+                          pad_token_id=pad, num_beams=1)
+    model, dev = target.model, target.device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    bar = progress(total=len(prompts), desc="greedy val", unit="answer")
+    k = 0
+    while k < len(order):
+        j = k + 1  # sorted by length: the batch's last prompt is its longest
+        while j < len(order) and (j + 1 - k) * (len(prompts[order[j]]) + max_new_tokens) <= batch_tokens:
+            j += 1
+        idx = order[k:j]
+        longest = len(prompts[idx[-1]])
+        ids = torch.full((len(idx), longest), pad, dtype=torch.long)
+        att = torch.zeros((len(idx), longest), dtype=torch.long)
+        for r, i in enumerate(idx):
+            p = prompts[i]
+            ids[r, longest - len(p):] = torch.tensor(p)
+            att[r, longest - len(p):] = 1
+        out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), generation_config=gc)
+        for r, i in enumerate(idx):
+            new = out[r, longest:].tolist()
+            end = next((j for j, t in enumerate(new) if t in stop), None)
+            answers[i] = new[:end + 1] if end is not None else new
+        k += len(idx)
+        bar.update(len(idx))
+    bar.close()
+    return answers
+
+
+def greedy_val_set(run: Path, target, val: TokenSet, n: int, max_new_tokens: int, max_len: int,
+                   batch_tokens: int) -> TokenSet | None:
+    """The greedy validation sequences (prompt, then the target's greedy answer, the answer trained-on), made once
+    per run and target and read back after that (a resumed run scores the same text)."""
+    prompts = first_prompts(val, n, max_len - max_new_tokens)
+    if not prompts:
+        return None
+    path, meta_path = run / "train" / "greedy_val.safetensors", run / "train" / "greedy_val.json"
+    key = stable_hash(str([target.identity(), max_new_tokens, prompts]))
+    meta = read_json(meta_path) if meta_path.exists() else {}
+    if path.exists() and meta.get("key") == key:
+        return TokenSet.load(path, meta["ids"])
+    t0 = time.perf_counter()
+    answers = greedy_answers(target, [p for _, p in prompts], max_new_tokens, batch_tokens)
+    keep = [(rid, p, a) for (rid, p), a in zip(prompts, answers) if a]
+    lens = torch.tensor([len(p) + len(a) for _, p, a in keep], dtype=torch.long)
+    offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(lens, 0)
+    ids = torch.tensor([t for _, p, a in keep for t in p + a], dtype=torch.int32)
+    mask = torch.tensor([m for _, p, a in keep for m in [0] * len(p) + [1] * len(a)], dtype=torch.uint8)
+    ts = TokenSet([rid for rid, _, _ in keep], ids, mask, offsets)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ts.save(path)
+    dt = time.perf_counter() - t0
+    n_new = sum(len(a) for _, _, a in keep)
+    atomic_write_json(meta_path, {"key": key, "ids": ts.ids, "answers": len(keep), "answer_tokens": n_new,
+                                  "max_new_tokens": max_new_tokens, "seconds": round(dt, 2)})
+    log(f"train: the target answered {len(keep)} validation prompts greedily ({n_new:,} tokens, {dt:.1f} s) for the "
+        f"decoder's τ forecast")
+    return ts
