@@ -658,10 +658,20 @@ def run_train(cfg: Config, target=None) -> dict:
 
         n_new = cfg.eval.max_new_tokens
         gen_tokens = 65536 if target.device.type == "cuda" else 4096
-        if d.main:
-            greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
+        g_tokens, err = None, run / "train" / "greedy_val_error.json"
+        if d.main:  # a measurement beside the training: its failure is reported, the training goes on
+            err.unlink(missing_ok=True)
+            try:
+                greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
+            except Exception as e:  # noqa: BLE001
+                failed = f"{type(e).__name__}: {e}"
+                log(f"train: WARNING: the greedy validation answers could not be made ({failed}); training goes on "
+                    f"without greedy_tau")
+                err.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(err, {"error": failed})
         d.barrier()
-        g_tokens = greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
+        if not err.exists():
+            g_tokens = greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
         if g_tokens is not None and len(g_tokens):
             # the target's features of this text are computed as they are needed, with stored features too
             feats = OnlineFeatures(target, g_tokens, max_batch_tokens=max(cfg.features.batch_tokens, tc.batch_tokens),

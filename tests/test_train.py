@@ -425,7 +425,8 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
 def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, monkeypatch):
     """train.greedy_val: the target answers the validation split's first prompts greedily once (kept with the run),
     each evaluation reports greedy_tau beside val_tau, the best checkpoint carries it, and the same run reads the
-    answers back instead of generating them again; 0 turns it off."""
+    answers back instead of generating them again; a failure to make them is reported and the training goes on; 0
+    turns it off."""
     import eyas.greedyval as gv
     from eyas.data.prepare import TokenSet
 
@@ -455,6 +456,16 @@ def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, 
     monkeypatch.setattr(gv, "greedy_answers", no_generation)
     shutil.rmtree(run / "ckpt", ignore_errors=True)  # a fresh training on the same run: the answers read back
     run_train(resolve(preset_name="tiny", overrides={**over, "train.max_steps": 1}), tiny)
+    monkeypatch.undo()
+
+    def broken(*a, **k):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gv, "greedy_answers", broken)  # a failed measurement: said, and the training goes on
+    bad = clone_run(tiny_run, tmp_path / "bad")
+    s_bad = run_train(resolve(preset_name="tiny", overrides={**over, "out": str(bad)}), tiny)
+    assert s_bad["steps"] == 2 and "greedy_tau" not in s_bad["best"]
+    assert "out of memory" in json.loads((bad / "train" / "greedy_val_error.json").read_text())["error"]
     monkeypatch.undo()
     off = clone_run(tiny_run, tmp_path / "off")
     run_train(resolve(preset_name="tiny", overrides={**over, "out": str(off), "train.greedy_val": 0}), tiny)
