@@ -69,7 +69,7 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
         out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), generation_config=gc)
         for r, i in enumerate(idx):
             new = out[r, longest:].tolist()
-            end = next((j for j, t in enumerate(new) if t in stop), None)
+            end = next((e for e, t in enumerate(new) if t in stop), None)
             answers[i] = new[:end + 1] if end is not None else new
         k += len(idx)
         bar.update(len(idx))
