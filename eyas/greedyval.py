@@ -91,6 +91,8 @@ def greedy_val_set(run: Path, target, val: TokenSet, n: int, max_new_tokens: int
         return TokenSet.load(path, meta["ids"])
     t0 = time.perf_counter()
     answers = greedy_answers(target, [p for _, p in prompts], max_new_tokens, batch_tokens)
+    if target.device.type == "cuda":  # the generation's cache back to the device before the feature cache fills it
+        torch.cuda.empty_cache()
     keep = [(rid, p, a) for (rid, p), a in zip(prompts, answers) if a]
     lens = torch.tensor([len(p) + len(a) for _, p, a in keep], dtype=torch.long)
     offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
