@@ -357,7 +357,7 @@ def _unroll_grads(drafter, batch, labels, backend="auto", steps=3):
     drafter.zero_grad()
     st = ttt_unroll(drafter, batch, labels, steps, backend=backend)
     sum(st.loss_sum).backward()
-    return ([float(x) for x in st.loss_sum], [int(x) for x in st.correct],
+    return ([float(x.detach()) for x in st.loss_sum], [int(x) for x in st.correct],
             {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
 
 
