@@ -30,7 +30,7 @@ from eyas.draft import build_drafter  # noqa: E402
 from eyas.features import Sample, compute_features  # noqa: E402
 from eyas.target import load_target  # noqa: E402
 from eyas.train import autocast, aux_layer_rms  # noqa: E402
-from eyas.ttt import acceptance_length, pack_samples, target_labels, ttt_unroll  # noqa: E402
+from eyas.ttt import acceptance_length, chain_acceptance, pack_samples, target_labels, ttt_unroll  # noqa: E402
 
 
 def aux_scales(samples, H: int, per_dim: bool = False) -> torch.Tensor:
@@ -122,7 +122,7 @@ def batches(data, budget: int, seed: int):
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
                   fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1,
-                  label_temp=1.0, decay=1.0, all_positions=False, seed=0):
+                  label_temp=1.0, decay=1.0, all_positions=False, seed=0, gval=None):
     from eyas.train import init_head_from_target
 
     dev = t.device
@@ -174,24 +174,60 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
         s += 1
     train_s = time.time() - t0
     d.eval()
-    cor, cnt = [0.0] * 3, [0.0] * 3
-    with torch.no_grad():
-        for vb in batches(val, budget, 0):
-            b = pack_samples(vb)
-            if zero_aux:
-                b.aux = torch.zeros_like(b.aux)
-            if inv is not None:
-                b.aux = b.aux * inv.to(b.aux.dtype)
-            with autocast(dev):
-                lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top)
-                st = ttt_unroll(d, b, lab, 3)
-            for j in range(3):
-                cor[j] += float(st.correct[j])
-                cnt[j] += float(st.count[j])
-    acc = [c / max(n, 1) for c, n in zip(cor, cnt)]
-    return {"acc": [round(a, 4) for a in acc], "sim_tau": round(1 + acceptance_length(acc), 3), "steps": steps,
-            "epochs": round(ep - len(tb) / max(1, len(batches(tr, budget, 0))), 2), "train_tokens": tokens,
-            "train_s": round(train_s, 1), "final_loss": round(loss.item(), 3)}
+
+    def held_out(data):
+        """Per-step accuracy and the simulated greedy chain's acceptance by position (as eyas train's validation)."""
+        cor, cnt, alive, hit = ([0.0] * 3 for _ in range(4))
+        with torch.no_grad():
+            for vb in batches(data, budget, 0):
+                b = pack_samples(vb)
+                if zero_aux:
+                    b.aux = torch.zeros_like(b.aux)
+                if inv is not None:
+                    b.aux = b.aux * inv.to(b.aux.dtype)
+                with autocast(dev):
+                    lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top)
+                    st = ttt_unroll(d, b, lab, 3, chain=True)
+                for j in range(3):
+                    cor[j] += float(st.correct[j])
+                    cnt[j] += float(st.count[j])
+                    alive[j] += float(st.alive[j].sum())
+                    hit[j] += float(st.hits[j].sum())
+        return [c / max(n, 1) for c, n in zip(cor, cnt)], chain_acceptance(alive, hit)
+
+    acc, _ = held_out(val)
+    out = {"acc": [round(a, 4) for a in acc], "sim_tau": round(1 + acceptance_length(acc), 3)}
+    if gval:  # the chain on the target's greedy answers: what the decoder would accept there
+        _, accept = held_out(gval)
+        out.update({"greedy_accept": [round(a, 4) for a in accept],
+                    "greedy_tau": round(1 + acceptance_length(accept), 3)})
+    return {**out, "steps": steps, "epochs": round(ep - len(tb) / max(1, len(batches(tr, budget, 0))), 2),
+            "train_tokens": tokens, "train_s": round(train_s, 1), "final_loss": round(loss.item(), 3)}
+
+
+def greedy_samples(t, val, n: int, new: int, max_len: int, cache: str) -> list[Sample]:
+    """The target's greedy answers (eyas.greedyval, as `train.greedy_val`) to the first prompts of the first `n`
+    held-out conversations, with their features, kept in `cache` when given."""
+    from eyas.greedyval import greedy_answers
+
+    if cache and Path(cache).exists():
+        return [Sample(*(x.to(t.device) for x in s)) for s in torch.load(cache, weights_only=True)]
+    prompts = []
+    for s in val[:n]:
+        on = s.loss_mask.nonzero()
+        if len(on) and 0 < int(on[0]) <= max_len - new:
+            prompts.append(s.input_ids[:int(on[0])].tolist())
+    answers = greedy_answers(t, prompts, new, 16384)
+    seqs = [(torch.tensor(p + a), torch.tensor([False] * len(p) + [True] * len(a))) for p, a in zip(prompts, answers) if a]
+    out = []
+    for i in range(0, len(seqs), 16):
+        chunk = seqs[i:i + 16]
+        for (ids, m), (aux, f, top) in zip(chunk, compute_features(t, [c[0] for c in chunk])):
+            out.append(Sample(ids.to(aux.device), m.to(aux.device), aux, f, top))
+    if cache:
+        torch.save([tuple(x.cpu().clone() for x in (s.input_ids, s.loss_mask, s.aux, s.final, s.top)) for s in out],
+                   cache)
+    return out
 
 
 def main() -> int:
@@ -214,6 +250,10 @@ def main() -> int:
                     "order (0: the figures of the runs before it existed); a few seeds measure the spread")
     ap.add_argument("--aux-layers", default="", help="comma list of aux layer ids (the residual stream entering "
                     "those decoder layers) instead of the target's default [2, N//2, N-3]; a variant's own wins")
+    ap.add_argument("--greedy-val", type=int, default=0, help="also score the drafter on the target's greedy answers "
+                    "to the first prompts of this many held-out conversations (greedy_tau: the simulated chain on the "
+                    "text a decoder verifies; the held-out answers are ShareGPT's own)")
+    ap.add_argument("--greedy-new", type=int, default=128, help="tokens per greedy answer (--greedy-val)")
     a = ap.parse_args()
     if a.list:
         print("\n".join(f"{k}: {v}" for k, v in VARIANTS.items()))
@@ -243,10 +283,15 @@ def main() -> int:
         cnt += torch.bincount(s.input_ids[s.loss_mask], minlength=t.vocab_size).float()
     dv = min(a.draft_vocab_size, t.vocab_size)
     draft_ids = cnt.topk(dv).indices.sort().values
+    gval = None
+    if a.greedy_val:
+        gcache = f"{a.cache}.greedy{a.greedy_val}_{a.greedy_new}.pt" if a.cache else ""
+        gval = greedy_samples(t, val, a.greedy_val, a.greedy_new, a.max_len, gcache)
     prep = time.time() - t0
-    res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, seed=a.seed, **kw)
+    res = train_variant(t, tr, val, draft_ids, dv, a.steps, a.batch_tokens, seed=a.seed, gval=gval, **kw)
     res = {"variant": a.variant, "seed": a.seed, "aux_layers": t.aux_layers, "drafter_compile": a.drafter_compile, **res,
            "prep_s": round(prep, 1), "train_seqs": len(tr), "val_seqs": len(val),
+           **({"greedy_seqs": len(gval), "greedy_tokens": int(sum(int(s.loss_mask.sum()) for s in gval))} if gval else {}),
            "device": torch.cuda.get_device_name() if t.device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)}
     print(json.dumps(res), flush=True)
