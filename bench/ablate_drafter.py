@@ -94,12 +94,18 @@ def load_samples(t, convs: int, max_len: int) -> list[Sample]:
         if sum(tk.loss_mask) > 8:
             seqs.append((torch.tensor(tk.input_ids), torch.tensor(tk.loss_mask, dtype=torch.bool)))
     seqs.sort(key=lambda s: len(s[0]))
+    out = featurize(t, seqs)
+    random.Random(0).shuffle(out)
+    return out
+
+
+def featurize(t, seqs) -> list[Sample]:
+    """(input ids, loss mask) pairs with the target's features, 16 sequences to a forward."""
     out = []
     for i in range(0, len(seqs), 16):
         chunk = seqs[i:i + 16]
         for (ids, m), (a, f, top) in zip(chunk, compute_features(t, [s[0] for s in chunk])):
             out.append(Sample(ids.to(a.device), m.to(a.device), a, f, top))
-    random.Random(0).shuffle(out)
     return out
 
 
@@ -208,22 +214,15 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
 def greedy_samples(t, val, n: int, new: int, max_len: int, cache: str) -> list[Sample]:
     """The target's greedy answers (eyas.greedyval, as `train.greedy_val`) to the first prompts of the first `n`
     held-out conversations, with their features, kept in `cache` when given."""
-    from eyas.greedyval import greedy_answers
+    from eyas.greedyval import first_prompts, greedy_answers
 
     if cache and Path(cache).exists():
         return [Sample(*(x.to(t.device) for x in s)) for s in torch.load(cache, weights_only=True)]
-    prompts = []
-    for s in val[:n]:
-        on = s.loss_mask.nonzero()
-        if len(on) and 0 < int(on[0]) <= max_len - new:
-            prompts.append(s.input_ids[:int(on[0])].tolist())
+    held = [(s.input_ids, s.loss_mask) for s in val[:n]]
+    prompts = [p for _, p in first_prompts(held, len(held), max_len - new)]
     answers = greedy_answers(t, prompts, new, 16384)
-    seqs = [(torch.tensor(p + a), torch.tensor([False] * len(p) + [True] * len(a))) for p, a in zip(prompts, answers) if a]
-    out = []
-    for i in range(0, len(seqs), 16):
-        chunk = seqs[i:i + 16]
-        for (ids, m), (aux, f, top) in zip(chunk, compute_features(t, [c[0] for c in chunk])):
-            out.append(Sample(ids.to(aux.device), m.to(aux.device), aux, f, top))
+    out = featurize(t, [(torch.tensor(p + a), torch.tensor([False] * len(p) + [True] * len(a)))
+                        for p, a in zip(prompts, answers) if a])
     if cache:
         torch.save([tuple(x.cpu().clone() for x in (s.input_ids, s.loss_mask, s.aux, s.final, s.top)) for s in out],
                    cache)

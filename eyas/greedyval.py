@@ -16,15 +16,17 @@ from pathlib import Path
 import torch
 
 from .data.prepare import TokenSet
+from .data.tokenize import Tokenized
 from .util import atomic_write_json, log, progress, read_json, stable_hash
 
 
-def first_prompts(tokens: TokenSet, n: int, max_prompt: int) -> list[tuple[str, list[int]]]:
-    """(record id, the tokens before its first trained token) of the first `n` sequences whose prompt is at most
-    `max_prompt` tokens long, each prompt once (samples of one answer share it)."""
+def first_prompts(seqs, n: int, max_prompt: int) -> list[tuple[int, list[int]]]:
+    """(index, the tokens before its first trained token) of the first `n` of `seqs` ((input ids, loss mask) pairs, a
+    TokenSet for one) whose prompt is at most `max_prompt` tokens long, each prompt once (samples of one answer share
+    it)."""
     out, seen = [], set()
-    for i in range(len(tokens)):
-        ids, mask = tokens[i]
+    for i in range(len(seqs)):
+        ids, mask = seqs[i]
         on = mask.nonzero()
         if not len(on):
             continue
@@ -32,7 +34,7 @@ def first_prompts(tokens: TokenSet, n: int, max_prompt: int) -> list[tuple[str, 
         if not p or len(p) > max_prompt or tuple(p) in seen:
             continue
         seen.add(tuple(p))
-        out.append((tokens.ids[i], p))
+        out.append((i, p))
         if len(out) >= n:
             break
     return out
@@ -81,7 +83,7 @@ def greedy_val_set(run: Path, target, val: TokenSet, n: int, max_new_tokens: int
                    batch_tokens: int) -> TokenSet | None:
     """The greedy validation sequences (prompt, then the target's greedy answer, the answer trained-on), made once
     per run and target and read back after that (a resumed run scores the same text)."""
-    prompts = first_prompts(val, n, max_len - max_new_tokens)
+    prompts = [(val.ids[i], p) for i, p in first_prompts(val, n, max_len - max_new_tokens)]
     if not prompts:
         return None
     path, meta_path = run / "train" / "greedy_val.safetensors", run / "train" / "greedy_val.json"
@@ -93,19 +95,14 @@ def greedy_val_set(run: Path, target, val: TokenSet, n: int, max_new_tokens: int
     answers = greedy_answers(target, [p for _, p in prompts], max_new_tokens, batch_tokens)
     if target.device.type == "cuda":  # the generation's cache back to the device before the feature cache fills it
         torch.cuda.empty_cache()
-    keep = [(rid, p, a) for (rid, p), a in zip(prompts, answers) if a]
-    lens = torch.tensor([len(p) + len(a) for _, p, a in keep], dtype=torch.long)
-    offsets = torch.zeros(len(keep) + 1, dtype=torch.long)
-    offsets[1:] = torch.cumsum(lens, 0)
-    ids = torch.tensor([t for _, p, a in keep for t in p + a], dtype=torch.int32)
-    mask = torch.tensor([m for _, p, a in keep for m in [0] * len(p) + [1] * len(a)], dtype=torch.uint8)
-    ts = TokenSet([rid for rid, _, _ in keep], ids, mask, offsets)
+    ts = TokenSet.from_tokenized([Tokenized(rid, p + a, [0] * len(p) + [1] * len(a))
+                                  for (rid, p), a in zip(prompts, answers) if a])
     path.parent.mkdir(parents=True, exist_ok=True)
     ts.save(path)
     dt = time.perf_counter() - t0
-    n_new = sum(len(a) for _, _, a in keep)
-    atomic_write_json(meta_path, {"key": key, "ids": ts.ids, "answers": len(keep), "answer_tokens": n_new,
+    n_new = int(ts.loss_mask.sum())
+    atomic_write_json(meta_path, {"key": key, "ids": ts.ids, "answers": len(ts), "answer_tokens": n_new,
                                   "max_new_tokens": max_new_tokens, "seconds": round(dt, 2)})
-    log(f"train: the target answered {len(keep)} validation prompts greedily ({n_new:,} tokens, {dt:.1f} s) for the "
+    log(f"train: the target answered {len(ts)} validation prompts greedily ({n_new:,} tokens, {dt:.1f} s) for the "
         f"decoder's τ forecast")
     return ts

@@ -662,7 +662,7 @@ def run_train(cfg: Config, target=None) -> dict:
         if d.main:  # a measurement beside the training: its failure is reported, the training goes on
             err.unlink(missing_ok=True)
             try:
-                greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
+                g_tokens = greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
             except Exception as e:  # noqa: BLE001
                 failed = f"{type(e).__name__}: {e}"
                 log(f"train: WARNING: the greedy validation answers could not be made ({failed}); training goes on "
@@ -670,7 +670,7 @@ def run_train(cfg: Config, target=None) -> dict:
                 err.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_json(err, {"error": failed})
         d.barrier()
-        if not err.exists():
+        if not d.main and not err.exists():  # the main process's answers, read back
             g_tokens = greedy_val_set(run, target, val_tokens, tc.greedy_val, n_new, max_len, gen_tokens)
         if g_tokens is not None and len(g_tokens):
             # the target's features of this text are computed as they are needed, with stored features too
