@@ -30,7 +30,8 @@ from eyas.draft import build_drafter  # noqa: E402
 from eyas.features import Sample, compute_features  # noqa: E402
 from eyas.target import load_target  # noqa: E402
 from eyas.train import autocast, aux_layer_rms  # noqa: E402
-from eyas.ttt import acceptance_length, chain_acceptance, pack_samples, target_labels, ttt_unroll  # noqa: E402
+from eyas.ttt import (acceptance_length, chain_acceptance, decoder_rounds, pack_samples, target_labels,  # noqa: E402
+                      ttt_unroll)
 
 
 def aux_scales(samples, H: int, per_dim: bool = False) -> torch.Tensor:
@@ -182,8 +183,9 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
     d.eval()
 
     def held_out(data):
-        """Per-step accuracy and the simulated greedy chain's acceptance by position (as eyas train's validation)."""
-        cor, cnt, alive, hit = ([0.0] * 3 for _ in range(4))
+        """Per-step accuracy, the simulated greedy chain's acceptance by position (as eyas train's validation) and
+        the decoder's rounds (`decoder_rounds`: meaningful on greedy text only)."""
+        cor, cnt, alive, hit, r_alive, r_hit = ([0.0] * 3 for _ in range(6))
         with torch.no_grad():
             for vb in batches(data, budget, 0):
                 b = pack_samples(vb)
@@ -199,14 +201,19 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
                     cnt[j] += float(st.count[j])
                     alive[j] += float(st.alive[j].sum())
                     hit[j] += float(st.hits[j].sum())
-        return [c / max(n, 1) for c, n in zip(cor, cnt)], chain_acceptance(alive, hit)
+                ra, rh = decoder_rounds(b, st.hits)
+                r_alive = [x + y for x, y in zip(r_alive, ra)]
+                r_hit = [x + y for x, y in zip(r_hit, rh)]
+        return ([c / max(n, 1) for c, n in zip(cor, cnt)], chain_acceptance(alive, hit),
+                chain_acceptance(r_alive, r_hit))
 
-    acc, _ = held_out(val)
+    acc, _, _ = held_out(val)
     out = {"acc": [round(a, 4) for a in acc], "sim_tau": round(1 + acceptance_length(acc), 3)}
     if gval:  # the chain on the target's greedy answers: what the decoder would accept there
-        _, accept = held_out(gval)
+        _, every, accept = held_out(gval)
         out.update({"greedy_accept": [round(a, 4) for a in accept],
-                    "greedy_tau": round(1 + acceptance_length(accept), 3)})
+                    "greedy_tau": round(1 + acceptance_length(accept), 3),
+                    "greedy_tau_all": round(1 + acceptance_length(every), 3)})
     return {**out, "steps": steps, "epochs": round(ep - len(tb) / max(1, len(batches(tr, budget, 0))), 2),
             "train_tokens": tokens, "train_s": round(train_s, 1), "final_loss": round(loss.item(), 3)}
 

@@ -170,7 +170,10 @@ def main(argv=None) -> int:
                     help="drafter folder (eyas, or SGLang/vLLM via eyas.export), or `untrained` (SmolLM2's GPU shape, "
                          "random: rounds of about one token, for timing and the lossless check)")
     ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--prompts", default="sharegpt", help="sharegpt | humaneval | a .jsonl/.txt file")
+    ap.add_argument("--prompts", default="sharegpt",
+                    help="sharegpt | humaneval | a .jsonl/.txt file | greedy:RUN (the validation prompts a training in "
+                         "RUN answered greedily for greedy_tau, train.greedy_val: their τ here is what greedy_tau "
+                         "forecasts; plain decoding's entry says how many answers equal the stored ones)")
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--k", default="3", help="draft length, or a comma list (3,7)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -234,7 +237,14 @@ def main(argv=None) -> int:
     target = load_target(TargetConfig(name=a.target))
     dev = target.device
     drafter = bench_drafter(a.draft, target)
-    prompts = load_prompts(a.prompts, a.limit, target.tokenizer)
+    stored = None  # greedy:RUN: the target's greedy answers the training scored greedy_tau on
+    if a.prompts.startswith("greedy:"):
+        from eyas.greedyval import read_greedy_val
+
+        pairs = read_greedy_val(a.prompts[len("greedy:"):])[:a.limit]
+        prompts, stored = [p for p, _ in pairs], [x for _, x in pairs]
+    else:
+        prompts = load_prompts(a.prompts, a.limit, target.tokenizer)
     stop = target.eot_token_ids
     max_len = max(len(p) for p in prompts) + max(a.max_new_tokens, 32) + max(int(k) for k in a.k.split(",")) + 2
     ks = [int(k) for k in a.k.split(",")]
@@ -299,6 +309,8 @@ def main(argv=None) -> int:
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
         reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
+        if stored is not None:  # the training's text (transformers' batched generate) against the decoder's
+            plain_res["same_as_greedy_val"] = f"{sum(o == r for o, r in zip(reference, stored))}/{len(reference)}"
         record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx, "warm_up_s": warm_s})
         plain.close()
         for k in ks:

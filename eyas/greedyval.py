@@ -17,7 +17,7 @@ import torch
 
 from .data.prepare import TokenSet
 from .data.tokenize import Tokenized
-from .util import atomic_write_json, log, progress, read_json, stable_hash
+from .util import EyasError, atomic_write_json, log, progress, read_json, stable_hash
 
 
 def first_prompts(seqs, n: int, max_prompt: int) -> list[tuple[int, list[int]]]:
@@ -41,9 +41,17 @@ def first_prompts(seqs, n: int, max_prompt: int) -> list[tuple[int, list[int]]]:
 
 
 @torch.no_grad()
-def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_tokens: int) -> list[list[int]]:
+def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_tokens: int,
+                   engine: str = "auto") -> list[list[int]]:
     """The target's greedy answer to each prompt, up to `max_new_tokens` tokens and through the first token that ends
-    a turn (kept, as the decoder keeps it). Prompts are left-padded in batches of about `batch_tokens` tokens."""
+    a turn (kept, as the decoder keeps it). engine: "static", regen's static-cache decode loop on eyas' own forward
+    (all prompts in its rows at once); "generate", transformers' generate on prompts left-padded in batches of about
+    `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target. On the H200 generate took 59.5 s for
+    256 answers (51,659 tokens, twenty-eighth session), where the regeneration's static loop writes about 21k tok/s."""
+    from .fastlm import supported
+
+    if engine == "static" or (engine == "auto" and supported(target.model)[0]):
+        return _static_answers(target, prompts, max_new_tokens)
     from transformers import GenerationConfig
 
     stop = [int(s) for s in target.eot_token_ids]
@@ -79,6 +87,38 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
     return answers
 
 
+def _static_answers(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """greedy_answers on regen's StaticEngine: the prompts' tokens straight into its queue, its rows decoding at
+    temperature 0, each answer's tokens kept as generated (through the turn's end)."""
+    from .config import RegenConfig
+    from .data.regen import StaticEngine
+
+    class Tokens(StaticEngine):
+        def result(self, rid, prompt_len, tokens):
+            return rid, list(tokens)
+
+    rc = RegenConfig(temperature=0.0, max_new_tokens=max_new_tokens, batch_size=min(len(prompts), 512))
+    eng = Tokens(target, rc, "keep", max(len(p) for p in prompts) + 1)
+    try:
+        for i, p in enumerate(prompts):
+            eng.pending.append((str(i), list(p), max_new_tokens))
+        answers: list[list[int]] = [[] for _ in prompts]
+        bar = progress(total=len(prompts), desc="greedy val", unit="answer")
+        left = len(prompts)
+        while left:
+            got = eng.poll(0)
+            if not got and not eng.pending and all(s is None for s in eng.slot):
+                raise RuntimeError(f"the static engine stopped with {left} answers missing")
+            for rid, toks in got:
+                answers[int(rid)] = toks
+                left -= 1
+                bar.update(1)
+        bar.close()
+        return answers
+    finally:
+        eng.close()
+
+
 def greedy_val_set(run: Path, target, val: TokenSet, n: int, max_new_tokens: int, max_len: int,
                    batch_tokens: int) -> TokenSet | None:
     """The greedy validation sequences (prompt, then the target's greedy answer, the answer trained-on), made once
@@ -106,3 +146,20 @@ def greedy_val_set(run: Path, target, val: TokenSet, n: int, max_new_tokens: int
     log(f"train: the target answered {len(ts)} validation prompts greedily ({n_new:,} tokens, {dt:.1f} s) for the "
         f"decoder's τ forecast")
     return ts
+
+
+def read_greedy_val(run: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the target's greedy answer) of each sequence `greedy_val_set` kept in `run` (bench/bench_decode.py
+    decodes the same prompts, to set the decoder's τ beside the training's greedy_tau)."""
+    run = Path(run)
+    path, meta_path = run / "train" / "greedy_val.safetensors", run / "train" / "greedy_val.json"
+    if not path.exists() or not meta_path.exists():
+        raise EyasError(f"{run}: no greedy validation answers (train/greedy_val.safetensors and .json); a training "
+                        f"with train.greedy_val > 0 makes them")
+    ts = TokenSet.load(path, read_json(meta_path)["ids"])
+    out = []
+    for i in range(len(ts)):
+        ids, mask = ts[i]
+        a = int(mask.nonzero()[0])
+        out.append((ids[:a].tolist(), ids[a:].tolist()))
+    return out

@@ -110,8 +110,10 @@ def write_report(run: Path) -> dict:
                              + ", ".join(f"{x:.3f}" for x in v["val_accept"]) + ")")
                 if "greedy_tau" in v:
                     lines.append(f"- on the target's greedy answers to validation prompts (what the decoder verifies): "
-                                 f"τ forecast {v['greedy_tau']:.2f}, acceptance by position "
-                                 + ", ".join(f"{x:.3f}" for x in v["greedy_accept"]))
+                                 f"τ forecast {v['greedy_tau']:.2f}"
+                                 + (f" over {v['greedy_rounds']} decoding rounds ({v['greedy_tau_all']:.2f} averaged over "
+                                    f"every position)" if "greedy_rounds" in v else "")
+                                 + ", acceptance by position " + ", ".join(f"{x:.3f}" for x in v["greedy_accept"]))
         _img(lines, run, "train/curves.png", "training curves")
         lines.append("")
     if ev:

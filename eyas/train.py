@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from .config import KEYED_WHEN_CHANGED, Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
-from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, drafter_compile_on,
-                  drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
+from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
+                  drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
                    stable_hash, text_lines)
 
@@ -547,16 +547,17 @@ def time_shares(totals: dict[str, float]) -> dict:
 
 @torch.no_grad()
 def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple: int, precision: str = "auto",
-             sharded: bool = False) -> dict:
+             sharded: bool = False, rounds: bool = False) -> dict:
     """Per-position accuracy, simulated acceptance length and loss on a split, all ranks together. sharded:
     `module` is the FSDP root, whose forward gathers the weights, a collective: every process then runs as
-    many forwards as the busiest one (the extra ones are not counted)."""
+    many forwards as the busiest one (the extra ones are not counted). rounds: the split is the target's greedy
+    text, so also the decoder's rounds on it (`decoder_rounds`): round_accept, round_tau and rounds."""
     module.eval()
     every = data.bins(0)
     bins = every[d.rank::d.world]
     n = -(-len(every) // d.world) if sharded else len(bins)
     loss = torch.zeros(steps, dtype=torch.float64, device=d.device)
-    cnt, cor, alive, hit = (torch.zeros_like(loss) for _ in range(4))
+    cnt, cor, alive, hit, r_alive, r_hit = (torch.zeros_like(loss) for _ in range(6))
     for i in range(n):
         batch = data.batch(bins[i] if i < len(bins) else every[0], d.device, multiple)
         with autocast(d.device, precision):
@@ -570,13 +571,21 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
         cor += torch.stack(st.correct).double()
         alive += torch.stack([m.sum() for m in st.alive]).double()
         hit += torch.stack([m.sum() for m in st.hits]).double()
-    t = d.all_sum(torch.stack([loss, cnt, cor, alive, hit]))
+        if rounds:
+            ra, rh = decoder_rounds(batch, st.hits)
+            r_alive += torch.tensor(ra, dtype=torch.float64, device=d.device)
+            r_hit += torch.tensor(rh, dtype=torch.float64, device=d.device)
+    t = d.all_sum(torch.stack([loss, cnt, cor, alive, hit, r_alive, r_hit]))
     module.train()
     acc = (t[2] / t[1].clamp(min=1)).tolist()
     accept = chain_acceptance(t[3].tolist(), t[4].tolist())
-    return {"val_loss": float((t[0] / t[1].clamp(min=1)).sum()), "val_acc": acc, "val_al": acceptance_length(acc),
-            "val_positions": int(t[1][0]), "val_accept": accept, "val_tau": 1 + acceptance_length(accept),
-            "val_chain_positions": [int(x) for x in t[3].tolist()]}
+    out = {"val_loss": float((t[0] / t[1].clamp(min=1)).sum()), "val_acc": acc, "val_al": acceptance_length(acc),
+           "val_positions": int(t[1][0]), "val_accept": accept, "val_tau": 1 + acceptance_length(accept),
+           "val_chain_positions": [int(x) for x in t[3].tolist()]}
+    if rounds:
+        r_accept = chain_acceptance(t[5].tolist(), t[6].tolist())
+        out.update({"round_accept": r_accept, "round_tau": 1 + acceptance_length(r_accept), "rounds": int(t[5][0])})
+    return out
 
 
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
@@ -763,20 +772,24 @@ def run_train(cfg: Config, target=None) -> dict:
             return
         r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
         if greedy is not None:
-            g = evaluate(module, drafter, greedy, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
-            r.update({"greedy_tau": g["val_tau"], "greedy_accept": g["val_accept"], "greedy_acc": g["val_acc"],
+            g = evaluate(module, drafter, greedy, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded,
+                         rounds=True)
+            r.update({"greedy_tau": g["round_tau"], "greedy_accept": g["round_accept"], "greedy_rounds": g["rounds"],
+                      "greedy_tau_all": g["val_tau"], "greedy_accept_all": g["val_accept"], "greedy_acc": g["val_acc"],
                       "greedy_chain_positions": g["val_chain_positions"]})
         metrics.add({"step": s, **r})
         log(f"train: step {s} val acc {[round(a, 3) for a in r['val_acc']]} simulated acceptance {r['val_al']:.3f}; "
             f"greedy chain: acceptance {[round(a, 3) for a in r['val_accept']]}, tau {r['val_tau']:.3f} at "
             f"K={len(r['val_accept'])}" + (f"; on the target's greedy answers: acceptance "
-                                          f"{[round(a, 3) for a in r['greedy_accept']]}, tau {r['greedy_tau']:.3f}"
+                                          f"{[round(a, 3) for a in r['greedy_accept']]}, tau {r['greedy_tau']:.3f} "
+                                          f"over {r['greedy_rounds']} decoding rounds ({r['greedy_tau_all']:.3f} "
+                                          f"averaged over every position)"
                                           if greedy is not None else ""))
         if r["val_al"] > best["val_al"]:
             best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "val_tau": r["val_tau"],
                     "val_accept": r["val_accept"], "step": s,
-                    **({"greedy_tau": r["greedy_tau"], "greedy_accept": r["greedy_accept"]} if greedy is not None
-                       else {})}
+                    **({k: r[k] for k in ("greedy_tau", "greedy_accept", "greedy_rounds", "greedy_tau_all")}
+                       if greedy is not None else {})}
             save_draft({"step": s, **r})
             if d.main:
                 atomic_write_json(ckpt_dir(run) / "best.json", best)

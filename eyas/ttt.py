@@ -269,6 +269,38 @@ def chain_acceptance(alive: list[float], hit: list[float]) -> list[float]:
     return [h / a if a else 0.0 for a, h in zip(alive, hit)]
 
 
+def decoder_rounds(batch: PackedBatch, hits: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """The rounds a greedy decoder drafting `len(hits)` tokens per round would run on each sequence of `batch`,
+    which must be the target's greedy text (prompt, then its greedy answer, loss-masked): the first round drafts
+    from the prompt's last position, each round accepts the simulated chain's length a there (the summed `hits`
+    of `chain_step`) and the next starts a + 1 positions on (the accepted drafts and the target's own token);
+    rounds whose chain the unroll cannot see to its end (the answer's last few positions) are left out.
+    Averaging the chain over every position instead weighs the positions just after a rejected draft, where
+    the text is harder to guess, as often as the others, while the decoder starts a round at each of them.
+    Returns per step (rounds reaching that draft, rounds accepting it): `chain_acceptance` of them is the
+    decoder's per-position acceptance there and 1 + `acceptance_length` its τ."""
+    steps = len(hits)
+    alive, hit = [0.0] * steps, [0.0] * steps
+    if not steps:
+        return alive, hit
+    n = batch.n_real
+    chain = torch.stack(hits)[:, :n].sum(0).tolist()
+    starts = (batch.pos[:n] == 0).nonzero().flatten().tolist() + [n]
+    mask = batch.loss_mask[:n].tolist()
+    for s, e in zip(starts[:-1], starts[1:]):
+        first = next((i for i in range(s, e) if mask[i]), None)
+        if first is None or first == s:
+            continue
+        t = first - 1
+        while t + steps + 2 <= e:
+            a = int(chain[t])
+            for j in range(steps):
+                alive[j] += a >= j
+                hit[j] += a > j
+            t += a + 1
+    return alive, hit
+
+
 def step_targets(batch: PackedBatch, j: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(index of the label/input row t+j+1 for each position t (clamped), loss-masked validity)."""
     n = batch.input_ids.shape[0]

@@ -619,12 +619,14 @@ def test_graphed_prefill_gives_the_eager_prefill_generation_on_gpu(monkeypatch):
     assert runs[None] == runs[False]
 
 
-def test_greedy_val_answers_are_the_decoders_text(smol, prompt_set, plain_outputs):
-    """The text `greedy_tau` is scored on (eyas.greedyval: transformers' generate, several prompts a batch, left
-    padded) is the decoder's plain greedy output token for token, the turn's end kept as the decoder keeps it."""
+@pytest.mark.parametrize("engine", ["static", "generate"])
+def test_greedy_val_answers_are_the_decoders_text(smol, prompt_set, plain_outputs, engine):
+    """The text `greedy_tau` is scored on (eyas.greedyval: regen's static decode loop, every prompt in its rows at
+    once, or transformers' generate, several prompts a batch, left padded) is the decoder's plain greedy output token
+    for token, the turn's end kept as the decoder keeps it."""
     from eyas.greedyval import greedy_answers
 
-    got = greedy_answers(smol, prompt_set, NEW, batch_tokens=3 * (max(map(len, prompt_set)) + NEW))
+    got = greedy_answers(smol, prompt_set, NEW, batch_tokens=3 * (max(map(len, prompt_set)) + NEW), engine=engine)
     assert got == plain_outputs
 
 
@@ -660,3 +662,39 @@ def test_ttt_chain_simulates_the_decoders_acceptance(smol, prompt_set, plain_out
     assert rounds >= 30
     assert agree == rounds, f"{agree} of {rounds} rounds"
     assert 0 < sum(int(h.sum()) for h in st.hits) and int(st.hits[2].sum()) <= int(st.alive[2].sum())
+
+
+def test_decoder_rounds_count_what_the_decoder_accepts(smol, prompt_set, plain_outputs, trained):
+    """`decoder_rounds`, the walk training's greedy_tau takes over the greedy answers packed as the validation packs
+    them (several sequences a batch, the prompt outside the loss mask), counts the decoder's own rounds: per draft
+    position, the rounds that reach it and those that accept it, the same numbers as a K=3 decoding of each prompt
+    (rounds the unroll sees to their end). Averaging the chain over every position gives another figure (1.900
+    against the rounds' 1.944 here)."""
+    from eyas.features import Sample, target_top
+    from eyas.ttt import acceptance_length, chain_acceptance, decoder_rounds, pack_samples, target_labels, ttt_unroll
+
+    dec = Decoder(smol, trained, k=3, max_len=256)
+    lm_head = smol.model.get_output_embeddings()
+    samples, alive, hit = [], [0] * 3, [0] * 3
+    for ids, out in zip(prompt_set, plain_outputs):
+        g = dec.generate(ids, NEW, smol.eot_token_ids)
+        seq = torch.tensor(ids + out)
+        t = len(ids) - 1
+        for a in g.accepted:
+            if t + 3 + 2 <= len(seq):
+                for j in range(3):
+                    alive[j] += a >= j
+                    hit[j] += a > j
+            t += a + 1
+        with torch.no_grad():
+            aux, final = smol.capture(seq[None])
+        mask = torch.arange(len(seq)) >= len(ids)
+        samples.append(Sample(seq, mask, aux[0], final[0], target_top(final[0], lm_head)))
+    batch = pack_samples(samples, pad_to=sum(len(s.input_ids) for s in samples) + 7)
+    labels = target_labels(batch.final, lm_head, trained.draft_ids, top=batch.top)
+    with torch.no_grad():
+        st = ttt_unroll(trained, batch, labels, 3, chain=True)
+    r_alive, r_hit = decoder_rounds(batch, st.hits)
+    assert (r_alive, r_hit) == (alive, hit) and alive[0] >= 30 and 0 < hit[0] < alive[0]
+    every = chain_acceptance([float(m.sum()) for m in st.alive], [float(m.sum()) for m in st.hits])
+    assert acceptance_length(every) != acceptance_length(chain_acceptance(r_alive, r_hit))

@@ -48,6 +48,8 @@ def test_report_tau_and_lossless(full_run):
     first = rep["by_turn"]["1"]  # the eval's splits of τ are on the page too
     assert f"answer 1: {first['acceptance_length']:.2f} ({first['answers']} answers)" in md
     assert "τ by how much the answer repeats itself" in md
+    best = json.loads((out / "train" / "summary.json").read_text())["best"]  # the forecast on greedy answers
+    assert f"τ forecast {best['greedy_tau']:.2f} over {best['greedy_rounds']} decoding rounds" in md
     man = json.loads((out / "manifest.json").read_text())
     assert [s for s, v in man["stages"].items() if v["status"] == "done"] == \
         ["regen", "tokenize", "vocab", "extract", "train", "eval", "export"]

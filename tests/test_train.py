@@ -424,9 +424,9 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
 
 def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, monkeypatch):
     """train.greedy_val: the target answers the validation split's first prompts greedily once (kept with the run),
-    each evaluation reports greedy_tau beside val_tau, the best checkpoint carries it, and the same run reads the
-    answers back instead of generating them again; a failure to make them is reported and the training goes on; 0
-    turns it off."""
+    each evaluation reports greedy_tau (over the decoder's rounds on them) beside val_tau, the best checkpoint
+    carries it, and the same run reads the answers back instead of generating them again; a failure to make them is
+    reported and the training goes on; 0 turns it off."""
     import eyas.greedyval as gv
     from eyas.data.prepare import TokenSet
 
@@ -436,8 +436,10 @@ def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, 
     summary = run_train(resolve(preset_name="tiny", overrides=over), tiny)
     rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "val_tau" in r]
-    assert evals and all(1.0 <= r["greedy_tau"] <= 4.0 and len(r["greedy_accept"]) == 3 for r in evals)
+    assert evals and all(1.0 <= r["greedy_tau"] <= 4.0 and len(r["greedy_accept"]) == 3 and r["greedy_rounds"] > 0
+                         and 1.0 <= r["greedy_tau_all"] <= 4.0 for r in evals)
     assert summary["best"]["greedy_tau"] == evals[-1]["greedy_tau"]
+    assert summary["best"]["greedy_rounds"] == evals[-1]["greedy_rounds"]
     meta = json.loads((run / "train" / "greedy_val.json").read_text())
     g = TokenSet.load(run / "train" / "greedy_val.safetensors", meta["ids"])
     assert len(g) == meta["answers"] == 3
