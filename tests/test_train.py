@@ -451,6 +451,11 @@ def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, 
                                   max_new_tokens=16, eos_token_id=tiny.eot_token_ids, pad_token_id=0)[0, a:].tolist()
         stop = next((j for j, t in enumerate(ref) if t in tiny.eot_token_ids), None)
         assert ids[a:].tolist() == (ref[:stop + 1] if stop is not None else ref)
+    pairs = gv.read_greedy_val(run)  # what bench/bench_decode.py --prompts greedy:RUN decodes
+    assert [p + x for p, x in pairs] == [g[i][0].tolist() for i in range(len(g))]
+    assert [len(p) for p, _ in pairs] == [int(g[i][1].nonzero()[0]) for i in range(len(g))]
+    with pytest.raises(EyasError, match="no greedy validation answers"):
+        gv.read_greedy_val(tmp_path / "nothing")
 
     def no_generation(*a, **k):
         raise AssertionError("generated again")
