@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
         reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
-        if stored is not None:  # the training's text (transformers' batched generate) against the decoder's
+        if stored is not None:  # the training's greedy text (eyas.greedyval, made in a batch) against the decoder's
             plain_res["same_as_greedy_val"] = f"{sum(o == r for o, r in zip(reference, stored))}/{len(reference)}"
         record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx, "warm_up_s": warm_s})
         plain.close()

@@ -275,8 +275,9 @@ def decoder_rounds(batch: PackedBatch, hits: list[torch.Tensor]) -> tuple[list[f
     from the prompt's last position, each round accepts the simulated chain's length a there (the summed `hits`
     of `chain_step`) and the next starts a + 1 positions on (the accepted drafts and the target's own token);
     rounds whose chain the unroll cannot see to its end (the answer's last few positions) are left out.
-    Averaging the chain over every position instead weighs the positions just after a rejected draft, where
-    the text is harder to guess, as often as the others, while the decoder starts a round at each of them.
+    Averaging the chain over every position instead counts each position once, where the decoder starts a round
+    at every position just after a rejected draft (text that is often harder to guess) and none inside an
+    accepted run.
     Returns per step (rounds reaching that draft, rounds accepting it): `chain_acceptance` of them is the
     decoder's per-position acceptance there and 1 + `acceptance_length` its τ."""
     steps = len(hits)
