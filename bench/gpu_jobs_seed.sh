@@ -11,7 +11,8 @@
 # Then the drafter decodes the chat prompts (K=3 and 7) and the validation prompts its training answered greedily for
 # greedy_tau (K=3, the same 256 new tokens at most): the decoder's τ there is what greedy_tau forecasts, and plain
 # decoding's entry says how many of the training's answers (transformers' generate) the decoder wrote too.
-# Budget: start and staging 90-350 s; the run about 780 s; the chat decode about 80 s, the greedy one about 200 s.
+# Budget: start and staging 90-350 s; the run about 780 s and the chat decode about 80 s (as S1 took); the greedy
+# decode not yet run (a guess: 200 s, within its 300 s timeout).
 seed=$1; S=$2; tag=$3
 source bench/gpu_lib.sh
 machine_info

@@ -157,10 +157,5 @@ def read_greedy_val(run: Path) -> list[tuple[list[int], list[int]]]:
     if not path.exists() or not meta_path.exists():
         raise EyasError(f"{run}: no greedy validation answers (train/greedy_val.safetensors and .json); a training "
                         f"with train.greedy_val > 0 makes them")
-    ts = TokenSet.load(path, read_json(meta_path)["ids"])
-    out = []
-    for i in range(len(ts)):
-        ids, mask = ts[i]
-        a = int(mask.nonzero()[0])
-        out.append((ids[:a].tolist(), ids[a:].tolist()))
-    return out
+    ts = TokenSet.load(path, read_json(meta_path)["ids"])  # one sequence per prompt, as greedy_val_set kept them
+    return [(p, ts[i][0][len(p):].tolist()) for i, p in first_prompts(ts, len(ts), len(ts.input_ids))]
