@@ -134,6 +134,11 @@ class TrainConfig:
                           "start of training, up to eval.max_new_tokens tokens: each evaluation then also scores the "
                           "drafter on that text, where the simulated chain is what eyas' decoder accepts, and reports "
                           "greedy_tau, the forecast of the decoder's tau on first answers (0 = off)")
+    best_by: str = opt("auto", "the validation measure that picks the best checkpoint (the drafter written to draft/): "
+                       "greedy_tau (the decoder's rounds on the target's greedy answers, train.greedy_val), val_tau "
+                       "(the greedy chain on sampled validation answers), val_al (the product of step accuracies); "
+                       "auto = greedy_tau when greedy_val is on and its answers were made, else val_al",
+                       choices=("auto", "greedy_tau", "val_tau", "val_al"))
     scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
     warmup_ratio: float = opt(0.02, "share of steps used for linear warm-up")
     num_workers: int = opt(0, "data loader worker processes")

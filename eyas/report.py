@@ -105,7 +105,8 @@ def write_report(run: Path) -> dict:
             elif k in ("val_per_position_accuracy", "per_position_accuracy"):
                 lines.append(f"- {k.replace('_', ' ')}: " + ", ".join(f"{x:.3f}" for x in v))
             elif k == "best" and isinstance(v, dict) and "val_tau" in v:
-                lines.append(f"- best checkpoint: step {v.get('step')}, validation τ forecast {v['val_tau']:.2f} at "
+                lines.append(f"- best checkpoint: step {v.get('step')} (picked by {v.get('by', 'val_al')}), "
+                             f"validation τ forecast {v['val_tau']:.2f} at "
                              f"K={len(v['val_accept'])} (greedy chain acceptance by position "
                              + ", ".join(f"{x:.3f}" for x in v["val_accept"]) + ")")
                 if "greedy_tau" in v:

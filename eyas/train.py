@@ -660,6 +660,10 @@ def run_train(cfg: Config, target=None) -> dict:
                tc.batch_tokens, fp32) if len(val_tokens) else None
     if len(train.tokens) == 0:
         raise EyasError(f"{tokens_dir(run)}: the training split is empty")
+    if tc.best_by == "greedy_tau" and tc.greedy_val <= 0:
+        raise EyasError("train.best_by=greedy_tau picks the best checkpoint by the forecast on the target's greedy "
+                        "answers, which train.greedy_val=0 turns off: set train.greedy_val above 0 or choose "
+                        "train.best_by=val_tau or val_al")
     greedy = None  # the target's greedy answers to validation prompts: the decoder's tau forecast (eyas.greedyval)
     if tc.greedy_val > 0 and len(val_tokens):
         from .features import OnlineFeatures
@@ -686,6 +690,12 @@ def run_train(cfg: Config, target=None) -> dict:
             feats = OnlineFeatures(target, g_tokens, max_batch_tokens=max(cfg.features.batch_tokens, tc.batch_tokens),
                                    norm=cfg.features.norm)
             greedy = Data(g_tokens, feats, max_len, tc.batch_tokens, fp32)
+
+    best_key = tc.best_by if tc.best_by != "auto" else ("greedy_tau" if greedy is not None else "val_al")
+    if best_key == "greedy_tau" and greedy is None and len(val_tokens):
+        log("train: WARNING: train.best_by=greedy_tau, but there are no greedy answers to score: the best "
+            "checkpoint is picked by val_al")
+        best_key = "val_al"
 
     warm = None
     if cache["train"] or host["train"]:  # this process's sequences through the target ahead, extraction-sized
@@ -750,6 +760,9 @@ def run_train(cfg: Config, target=None) -> dict:
                             f"use another --out or delete {ckpt_dir(run)} to start over")
         step, best = state["step"], state["best"]
         log(f"train: resuming from step {step} of {total}")
+        if best.get("step", -1) >= 0 and best.get("by", "val_al") != best_key:
+            log(f"train: the best checkpoint so far (step {best['step']}) was picked by {best.get('by', 'val_al')}; "
+                f"from here on by {best_key}")
     metrics = Metrics(run, d.main, step)
     evals_due = (lambda s: s % tc.eval_every == 0) if tc.eval_every else (lambda s: s % spe == 0)
     saves_due = (lambda s: s % tc.save_every == 0) if tc.save_every else (lambda s: s % spe == 0)
@@ -785,8 +798,8 @@ def run_train(cfg: Config, target=None) -> dict:
                                           f"over {r['greedy_rounds']} decoding rounds ({r['greedy_tau_all']:.3f} "
                                           f"averaged over every position)"
                                           if greedy is not None else ""))
-        if r["val_al"] > best["val_al"]:
-            best = {"val_al": r["val_al"], "val_acc": r["val_acc"], "val_tau": r["val_tau"],
+        if r[best_key] > best.get(best_key, -1.0):
+            best = {"by": best_key, "val_al": r["val_al"], "val_acc": r["val_acc"], "val_tau": r["val_tau"],
                     "val_accept": r["val_accept"], "step": s,
                     **({k: r[k] for k in ("greedy_tau", "greedy_accept", "greedy_rounds", "greedy_tau_all")}
                        if greedy is not None else {})}

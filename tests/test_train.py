@@ -422,6 +422,30 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
     assert len(losses["answers"]) == len(losses["all"]) == 2 and losses["answers"][0] != losses["all"][0]
 
 
+def test_best_by_picks_the_checkpoint_by_the_chosen_measure(tiny_run, tiny, tmp_path):
+    """train.best_by: the drafter kept in draft/ is the evaluation with the highest value of the chosen measure (the
+    first such on a tie); auto is greedy_tau while the greedy answers are there; greedy_tau without them is refused."""
+    over = {"train.max_steps": 40, "train.eval_every": 5, "train.save_every": 20, "train.batch_tokens": 512,
+            "train.max_seq_len": 256, "train.greedy_val": 3, "train.seed": 1, "train.lr": 1e-2, "train.epochs": 4}
+    picks = {}
+    for by in ("auto", "val_tau", "val_al"):
+        run = clone_run(tiny_run, tmp_path / by)
+        summary = run_train(resolve(preset_name="tiny", overrides={**over, "out": str(run), "train.best_by": by}), tiny)
+        evals = [r for r in (json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines())
+                 if "val_tau" in r]
+        key = "greedy_tau" if by == "auto" else by
+        top = max(r[key] for r in evals)
+        want = next(r["step"] for r in evals if r[key] == top)
+        assert len(evals) == 8 and summary["best"]["step"] == want and summary["best"]["by"] == key
+        assert json.loads((run / "draft" / "config.json").read_text())["trained"]["step"] == want
+        assert json.loads((run / "ckpt" / "best.json").read_text())["step"] == want
+        picks[by] = want
+    assert len(set(picks.values())) > 1, picks  # the measures disagree on this run, so the choice is what is tested
+    with pytest.raises(EyasError, match="train.greedy_val=0"):
+        run_train(resolve(preset_name="tiny", overrides={**over, "out": str(clone_run(tiny_run, tmp_path / "off")),
+                                                         "train.greedy_val": 0, "train.best_by": "greedy_tau"}), tiny)
+
+
 def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, monkeypatch):
     """train.greedy_val: the target answers the validation split's first prompts greedily once (kept with the run),
     each evaluation reports greedy_tau (over the decoder's rounds on them) beside val_tau, the best checkpoint
