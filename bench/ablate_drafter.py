@@ -81,6 +81,10 @@ VARIANTS = {
     # on the answers; the labels are the target's own distribution wherever the text came from. Validation stays
     # on the answers
     "fcscale_lr1e-3_decay0.8_allpos": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "all_positions": True},
+    # steps 1.. train only where the data's fed tokens are the target's top tokens (greedy), and also only where the
+    # drafter's earlier steps drafted them (chain): eyas train's `train.loss_path`
+    "fcscale_lr1e-3_decay0.8_pathgreedy": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "loss_path": "greedy"},
+    "fcscale_lr1e-3_decay0.8_pathchain": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "loss_path": "chain"},
 }
 
 
@@ -129,7 +133,7 @@ def batches(data, budget: int, seed: int):
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
                   fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1,
-                  label_temp=1.0, decay=1.0, all_positions=False, seed=0, gval=None):
+                  label_temp=1.0, decay=1.0, all_positions=False, loss_path="all", seed=0, gval=None):
     from eyas.train import init_head_from_target
 
     dev = t.device
@@ -170,7 +174,7 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
             g["lr"] = lr * f
         with autocast(dev):
             lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top, temperature=label_temp)
-            st = ttt_unroll(d, b, lab, ttt, noise_std=noise)
+            st = ttt_unroll(d, b, lab, ttt, noise_std=noise, loss_path=loss_path)
             loss = sum(decay ** j * ls / c.clamp(min=1) for j, (ls, c) in enumerate(zip(st.loss_sum, st.count)))
         opt.zero_grad(set_to_none=True)
         loss.backward()

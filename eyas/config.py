@@ -129,6 +129,10 @@ class TrainConfig:
                               "loss mask) or all (every token of the training sequences, the user turns and the "
                               "template's too; the labels are the target's own distribution wherever the text came "
                               "from). Validation always scores the answers", choices=("answers", "all"))
+    loss_path: str = opt("all", "positions TTT steps after the first train on: all, greedy (only where the data's "
+                         "tokens fed to the steps so far are the target's top tokens, as a greedy decoder feeds) or "
+                         "chain (also only where the drafter's earlier steps drafted them: the positions a decoder's "
+                         "chain reaches). Validation always scores every position", choices=("all", "greedy", "chain"))
     val_ratio: float = opt(0.02, "share of training conversations held out for validation")
     greedy_val: int = opt(256, "validation prompts (their first user turn) the target answers greedily, once at the "
                           "start of training, up to eval.max_new_tokens tokens: each evaluation then also scores the "
@@ -222,7 +226,7 @@ SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "ex
 # out of the pipeline's stage keys (pipeline.stage_keys) and, the train ones, out of a checkpoint's fingerprint
 # (train.fingerprint), so a run folder or checkpoint made before them resumes instead of starting over
 KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0,
-                      "train.loss_positions": "answers"}
+                      "train.loss_positions": "answers", "train.loss_path": "all"}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},

@@ -291,8 +291,8 @@ class TTTModule(torch.nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, batch, labels, steps, noise_std, generator, chain=False):
-        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator, chain=chain)
+    def forward(self, batch, labels, steps, noise_std, generator, chain=False, loss_path="all"):
+        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator, chain=chain, loss_path=loss_path)
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -881,7 +881,7 @@ def run_train(cfg: Config, target=None) -> dict:
                 with autocast(d.device, tc.precision):
                     labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top,
                                            temperature=tc.label_temperature)
-                    st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen)
+                    st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen, loss_path=tc.loss_path)
                 loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
                 clock.stop("forward", t_ph)
                 t_ph = clock.start()

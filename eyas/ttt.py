@@ -476,10 +476,21 @@ def loss_state(device: torch.device) -> str:
     return fn.state if isinstance(fn, CompiledLoss) else "eager"
 
 
+LOSS_PATHS = ("all", "greedy", "chain")
+
+
 def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_std: float = 0.0,
-               generator: torch.Generator | None = None, backend: str = "auto", chain: bool = False) -> StepStats:
+               generator: torch.Generator | None = None, backend: str = "auto", chain: bool = False,
+               loss_path: str = "all") -> StepStats:
     """Run `steps` TTT steps over a packed batch; return per-step loss sums and counts (and with `chain` the
-    simulated greedy chain, `chain_step`)."""
+    simulated greedy chain, `chain_step`).
+
+    loss_path: the positions steps j > 0 count at. "all": every valid one. "greedy": only where the tokens fed at
+    steps 1..j (the data's) are the target's top tokens, the only tokens a greedy decoder feeds its drafter.
+    "chain": also only where the drafter's steps before j drafted those tokens, the positions a decoder's chain
+    reaches (the token-alignable training of GRIFFIN). Step 0 counts every valid position in all three."""
+    if loss_path not in LOSS_PATHS:
+        raise ValueError(f"loss_path must be one of {LOSS_PATHS}, got {loss_path!r}")
     ids = batch.input_ids
     aux = batch.aux
     if noise_std > 0:
@@ -492,13 +503,23 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     stats = StepStats([], [], [])
     loss_fn = step_loss_fn(ids.device)
     step = drafter_step_fn(drafter, ids.device)
+    on_path = None  # loss_path: the positions whose tokens fed so far are on the path it keeps
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
         hidden, logits = step(ids[nxt][None], hidden, pos + j, attend)
+        if on_path is not None:
+            valid = valid & on_path
         loss, correct = loss_fn(logits[0], labels.logits, nxt, labels.draft_idx, valid)
         stats.loss_sum.append(loss)
         stats.count.append(valid.sum().float())
         stats.correct.append(correct)
+        if loss_path != "all" and j + 1 < steps:
+            top = labels.draft_idx[nxt]  # the target's top token after row t+j+1, which step j+1 is fed as data
+            fed = ids[(nxt + 1).clamp(max=ids.shape[0] - 1)]
+            keep = (top >= 0) & (fed == drafter.draft_ids[top.clamp(min=0)])
+            if loss_path == "chain":
+                keep = keep & (logits[0].detach().argmax(-1) == top)
+            on_path = keep if on_path is None else on_path & keep
         if chain:
             alive, hit, drafted = chain_step(logits[0].detach(), labels.draft_idx, nxt, valid, ids,
                                              drafter.draft_ids, prev if j else None)

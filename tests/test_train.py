@@ -422,6 +422,22 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
     assert len(losses["answers"]) == len(losses["all"]) == 2 and losses["answers"][0] != losses["all"][0]
 
 
+def test_loss_path_reaches_the_training_and_its_checkpoint(tiny_run, tiny, tmp_path):
+    """train.loss_path goes into the unroll (other losses than the default on the same batches) and into the
+    checkpoint's fingerprint while it is not the default, so a resume with another path is refused."""
+    over = {"train.max_steps": 2, "train.batch_tokens": 512, "train.max_seq_len": 256, "train.greedy_val": 0}
+    losses = {}
+    for path in ("all", "greedy"):
+        run = clone_run(tiny_run, tmp_path / path)
+        run_train(resolve(preset_name="tiny", overrides={**over, "out": str(run), "train.loss_path": path}), tiny)
+        losses[path] = [json.loads(x)["loss"] for x in (run / "train" / "metrics.jsonl").read_text().splitlines()
+                        if '"loss"' in x]
+    assert len(losses["all"]) == len(losses["greedy"]) == 2 and losses["all"][0] > losses["greedy"][0]
+    with pytest.raises(EyasError, match=r"\(train.loss_path changed\)"):
+        run_train(resolve(preset_name="tiny", overrides={**over, "out": str(tmp_path / "greedy"),
+                                                         "train.loss_path": "chain"}), tiny)
+
+
 def test_best_by_picks_the_checkpoint_by_the_chosen_measure(tiny_run, tiny, tmp_path):
     """train.best_by: the drafter kept in draft/ is the evaluation with the highest value of the chosen measure (the
     first such on a tie); auto is greedy_tau while the greedy answers are there; greedy_tau without them is refused."""

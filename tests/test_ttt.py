@@ -52,10 +52,12 @@ def test_acceptance_length():
     assert acceptance_length([]) == 0.0
 
 
-def reference_unroll(drafter, sample, lm_head, draft_ids, steps):
+def reference_unroll(drafter, sample, lm_head, draft_ids, steps, path="all"):
     """One sequence, no packing: step j, position t drafts x_{t+j+2} from (x_{t+j+1}, h^{(j-1)}_t)
     with attention written as loops; soft CE against softmax(target logits at t+j+1) over the
-    draft vocab on loss-masked x_{t+j+2} whose full-vocab target argmax is in the draft vocab."""
+    draft vocab on loss-masked x_{t+j+2} whose full-vocab target argmax is in the draft vocab.
+    path (loss_path): at step j > 0 only positions whose fed tokens x_{t+2}..x_{t+j+1} each are the target's top
+    token in the draft vocabulary ("greedy"), and also each step before j's argmax ("chain")."""
     ids, mask, aux, final = sample.input_ids, sample.loss_mask, sample.aux, sample.final
     L = len(ids)
     full = final @ lm_head.weight.T
@@ -80,13 +82,19 @@ def reference_unroll(drafter, sample, lm_head, draft_ids, steps):
 
     hidden = aux[None]
     pos = torch.arange(L)[None]
-    res = []
+    res, drafted = [], []
     for j in range(steps):
         inp = torch.tensor([int(ids[min(t + j + 1, L - 1)]) for t in range(L)])[None]
         hidden, logits = drafter(inp, hidden, pos + j, attend)  # step j drafts at position t+j
+        drafted.append(logits[0].argmax(-1))
         loss, count, correct = torch.zeros(()), 0, 0
         for t in range(L):
             if t + j + 2 >= L or not mask[t + j + 2]:
+                continue
+            if path != "all" and not all(
+                    to_draft.get(int(top[t + i]), -1) >= 0 and int(ids[t + i + 1]) == int(top[t + i])
+                    and (path == "greedy" or int(drafted[i - 1][t]) == to_draft[int(top[t + i])])
+                    for i in range(1, j + 1)):
                 continue
             count += 1
             label = t + j + 1
@@ -164,6 +172,57 @@ def test_unroll_equals_slow_reference(tiny, setup):
             assert scale > 0, n
             torch.testing.assert_close(fast_grad[n], p.grad, rtol=1e-4, atol=1e-5 * scale,
                                        msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("path", ["greedy", "chain"])
+def test_loss_path_keeps_the_positions_a_decoder_reaches(tiny, path):
+    """train.loss_path: steps after the first train only where the data's fed tokens are the target's top tokens
+    (greedy), and also the drafter's earlier drafts (chain); losses, counts and right guesses equal the slow
+    reference with the same filter. The text follows the tiny target's greedy path at 3 tokens in 4, so every step
+    keeps some positions and drops others."""
+    torch.manual_seed(5)
+    g = torch.Generator().manual_seed(2)
+    V = tiny.vocab_size
+    seqs = []
+    for L in (23, 17, 30):
+        ids = [int(torch.randint(0, V, (1,), generator=g))]
+        with torch.no_grad():
+            for _ in range(L - 1):
+                top = int(tiny.model(torch.tensor([ids])).logits[0, -1].argmax())
+                follow = float(torch.rand(1, generator=g)) < 0.75
+                ids.append(top if follow else int(torch.randint(0, V, (1,), generator=g)))
+        seqs.append((torch.tensor(ids), torch.rand(L, generator=g) < 0.9))
+
+    class Toks:
+        def __getitem__(self, i):
+            return seqs[i]
+
+    samples = OnlineFeatures(tiny, Toks()).get(list(range(len(seqs))))
+    lm_head = tiny.model.get_output_embeddings()
+    tops = torch.cat([(s.final @ lm_head.weight.T).argmax(-1) for s in samples]).unique()
+    draft_ids = torch.cat([tops, torch.tensor(sorted(set(range(V)) - set(tops.tolist()))[:6])]).sort().values
+    drafter = build_drafter(tiny, draft_ids.numel(), draft_ids)
+    if path == "chain":  # a drafter that drafts the target's top token often: its head is the target's
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(lm_head.weight[draft_ids])
+            drafter.fc.weight.zero_()
+            drafter.fc.weight[:, -tiny.model.config.hidden_size:] = torch.eye(tiny.model.config.hidden_size) * 4
+    batch = pack_samples(samples, pad_to=80)
+    labels = target_labels(batch.final, lm_head, draft_ids)
+    with torch.no_grad():
+        full = ttt_unroll(drafter, batch, labels, 3)
+        st = ttt_unroll(drafter, batch, labels, 3, loss_path=path)
+        ref = [[0.0, 0, 0] for _ in range(3)]
+        for s in samples:
+            for j, (loss, c, k) in enumerate(reference_unroll(drafter, s, lm_head, draft_ids, 3, path)):
+                ref[j] = [ref[j][0] + float(loss), ref[j][1] + c, ref[j][2] + k]
+    for j in range(3):
+        assert float(st.loss_sum[j]) == pytest.approx(ref[j][0], rel=1e-5)
+        assert int(st.count[j]) == ref[j][1] and int(st.correct[j]) == ref[j][2]
+    assert int(st.count[0]) == int(full.count[0]) and float(st.loss_sum[0]) == pytest.approx(float(full.loss_sum[0]))
+    assert all(0 < int(st.count[j]) < int(full.count[j]) for j in (1, 2)), (st.count, full.count)
+    with pytest.raises(ValueError, match="loss_path"):
+        ttt_unroll(drafter, batch, labels, 3, loss_path="greedy_only")
 
 
 def test_steps_depend_on_own_hidden_states(tiny, setup):
