@@ -30,8 +30,8 @@ from eyas.draft import build_drafter  # noqa: E402
 from eyas.features import Sample, compute_features  # noqa: E402
 from eyas.target import load_target  # noqa: E402
 from eyas.train import autocast, aux_layer_rms  # noqa: E402
-from eyas.ttt import (acceptance_length, chain_acceptance, decoder_rounds, pack_samples, target_labels,  # noqa: E402
-                      ttt_unroll)
+from eyas.ttt import (acceptance_length, chain_acceptance, decoder_rounds, pack_samples, step_targets,  # noqa: E402
+                      target_labels, ttt_unroll)
 
 
 def aux_scales(samples, H: int, per_dim: bool = False) -> torch.Tensor:
@@ -175,7 +175,10 @@ def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, t
         with autocast(dev):
             lab = target_labels(b.final, lm_head, d.draft_ids, top=b.top, temperature=label_temp)
             st = ttt_unroll(d, b, lab, ttt, noise_std=noise, loss_path=loss_path)
-            loss = sum(decay ** j * ls / c.clamp(min=1) for j, (ls, c) in enumerate(zip(st.loss_sum, st.count)))
+            # each step's loss over its valid positions, as eyas train divides it (a loss_path drops positions from
+            # the sum, not from the count, so each kept position weighs what it weighs with every position kept)
+            den = [step_targets(b, j)[1].sum().clamp(min=1) for j in range(ttt)]
+            loss = sum(decay ** j * ls / c for j, (ls, c) in enumerate(zip(st.loss_sum, den)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if clip > 0:
