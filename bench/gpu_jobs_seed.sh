@@ -11,15 +11,7 @@
 # Then the drafter decodes the chat prompts (K=3 and 7) and the validation prompts its training answered greedily for
 # greedy_tau (K=3, the same 256 new tokens at most): the decoder's τ there is what greedy_tau forecasts, and plain
 # decoding's entry says how many of the training's answers (transformers' generate) the decoder wrote too.
-# Budget: start and staging 90-350 s; the run about 780 s and the chat decode about 80 s (as S1 took); the greedy
-# decode not yet run (a guess: 200 s, within its 300 s timeout).
+# Budget: start and staging 90-350 s; the run 715-780 s, the chat decode 66-80 s and the greedy decode 128 s (S1, S2).
+# The jobs are bench/gpu_jobs_variant.sh's with the name S<seed> and the setting train.seed=<seed>.
 seed=$1; S=$2; tag=$3
-source bench/gpu_lib.sh
-machine_info
-data_runs "--set regen.samples=1 --set train.epochs=3" S$seed="--set train.seed=$seed"
-decode_runs S$seed=/tmp/rS$seed
-[ -d /tmp/rS$seed/draft ] && job decode_greedy_S$seed timeout 300 python3 bench/bench_decode.py --draft /tmp/rS$seed/draft \
-  --prompts greedy:/tmp/rS$seed --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
-  --out $S/decode_greedy_S$seed.json
-wait
-touch $S/finished_$tag
+exec bash bench/gpu_jobs_variant.sh S$seed train.seed=$seed "$S" "$tag"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One setting against the three-seed yardstick on a short lease: run V<NAME> from nothing with the one-sample recipe
-# of bench/gpu_jobs_seed.sh (regen.samples=1, train.epochs=3, train.seed=0) plus the given settings, then the chat
+# One setting against the three-seed yardstick on a short lease: run <NAME> from nothing with the one-sample recipe
+# (regen.samples=1, train.epochs=3, train.seed=0; bench/gpu_jobs_seed.sh runs it with another seed) plus the given
+# settings, then the chat
 # prompts (K=3 and 7) and the greedy validation prompts (K=3), as for the seeds. Seeds 0, 1 and 2 of that recipe gave
 # eval τ 2.953 ± 0.028 at K=3 and 2.850 ± 0.028 / 3.650 ± 0.037 on the chat prompts (BENCHMARKS.md, twenty-ninth
 # session): one run of a setting says more than the seed does about 0.09 from those means. Started like the others:
@@ -8,7 +9,7 @@
 #   call 2: bash .stage/01/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_variant.sh E5 train.epochs=5" bash bench/gpu_queue.sh 540
 #   polls:  JOBS="bench/gpu_jobs_variant.sh E5 train.epochs=5" bash bench/gpu_queue.sh 540
 # (NAME, then KEY=VALUE settings; gpu_queue.sh appends the state folder and the tag). Budget: the run is about 700 s
-# at 3 epochs (S2: 674 s of stages) plus the training's share of every added epoch (about 110 s each), the chat decode
+# at 3 epochs (S2: 674 s of stages) plus about 100 s for every added epoch (an estimate from S2's 359 s train stage), the chat decode
 # about 70 s and the greedy decode about 130 s (S2).
 args=("$@"); n=${#args[@]}
 S=${args[$((n - 2))]}; tag=${args[$((n - 1))]}; name=${args[0]}
@@ -16,11 +17,11 @@ sets="--set regen.samples=1 --set train.epochs=3 --set train.seed=0"
 for kv in "${args[@]:1:$((n - 3))}"; do sets="$sets --set $kv"; done
 source bench/gpu_lib.sh
 machine_info
-echo "$(date +%T) variant V$name: $sets"
-data_runs "$sets" V$name=""
-decode_runs V$name=/tmp/rV$name
-[ -d /tmp/rV$name/draft ] && job decode_greedy_V$name timeout 300 python3 bench/bench_decode.py --draft /tmp/rV$name/draft \
-  --prompts greedy:/tmp/rV$name --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
-  --out $S/decode_greedy_V$name.json
+echo "$(date +%T) variant $name: $sets"
+data_runs "$sets" $name=""
+decode_runs $name=/tmp/r$name
+[ -d /tmp/r$name/draft ] && job decode_greedy_$name timeout 300 python3 bench/bench_decode.py --draft /tmp/r$name/draft \
+  --prompts greedy:/tmp/r$name --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
+  --out $S/decode_greedy_$name.json
 wait
 touch $S/finished_$tag
