@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One setting against the three-seed yardstick on a short lease: run <NAME> from nothing with the one-sample recipe
 # (regen.samples=1, train.epochs=3, train.seed=0; bench/gpu_jobs_seed.sh runs it with another seed) plus the given
-# settings, then the chat
-# prompts (K=3 and 7) and the greedy validation prompts (K=3), as for the seeds. Seeds 0, 1 and 2 of that recipe gave
-# eval τ 2.953 ± 0.028 at K=3 and 2.850 ± 0.028 / 3.650 ± 0.037 on the chat prompts (BENCHMARKS.md, twenty-ninth
-# session): one run of a setting says more than the seed does about 0.09 from those means. Started like the others:
+# settings, then the chat prompts (K=3 and 7) and the greedy validation prompts (K=3), as for the seeds. Seeds 0, 1
+# and 2 of that recipe gave eval τ 2.953 ± 0.028 at K=3 and 2.850 ± 0.028 / 3.650 ± 0.037 on the chat prompts
+# (BENCHMARKS.md, twenty-ninth session): one run of a setting says more than the seed does about 0.09 from those
+# means. Started like the others:
 #   call 1: bash .stage/00/unpack.sh ~/eyas-stage
 #   call 2: bash .stage/01/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_variant.sh E5 train.epochs=5" bash bench/gpu_queue.sh 540
 #   polls:  JOBS="bench/gpu_jobs_variant.sh E5 train.epochs=5" bash bench/gpu_queue.sh 540
 # (NAME, then KEY=VALUE settings; gpu_queue.sh appends the state folder and the tag). Budget: the run is about 700 s
-# at 3 epochs (S2: 674 s of stages) plus about 100 s for every added epoch (an estimate from S2's 359 s train stage), the chat decode
-# about 70 s and the greedy decode about 130 s (S2).
+# at 3 epochs (S2: 674 s of stages) plus about 100 s for every added epoch (an estimate from S2's 359 s train stage),
+# the chat decode about 70 s and the greedy decode about 130 s (S2).
 args=("$@"); n=${#args[@]}
 S=${args[$((n - 2))]}; tag=${args[$((n - 1))]}; name=${args[0]}
 sets="--set regen.samples=1 --set train.epochs=3 --set train.seed=0"
