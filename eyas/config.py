@@ -140,7 +140,7 @@ class TrainConfig:
                           "greedy_tau, the forecast of the decoder's tau on first answers (0 = off)")
     best_by: str = opt("auto", "the validation measure that picks the best checkpoint (the drafter written to draft/): "
                        "greedy_tau (the decoder's rounds on the target's greedy answers, train.greedy_val), val_tau "
-                       "(the greedy chain on sampled validation answers), val_al (the product of step accuracies); "
+                       "(the greedy chain on sampled validation answers), val_al (the sum of the step accuracies' products); "
                        "auto = greedy_tau when greedy_val is on and its answers were made, else val_al",
                        choices=("auto", "greedy_tau", "val_tau", "val_al"))
     scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
