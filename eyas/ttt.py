@@ -507,11 +507,10 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
         hidden, logits = step(ids[nxt][None], hidden, pos + j, attend)
-        if on_path is not None:
-            valid = valid & on_path
-        loss, correct = loss_fn(logits[0], labels.logits, nxt, labels.draft_idx, valid)
+        counted = valid if on_path is None else valid & on_path  # the chain below simulates over every valid row
+        loss, correct = loss_fn(logits[0], labels.logits, nxt, labels.draft_idx, counted)
         stats.loss_sum.append(loss)
-        stats.count.append(valid.sum().float())
+        stats.count.append(counted.sum().float())
         stats.correct.append(correct)
         if loss_path != "all" and j + 1 < steps:
             top = labels.draft_idx[nxt]  # the target's top token after row t+j+1, which step j+1 is fed as data
