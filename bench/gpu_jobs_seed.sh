@@ -12,6 +12,6 @@
 # greedy_tau (K=3, the same 256 new tokens at most): the decoder's τ there is what greedy_tau forecasts, and plain
 # decoding's entry says how many of the training's answers (transformers' generate) the decoder wrote too.
 # Budget: start and staging 90-350 s; the run 715-780 s, the chat decode 66-80 s and the greedy decode 128 s (S1, S2).
-# The jobs are bench/gpu_jobs_variant.sh's with the name S<seed> and the setting train.seed=<seed>.
+# The jobs are bench/gpu_jobs_variant.sh's with the name S<seed> and --seeds <seed>.
 seed=$1; S=$2; tag=$3
-exec bash bench/gpu_jobs_variant.sh S$seed train.seed=$seed "$S" "$tag"
+exec bash bench/gpu_jobs_variant.sh --seeds $seed S$seed "$S" "$tag"

@@ -9,17 +9,31 @@
 #   call 2: bash .stage/01/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_variant.sh E5 train.epochs=5" bash bench/gpu_queue.sh 540
 #   polls:  JOBS="bench/gpu_jobs_variant.sh E5 train.epochs=5" bash bench/gpu_queue.sh 540
 # (NAME, then KEY=VALUE settings; gpu_queue.sh appends the state folder and the tag). Budget: the run is about 700 s
-# at 3 epochs (S2: 674 s of stages) plus about 100 s for every added epoch (an estimate from S2's 359 s train stage),
-# the chat decode about 70 s and the greedy decode about 130 s (S2).
-args=("$@"); n=${#args[@]}
+# at 3 epochs (S2: 674 s of stages; T10 707 s) plus about 100 s for every added epoch (an estimate from S2's 359 s
+# train stage), the chat decode about 70 s and the greedy decode about 130 s (S2).
+# `--seeds 0,1` first (before NAME) trains the setting once per seed, all on the first run's regenerated data
+# (copied; data_runs in gpu_lib.sh), so each seed pairs with the yardstick's run of the same seed (the chain is
+# deterministic: see gpu_jobs_seed.sh). Each later seed adds about 430 s (T10PC: train 372 s and eval 43 s on T10's
+# data, thirtieth session) and its chat decode; the greedy-prompt decode runs for the first seed only.
+args=("$@"); seeds=0
+if [ "${args[0]}" = "--seeds" ]; then seeds=${args[1]}; args=("${args[@]:2}"); fi
+n=${#args[@]}
 S=${args[$((n - 2))]}; tag=${args[$((n - 1))]}; name=${args[0]}
-sets="--set regen.samples=1 --set train.epochs=3 --set train.seed=0"
-for kv in "${args[@]:1:$((n - 3))}"; do sets="$sets --set $kv"; done
+sets="--set regen.samples=1 --set train.epochs=3"
+for kv in "${args[@]:1:$((n - 3))}"; do
+  case $kv in train.seed=*) echo "give the seed as --seeds ${kv#*=}, not as a setting" >&2; touch $S/finished_$tag; exit 2;; esac
+  sets="$sets --set $kv"
+done
 source bench/gpu_lib.sh
 machine_info
-echo "$(date +%T) variant $name: $sets"
-data_runs "$sets" $name=""
-decode_runs $name=/tmp/r$name
+runs=(); names=()
+for seed in ${seeds//,/ }; do  # the first seed's run is NAME, the others NAMEs<seed>, on the first's data
+  nm=$name; [ ${#names[@]} -gt 0 ] && nm=${name}s$seed
+  runs+=("$nm=--set train.seed=$seed"); names+=("$nm=/tmp/r$nm")
+done
+echo "$(date +%T) variant $name, seeds $seeds: $sets"
+data_runs "$sets" "${runs[@]}"
+decode_runs "${names[@]}"
 [ -d /tmp/r$name/draft ] && job decode_greedy_$name timeout 300 python3 bench/bench_decode.py --draft /tmp/r$name/draft \
   --prompts greedy:/tmp/r$name --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
   --out $S/decode_greedy_$name.json
