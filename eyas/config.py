@@ -170,6 +170,9 @@ class TrainConfig:
                        "RMS over the first training batches, so every layer enters at the same scale; README) or "
                        "default (PyTorch's Linear init)", choices=("scaled", "default"))
     draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
+    draft_layers: int = opt(1, "drafter decoder layers: 1 is EAGLE-3's drafter (served by SGLang and vLLM); more adds "
+                            "plain Llama layers after it, each step costing a layer more (vLLM serves these, SGLang "
+                            "does not: export then writes the vllm format only)")
     precision: str = opt("auto", "autocast for the drafter's forward: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32 "
                          "(bf16 on a CPU with AVX512-BF16 trains 1.6x faster; README)", choices=("auto", "bf16", "fp32"))
     parallel: str = opt("ddp", "with several processes (torchrun): ddp (each process holds the whole drafter and its "
@@ -226,7 +229,7 @@ SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "ex
 # out of the pipeline's stage keys (pipeline.stage_keys) and, the train ones, out of a checkpoint's fingerprint
 # (train.fingerprint), so a run folder or checkpoint made before them resumes instead of starting over
 KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0,
-                      "train.loss_positions": "answers", "train.loss_path": "all"}
+                      "train.loss_positions": "answers", "train.loss_path": "all", "train.draft_layers": 1}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},

@@ -165,7 +165,7 @@ class TargetRunner:
 
 
 class DraftCache:
-    """A preallocated KV cache for the drafter's one attention layer. Keys/values are written at
+    """A preallocated KV cache for one of the drafter's attention layers. Keys/values are written at
     absolute positions; a query at position p attends to slots 0..p, so a rollback needs no work:
     stale slots past the committed length are rewritten before any query can see them."""
 
@@ -360,7 +360,9 @@ class Decoder:
                 self.drafter.fuse(max_len)
             else:
                 self.drafter.unfuse()
-            self.dcache = DraftCache(self.drafter, max_len, self.device, self.dtype)
+            # one cache per drafter decoder layer
+            self.dcaches = [DraftCache(self.drafter, max_len, self.device, self.dtype)
+                            for _ in range(self.drafter.config.num_hidden_layers)]
             self.drafter.__dict__["_eyas_compiled"] = self.drafter_compiled
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -388,9 +390,10 @@ class Decoder:
 
     def _drafter_fwd(self, ids, hidden, pos: torch.Tensor, upto: int):
         """Drafter over ids [1, T] at positions pos [T], attending to cache slots < upto."""
-        self.dcache.pos = pos
-        self.dcache.upto = upto
-        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self.dcache.attend, rope_table=True)
+        for dc in self.dcaches:
+            dc.pos, dc.upto = pos, upto
+        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=[dc.attend for dc in self.dcaches],
+                            rope_table=True)
 
     def _upto(self, end: int) -> int:
         """Cache slots a call whose positions end before `end` attends to (fastlm.attended_slots)."""

@@ -6,6 +6,10 @@
     h'' = h' + mlp(post_attention_layernorm(h'))    # fed back as the next step's h
     logits = lm_head(norm(h''))                     # over the draft vocabulary
 
+With `num_hidden_layers` L > 1 (vLLM's multi-layer EAGLE-3), layers 1..L-1 follow the first as plain pre-norm
+Llama layers over H (q/k/v take input_layernorm(h), no embedding, no hidden_norm), named `layers.<i>.*`, and the
+last layer's output is what is fed back and normed into the logits.
+
 Parameter names follow the EAGLE/SGLang layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`) so a checkpoint is that format already. Attention is a function the caller passes in
 (`attend(q, k, v) -> out`): plain causal attention by default, the training-time-test pattern in
@@ -44,9 +48,11 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     target_num_layers: int = 0
     target: dict = field(default_factory=dict)  # the target's identity (name, sha256, ...)
+    num_hidden_layers: int = 1  # decoder layers: the first reads the embedding and the hidden state, the rest plain
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int, intermediate_size: int = 0) -> "DraftConfig":
+    def from_target(cls, target, draft_vocab_size: int, intermediate_size: int = 0,
+                    num_layers: int = 1) -> "DraftConfig":
         c = target.config
         heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
@@ -60,7 +66,7 @@ class DraftConfig:
                    draft_vocab_size=min(draft_vocab_size, c.vocab_size), aux_layers=list(target.aux_layers),
                    rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
                    max_position_embeddings=c.max_position_embeddings, target_num_layers=c.num_hidden_layers,
-                   target=target.identity())
+                   target=target.identity(), num_hidden_layers=int(num_layers))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,12 +111,12 @@ def causal_attend(q, k, v):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DraftConfig):
+    def __init__(self, c: DraftConfig, width: int = 2):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.q_proj = nn.Linear(width * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(width * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(width * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, attend: Attend):
@@ -165,20 +171,28 @@ def _fused(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor | None:
 
 
 class MidLayer(nn.Module):
-    def __init__(self, c: DraftConfig):
+    """The drafter's decoder layer. The first (`first`) reads concat(input_layernorm(embed), hidden_norm(h)); the
+    later ones of a multi-layer drafter are plain Llama layers over input_layernorm(h)."""
+
+    def __init__(self, c: DraftConfig, first: bool = True):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        if first:
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, width=2 if first else 1)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
+        self.first = first
 
     def forward(self, embeds, hidden, cos, sin, attend: Attend):
         return self.post(hidden, attend(*self.pre(embeds, hidden, cos, sin)))
 
     def pre(self, embeds, hidden, cos, sin):
-        """Everything before the attention: its q, k and v."""
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        """Everything before the attention: its q, k and v (`embeds` is not read by a later layer)."""
+        if self.first:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        else:
+            x = self.input_layernorm(hidden)
         return self.self_attn.qkv(x, cos, sin)
 
     def post(self, hidden, o):
@@ -199,7 +213,11 @@ class Eagle3Drafter(nn.Module):
         if embed_weight is not None:
             self.set_embeddings(embed_weight)
         self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.num_hidden_layers < 1:
+            raise EyasError(f"a drafter needs at least one decoder layer, got num_hidden_layers={c.num_hidden_layers}")
         self.midlayer = MidLayer(c)
+        if c.num_hidden_layers > 1:  # named layers.1.* ... as vLLM names them (it calls the first layers.0)
+            self.layers = nn.ModuleDict({str(i): MidLayer(c, first=False) for i in range(1, c.num_hidden_layers)})
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
@@ -236,11 +254,12 @@ class Eagle3Drafter(nn.Module):
         0..max_len-1 as a table that forward(rope_table=True) indexes, instead of computing them per step, and
         each RMSNorm as one fused kernel in the drafter's dtype (as FastLM.norm_one_kernel does for the target:
         one rounding after the weight instead of HF's two, 3 kernels fewer a norm; training keeps HF's steps)."""
-        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         self._norms_one_kernel(True)
-        for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-            if fuse_linears([getattr(mod, n) for n in names]) is not None:
-                mod.__dict__["_eyas_fuse_on"] = True
+        for layer in self.decoder_layers():
+            attn, mlp = layer.self_attn, layer.mlp
+            for mod, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+                if fuse_linears([getattr(mod, n) for n in names]) is not None:
+                    mod.__dict__["_eyas_fuse_on"] = True
         pos = torch.arange(max_len, device=self.lm_head.weight.device)[None]
         cos, sin = self.rope(pos, self.lm_head.weight.dtype)  # [1, 1, max_len, hd]
         self.__dict__["_rope_table"] = (cos[0, 0], sin[0, 0])
@@ -248,10 +267,16 @@ class Eagle3Drafter(nn.Module):
     def unfuse(self) -> None:
         """Undo fuse(): the projections run apart and cos/sin are computed per step (the weights stay views
         of the fused tensors, which is harmless)."""
-        for mod in (self.midlayer.self_attn, self.midlayer.mlp):
-            mod.__dict__.pop("_eyas_fuse_on", None)
+        for layer in self.decoder_layers():
+            for mod in (layer.self_attn, layer.mlp):
+                mod.__dict__.pop("_eyas_fuse_on", None)
         self._norms_one_kernel(False)
         self.__dict__.pop("_rope_table", None)
+
+    def decoder_layers(self) -> list[MidLayer]:
+        """The decoder layers in order: midlayer, then layers.1 ... of a multi-layer drafter."""
+        more = self.__dict__["_modules"].get("layers")
+        return [self.midlayer] + ([more[str(i)] for i in range(1, len(more) + 1)] if more is not None else [])
 
     def _norms_one_kernel(self, on: bool) -> None:
         for m in self.modules():
@@ -259,20 +284,40 @@ class Eagle3Drafter(nn.Module):
                 m.one_kernel = on
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attend: Attend = causal_attend, rope_table: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                attend: Attend | list = causal_attend, rope_table: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step over a sequence.
 
         input_ids [B,T]: the token at t+1 (the one after the position `hidden` describes);
         hidden [B,T,3·H_t] (target aux states: fc is applied) or [B,T,H] (fed-back drafter state);
+        attend: the attention, or one per decoder layer (a list) where there are several (a callable alone is
+        used only for causal_attend, which keeps no state, or a one-layer drafter);
         rope_table: look cos/sin up in the table fuse() built (positions must be below its max_len);
         returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
+        attends = self.attends(attend)
         if self.__dict__.get("_eyas_compiled") and input_ids.shape[1] <= self.COMPILED_MAX_T:
             from .fastlm import compiled  # each part one compiled graph (decoding: Decoder.compile_drafter)
 
             hidden, q, k, v = compiled(_pre_attention)(self, input_ids, hidden, position_ids, rope_table)
-            return compiled(_post_attention)(self, hidden, attend(q, k, v))
+            for i in range(1, len(attends)):
+                hidden, q, k, v = compiled(_between_layers)(self, i, hidden, attends[i - 1](q, k, v), position_ids,
+                                                            rope_table)
+            return compiled(_post_attention)(self, hidden, attends[-1](q, k, v))
         hidden, q, k, v = self.pre_attention(input_ids, hidden, position_ids, rope_table)
-        return self.post_attention(hidden, attend(q, k, v))
+        for i in range(1, len(attends)):
+            hidden, q, k, v = self.between_layers(i, hidden, attends[i - 1](q, k, v), position_ids, rope_table)
+        return self.post_attention(hidden, attends[-1](q, k, v))
+
+    def attends(self, attend) -> list:
+        """One attention per decoder layer from forward's `attend`."""
+        n = self.config.num_hidden_layers
+        if isinstance(attend, (list, tuple)):
+            if len(attend) != n:
+                raise ValueError(f"{len(attend)} attentions for a drafter of {n} decoder layers")
+            return list(attend)
+        if n > 1 and attend is not causal_attend:
+            raise ValueError(f"a drafter of {n} decoder layers needs one attention per layer (a list), each with its "
+                             f"own keys")
+        return [attend] * n
 
     # calls of at most this many tokens run compiled when `_eyas_compiled` is set (draft steps and a round's
     # catch-up over K+1 tokens); prefills, one shape each, stay eager
@@ -288,17 +333,29 @@ class Eagle3Drafter(nn.Module):
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
-        table = self.__dict__.get("_rope_table") if rope_table else None
-        if table is not None and table[0].dtype == hidden.dtype and table[0].device == hidden.device:
-            cos, sin = table[0][position_ids][:, None], table[1][position_ids][:, None]
-        else:
-            cos, sin = self.rope(position_ids, hidden.dtype)
+        cos, sin = self._cos_sin(position_ids, hidden, rope_table)
         return (hidden, *self.midlayer.pre(embeds, hidden, cos, sin))
 
+    def _cos_sin(self, position_ids, hidden, rope_table: bool):
+        table = self.__dict__.get("_rope_table") if rope_table else None
+        if table is not None and table[0].dtype == hidden.dtype and table[0].device == hidden.device:
+            return table[0][position_ids][:, None], table[1][position_ids][:, None]
+        return self.rope(position_ids, hidden.dtype)
+
+    def between_layers(self, i: int, hidden: torch.Tensor, o: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       rope_table: bool = False):
+        """A multi-layer drafter's step from layer i-1's attention output o (and that layer's input hidden) to
+        layer i's attention: (layer i's input hidden, q, k, v). Stateless, like pre_attention."""
+        h = self.decoder_layers()[i - 1].post(hidden, o)
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device)[None].expand(h.shape[0], -1)
+        cos, sin = self._cos_sin(position_ids, h, rope_table)
+        return (h, *self.decoder_layers()[i].pre(None, h, cos, sin))
+
     def post_attention(self, hidden: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward after the attention: (next hidden, draft-vocab logits) from pre_attention's hidden and the
-        attention's output o."""
-        h = self.midlayer.post(hidden, o)
+        """forward after the last layer's attention: (next hidden, draft-vocab logits) from that layer's input
+        hidden (pre_attention's, or between_layers') and the attention's output o."""
+        h = self.decoder_layers()[-1].post(hidden, o)
         return h, self.lm_head(self.norm(h))
 
     FROZEN = "embed_tokens.weight"  # the target's embedding: shared, never trained or saved with the drafter
@@ -319,14 +376,19 @@ def _pre_attention(drafter: Eagle3Drafter, input_ids, hidden, position_ids, rope
     return drafter.pre_attention(input_ids, hidden, position_ids, rope_table)
 
 
+def _between_layers(drafter: Eagle3Drafter, i, hidden, o, position_ids, rope_table):
+    """Eagle3Drafter.between_layers as a function of the drafter."""
+    return drafter.between_layers(i, hidden, o, position_ids, rope_table)
+
+
 def _post_attention(drafter: Eagle3Drafter, hidden, o):
     """Eagle3Drafter.post_attention as a function of the drafter."""
     return drafter.post_attention(hidden, o)
 
 
 def build_drafter(target, draft_vocab_size: int, draft_ids: torch.Tensor | None = None,
-                  intermediate_size: int = 0) -> Eagle3Drafter:
-    cfg = DraftConfig.from_target(target, draft_vocab_size, intermediate_size)
+                  intermediate_size: int = 0, num_layers: int = 1) -> Eagle3Drafter:
+    cfg = DraftConfig.from_target(target, draft_vocab_size, intermediate_size, num_layers)
     d = Eagle3Drafter(cfg, target.embed_tokens().weight.detach().float())
     if draft_ids is not None:
         d.set_vocab(draft_ids)

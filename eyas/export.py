@@ -11,7 +11,8 @@ engine file and version it was read from, in docs/serving.md. In short:
 * vLLM (speculators `eagle3` config): `transformer_layer_config` + top-level `draft_vocab_size`,
   `target_hidden_size`, norm flags, `eagle_aux_hidden_state_layer_ids` (used as-is: the stream
   entering that layer, = eyas' convention) and `speculators_config` (proposal method, verifier).
-  Weights name the decoder layer `layers.0.*` instead of `midlayer.*`.
+  Weights name the decoder layer `layers.0.*` instead of `midlayer.*`; a multi-layer drafter's later layers are
+  `layers.<i>.*` in both eyas and vLLM (SGLang runs its later layers differently, so it gets one-layer drafters only).
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from .draft import DraftConfig, Eagle3Drafter, check_fits, load_drafter
 from .util import EyasError, atomic_path, atomic_write_json, log
 
 FORMATS = ("sglang", "vllm")
+# SGLang's later draft layers (BasicDecoderLayer in llama_eagle3.py, commit 03d5a77) restart the residual from the
+# previous layer's MLP output and norm with hidden_norm: another network than vLLM's (and eyas') plain Llama layers
+SGLANG_MULTI_LAYER = ("a drafter of {n} decoder layers cannot be served by SGLang: its LlamaForCausalLMEagle3 runs "
+                      "the layers after the first differently (they drop the residual stream), so it would not "
+                      "compute what was trained; export it for vLLM (export.formats=[\"vllm\"])")
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 VLLM_MODEL_TYPE = "eagle3"
 # hub ids of the presets, written as the verifier a served drafter belongs to
@@ -56,6 +62,15 @@ def expected_tensors(c: DraftConfig, include_embeddings: bool = False) -> dict[s
         "d2t": ((c.draft_vocab_size,), "int64"),
         "t2d": ((c.target_vocab_size,), "bool"),
     }
+    for i in range(1, c.num_hidden_layers):  # a multi-layer drafter's plain layers (vLLM's layers.<i>)
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": ((H,), "float"),
+                  p + "self_attn.q_proj.weight": ((q, H), "float"), p + "self_attn.k_proj.weight": ((kv, H), "float"),
+                  p + "self_attn.v_proj.weight": ((kv, H), "float"), p + "self_attn.o_proj.weight": ((H, q), "float"),
+                  p + "post_attention_layernorm.weight": ((H,), "float"),
+                  p + "mlp.gate_proj.weight": ((c.intermediate_size, H), "float"),
+                  p + "mlp.up_proj.weight": ((c.intermediate_size, H), "float"),
+                  p + "mlp.down_proj.weight": ((H, c.intermediate_size), "float")})
     if include_embeddings:
         t["embed_tokens.weight"] = ((c.target_vocab_size, H), "float")
     return t
@@ -160,7 +175,7 @@ def _llama_fields(c: DraftConfig, dtype: torch.dtype) -> dict:
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_hidden_layers,
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
@@ -184,6 +199,8 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
     if num_speculative_tokens < 1:
         raise EyasError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
     c = drafter.config
+    if fmt == "sglang" and c.num_hidden_layers > 1:
+        raise EyasError(SGLANG_MULTI_LAYER.format(n=c.num_hidden_layers))
     sd = drafter.trainable_state_dict(include_embeddings=include_embeddings)
     check_tensors(_shapes_of(sd), c, "drafter", include_embeddings)
     n_layers = c.target_num_layers or int(c.target.get("num_layers", 0) or 0)
@@ -266,6 +283,9 @@ def run_export(cfg) -> dict:
     for f in formats:
         _check_format(f)
     out = {}
+    if drafter.config.num_hidden_layers > 1 and "sglang" in formats:  # the run's default asks for both formats
+        log("export: skipping sglang, " + SGLANG_MULTI_LAYER.format(n=drafter.config.num_hidden_layers))
+        formats = [f for f in formats if f != "sglang"]
     for f in formats:
         p = export_drafter(drafter, run / "export" / f, f, verifier_name(cfg.target),
                            include_embeddings=cfg.export.include_embeddings, num_speculative_tokens=cfg.eval.k,
@@ -324,8 +344,12 @@ def detect_format(raw: dict, sd_keys) -> str:
 
 def _refuse_unsupported(lc: dict, raw: dict, where: str) -> None:
     problems = []
-    if int(lc.get("num_hidden_layers", 1)) != 1:
-        problems.append(f"{lc['num_hidden_layers']} decoder layers (eyas drafters have 1)")
+    layers = int(lc.get("num_hidden_layers", 1))
+    if layers != 1 and "speculators_model_type" not in raw:
+        problems.append(f"{layers} decoder layers in SGLang's layout (its later layers are not the plain Llama layers "
+                        f"eyas runs; eyas reads multi-layer drafters in vLLM's speculators format)")
+    elif layers < 1:
+        problems.append(f"{layers} decoder layers")
     if lc.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {lc['hidden_act']!r} (eyas uses silu)")
     if lc.get("attention_bias") or lc.get("mlp_bias") or raw.get("bias"):
@@ -378,9 +402,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
             k = k[len("model."):]
         if k.startswith("layers.0."):
             k = "midlayer." + k[len("layers.0."):]
-        if k.startswith(("verifier_", "layers.")):
-            if k.startswith("layers."):
-                raise EyasError(f"{where}: weight {k!r} belongs to a second decoder layer; eyas drafters have one")
+        if k.startswith("verifier_"):
             continue
         norm[k] = v
 
@@ -410,7 +432,8 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
                     rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=theta,
                     max_position_embeddings=int(lc.get("max_position_embeddings", 8192)),
                     target_num_layers=int((raw.get("eyas") or {}).get("target_num_layers", 0) or 0),
-                    target=dict((raw.get("eyas") or {}).get("target") or {}))
+                    target=dict((raw.get("eyas") or {}).get("target") or {}),
+                    num_hidden_layers=int(lc.get("num_hidden_layers", 1)))
     if target is not None:
         check_fits(c, target, where)
         c.target, c.target_num_layers = target.identity(), target.num_layers

@@ -201,7 +201,10 @@ def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Draft
     checkpoint folder, or an SGLang/EAGLE/vLLM-speculators folder via eyas.export)."""
     src = cfg.train.finetune_from
     if not src:
-        d = build_drafter(target, draft_ids.numel(), draft_ids, cfg.train.draft_intermediate_size)
+        if cfg.train.draft_layers < 1:
+            raise EyasError(f"train.draft_layers must be at least 1, got {cfg.train.draft_layers}")
+        d = build_drafter(target, draft_ids.numel(), draft_ids, cfg.train.draft_intermediate_size,
+                          cfg.train.draft_layers)
         if cfg.train.init_head:
             init_head_from_target(d, target)
         return d
@@ -400,7 +403,10 @@ def save_checkpoint(run: Path, ts: TrainState, state: dict, keep: int = 1, main:
     return final
 
 
-def load_checkpoint(run: Path, ts: TrainState) -> dict | None:
+def load_checkpoint(run: Path, ts: TrainState, fp: dict | None = None) -> dict | None:
+    """The latest checkpoint's state, its weights, optimizer and RNG loaded into `ts`; None when there is none.
+    With `fp`, a checkpoint of another training run (another fingerprint) is refused, naming the settings that
+    changed, before any of its tensors is read (a changed drafter shape would otherwise fail on the tensors)."""
     from safetensors.torch import load_file
 
     latest = ckpt_dir(run) / "latest.json"
@@ -409,6 +415,12 @@ def load_checkpoint(run: Path, ts: TrainState) -> dict | None:
     info = read_json(latest)
     d = ckpt_dir(run) / info["dir"]
     state = read_json(d / "state.json")
+    if fp is not None and state.get("fingerprint") != fp:
+        was, now = state.get("fingerprint", {}).get("train", {}), fp["train"]
+        diff = sorted(k for k in {*now, *was} if was.get(k) != now.get(k))
+        what = ", ".join(f"train.{k}" for k in diff) or "the target, draft vocabulary or process count"
+        raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({what} changed); "
+                        f"use another --out or delete {ckpt_dir(run)} to start over")
     try:
         sd = load_file(str(d / "model.safetensors"))
         ot = load_file(str(d / "optim.safetensors"))
@@ -748,16 +760,9 @@ def run_train(cfg: Config, target=None) -> dict:
         total = min(total, tc.max_steps)
     fp = fingerprint(cfg, target, draft_ids, d.world)
 
-    state = load_checkpoint(run, ts)
+    state = load_checkpoint(run, ts, fp)
     step, best = 0, {"val_al": -1.0, "step": -1}
     if state is not None:
-        if state.get("fingerprint") != fp:
-            old = state.get("fingerprint", {})
-            was = old.get("train", {})
-            diff = sorted(k for k in {*fp["train"], *was} if was.get(k) != fp["train"].get(k))
-            what = ", ".join(f"train.{k}" for k in diff) or "the target, draft vocabulary or process count"
-            raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({what} changed); "
-                            f"use another --out or delete {ckpt_dir(run)} to start over")
         step, best = state["step"], state["best"]
         log(f"train: resuming from step {step} of {total}")
         if best.get("step", -1) >= 0 and best.get("by", "val_al") != best_key:

@@ -413,9 +413,16 @@ class CompiledStep:
     def __init__(self, drafter):
         self.drafter = drafter
         self.pre = torch.compile(drafter.pre_attention, dynamic=False, fullgraph=True)
+        self.between = torch.compile(drafter.between_layers, dynamic=False, fullgraph=True)  # multi-layer only
         self.post = torch.compile(drafter.post_attention, dynamic=False, fullgraph=True)
         self.checked: set[tuple] = set()
         self.state = "compiled"
+
+    def _run(self, ids, hidden, pos, attends):
+        h, q, k, v = self.pre(ids, hidden, pos)
+        for i in range(1, len(attends)):
+            h, q, k, v = self.between(i, h, attends[i - 1](q, k, v), pos)
+        return self.post(h, attends[-1](q, k, v))
 
     def __call__(self, ids, hidden, pos, attend):
         if self.state != "compiled":
@@ -430,15 +437,13 @@ class CompiledStep:
                 log(f"the drafter's TTT steps run eagerly from now on: {self.state}")
                 return self.drafter(ids, hidden, pos, attend)
             self.checked.add(kind)
-        h, q, k, v = self.pre(ids, hidden, pos)
-        return self.post(h, attend(q, k, v))
+        return self._run(ids, hidden, pos, self.drafter.attends(attend))
 
     def _probe(self, ids, hidden, pos, attend, grad):
-        """Both parts (and their backward, with grad) on detached inputs and a copy of the attention's state,
+        """Every part (and their backward, with grad) on detached inputs and a copy of the attention's state,
         so the real step's graph and the attention's keys are untouched and no gradient is accumulated."""
         probe = hidden.detach().requires_grad_(hidden.requires_grad)
-        h, q, k, v = self.pre(ids, probe, pos)
-        out = self.post(h, attend.copy()(q, k, v))
+        out = self._run(ids, probe, pos, [a.copy() for a in self.drafter.attends(attend)])
         if grad:
             params = [p for p in self.drafter.parameters() if p.requires_grad]
             torch.autograd.grad([out[0].float().sum() + out[1].float().sum()], params + ([probe] if probe.requires_grad else []),
@@ -497,7 +502,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
         noise = torch.randn(aux.shape, generator=generator, device=generator.device if generator else aux.device,
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
-    attend = TTTAttend(batch.doc, backend, steps, batch.n_real)
+    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real) for _ in range(drafter.config.num_hidden_layers)]
     pos = batch.pos[None]
     hidden = aux[None]
     stats = StepStats([], [], [])

@@ -196,14 +196,15 @@ def trained(smol, prompt_set, plain_outputs):
     return d.eval()
 
 
-def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
-    """Eagle3Drafter.fuse (q/k/v and gate/up as one product each, rope from a table) gives the same step as
-    the separate modules (its RMSNorms one kernel each), keeps the state dict (and a fused drafter still saves
-    and loads), and stands aside once .to() gives the modules new weights; unfuse() undoes all of it."""
+@pytest.mark.parametrize("layers", [1, 2])
+def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path, layers):
+    """Eagle3Drafter.fuse (q/k/v and gate/up as one product each in every layer, rope from a table) gives the same
+    step as the separate modules (its RMSNorms one kernel each), keeps the state dict (and a fused drafter still
+    saves and loads), and stands aside once .to() gives the modules new weights; unfuse() undoes all of it."""
     from eyas.draft import RMSNorm, _fused, load_drafter, save_drafter
 
     torch.manual_seed(0)
-    d = build_drafter(tiny, 512, intermediate_size=96).eval()
+    d = build_drafter(tiny, 512, intermediate_size=96, num_layers=layers).eval()
     keys = sorted(d.state_dict())
     ids = torch.randint(0, tiny.vocab_size, (1, 6))
     aux = torch.randn(1, 6, 3 * d.config.hidden_size)
@@ -211,11 +212,12 @@ def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path):
     with torch.no_grad():
         ref = d(ids, aux, pos)
         d.fuse(64)
-        attn, mlp = d.midlayer.self_attn, d.midlayer.mlp
-        assert _fused(attn, ("q_proj", "k_proj", "v_proj")) is not None
-        assert _fused(mlp, ("gate_proj", "up_proj")) is not None
+        attn, mlp = d.decoder_layers()[-1].self_attn, d.decoder_layers()[-1].mlp
+        for layer in d.decoder_layers():
+            assert _fused(layer.self_attn, ("q_proj", "k_proj", "v_proj")) is not None
+            assert _fused(layer.mlp, ("gate_proj", "up_proj")) is not None
         norms = [m for m in d.modules() if isinstance(m, RMSNorm)]
-        assert len(norms) == 4 and all(m.one_kernel for m in norms)
+        assert len(norms) == 4 + 2 * (layers - 1) and all(m.one_kernel for m in norms)
         got = d(ids, aux, pos, rope_table=True)
         for a, b in zip(ref, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -375,6 +377,20 @@ class ScriptedDecoder(Decoder):
 @pytest.mark.parametrize("fused", [False, True, "overlap"], ids=["steps", "fused", "fused_overlap"])
 @pytest.mark.parametrize("k", [3, 7])
 def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k, fused, monkeypatch):
+    _rollback_check(smol, prompt_set, untrained, k, fused, monkeypatch)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+def test_two_layer_drafter_rolls_back_every_layer(smol, prompt_set, plain_outputs, fused, monkeypatch):
+    """A drafter of two decoder layers (train.draft_layers=2) decodes losslessly through rejections at every
+    position, and each layer's cache holds what a fresh pass over the final sequence computes for that layer."""
+    torch.manual_seed(1)
+    deep = build_drafter(smol, 2048, _draft_vocab(smol, [p + o for p, o in zip(prompt_set, plain_outputs)]),
+                         num_layers=2)
+    _rollback_check(smol, prompt_set, deep, 3, fused, monkeypatch)
+
+
+def _rollback_check(smol, prompt_set, untrained, k, fused, monkeypatch):
     if fused == "overlap":  # fused rounds, each queued before the last one is read (the GPU default)
         monkeypatch.setattr(Decoder, "overlap", True)
     ids = prompt_set[1]
@@ -388,16 +404,19 @@ def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained,
     # the drafter cache of every committed position equals a fresh pass over the final sequence
     seq = torch.tensor([ids + g.tokens])
     aux, _ = smol.capture(seq)
-    keys = []
+    keys = [[] for _ in range(untrained.config.num_hidden_layers)]
 
-    def record(q, kk, v):
-        keys.append(kk)
-        return causal_attend(q, kk, v)
+    def recorder(layer):
+        def record(q, kk, v):
+            keys[layer].append(kk)
+            return causal_attend(q, kk, v)
+        return record
 
-    untrained(seq[:, 1:], aux[:, :-1], attend=record)
+    untrained(seq[:, 1:], aux[:, :-1], attend=[recorder(i) for i in range(len(keys))])
     m = seq.shape[1] - 1
-    assert torch.allclose(dec.dcache.k[:, :, :m], keys[0], atol=1e-4), \
-        (dec.dcache.k[:, :, :m] - keys[0]).abs().max()
+    assert len(dec.dcaches) == len(keys)
+    for dc, kk in zip(dec.dcaches, keys):
+        assert torch.allclose(dc.k[:, :, :m], kk[0], atol=1e-4), (dc.k[:, :, :m] - kk[0]).abs().max()
     # and so does the target's: after all the rollbacks, its cache holds the final sequence
     fresh = FastLM(smol.model, 1, 256)
     fresh.forward(seq, torch.tensor([0]))
@@ -541,16 +560,17 @@ def test_failed_compile_falls_back_to_eager(tiny, monkeypatch, capsys):
         assert err.count(f"compiled {name} failed (RuntimeError: no compiler here)") == 1, err
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
-def test_compiled_drafter_decodes_losslessly(tiny, fused, monkeypatch):
-    """Decoder.compile_drafter: the drafter's steps (and the fused round's catch-up) through its two compiled
-    parts give the eager drafter's logits, the decoding stays equal to plain decoding token for token, and the
-    compiled parts did run (none fell back to eager); the prefill's long call stays eager."""
+@pytest.mark.parametrize("fused,layers", [(False, 1), (True, 1), (True, 2)], ids=["steps", "fused", "fused_2layers"])
+def test_compiled_drafter_decodes_losslessly(tiny, fused, layers, monkeypatch):
+    """Decoder.compile_drafter: the drafter's steps (and the fused round's catch-up) through its compiled
+    parts (two, and one between each pair of layers) give the eager drafter's logits, the decoding stays equal to
+    plain decoding token for token, and the compiled parts did run (none fell back to eager); the prefill's long
+    call stays eager."""
     import eyas.fastlm as fastlm
-    from eyas.draft import _post_attention, _pre_attention
+    from eyas.draft import _between_layers, _post_attention, _pre_attention
 
     torch.manual_seed(0)
-    d = build_drafter(tiny, 512)
+    d = build_drafter(tiny, 512, num_layers=layers)
     ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "Tell me about hawks."}])
     plain = Decoder(tiny, d, k=3, max_len=128, fused=fused).generate(ids, 16, (), speculative=False).tokens
     monkeypatch.setattr(fastlm, "_COMPILED", {})
@@ -561,6 +581,7 @@ def test_compiled_drafter_decodes_losslessly(tiny, fused, monkeypatch):
     out = dec.generate(ids, 16, (), speculative=True)
     assert out.tokens == plain and len(out.accepted) > 0
     assert _pre_attention in fastlm._COMPILED and _post_attention in fastlm._COMPILED and not fastlm._EAGER
+    assert (_between_layers in fastlm._COMPILED) == (layers > 1)
     h = torch.randn(1, 4, 3 * d.config.hidden_size)
     step_ids, pos = torch.randint(0, tiny.vocab_size, (1, 4)), (torch.arange(4) + 5)[None]
     with torch.no_grad():

@@ -349,3 +349,99 @@ def test_import_refuses_what_eyas_cannot_run(tiny, drafter, tmp_path):
         import_drafter(p, target=tiny)
     with pytest.raises(EyasError, match="not a drafter folder"):
         import_drafter(tmp_path / "nowhere")
+
+
+# --------------------------------------------------------------------------- multi-layer drafters
+
+def _vllm_eagle3_forward(sd, c, embeds, aux, pos):
+    """What vLLM's Eagle3 Llama model (llama_eagle3.py, commit 00bd149) computes from the exported tensors, written
+    from its structure and not from eyas' modules: layer 0 reads concat(input_layernorm(embeds), hidden_norm(h))
+    with h as the residual; each later layer is a Llama layer whose norms add the residual first (fused add-norm);
+    the final norm gives the logits' input and the pre-norm sum that is fed back."""
+    eps, hd = c.rms_norm_eps, c.head_dim
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x):  # x [B, heads, T, hd]
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        ang = pos.float()[:, None, :, None] * inv
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-b, a], -1) * sin
+
+    B, T, _ = embeds.shape
+    h = aux @ sd["fc.weight"].T
+    residual, x = None, None
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        if i == 0:
+            residual = h
+            x = torch.cat([rms(embeds, sd[p + "input_layernorm.weight"]), rms(h, sd[p + "hidden_norm.weight"])], -1)
+        else:
+            residual = x + residual
+            x = rms(residual, sd[p + "input_layernorm.weight"])
+        q = (x @ sd[p + "self_attn.q_proj.weight"].T).view(B, T, -1, hd).transpose(1, 2)
+        k = (x @ sd[p + "self_attn.k_proj.weight"].T).view(B, T, -1, hd).transpose(1, 2)
+        v = (x @ sd[p + "self_attn.v_proj.weight"].T).view(B, T, -1, hd).transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = (rope(q) @ rope(k).transpose(-1, -2)) / hd ** 0.5
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        o = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, -1) @ sd[p + "self_attn.o_proj.weight"].T
+        residual = o + residual
+        y = rms(residual, sd[p + "post_attention_layernorm.weight"])
+        x = (torch.nn.functional.silu(y @ sd[p + "mlp.gate_proj.weight"].T) * (y @ sd[p + "mlp.up_proj.weight"].T)) \
+            @ sd[p + "mlp.down_proj.weight"].T
+    prenorm = x + residual
+    return prenorm, rms(prenorm, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+def test_two_layer_drafter_exports_what_vllm_runs(tiny, tmp_path):
+    """A drafter of two decoder layers (train.draft_layers=2): the vLLM export names the second layer layers.1.*
+    with q/k/v over H (no hidden_norm), writes num_hidden_layers 2, computes what vLLM's Eagle3 model computes from
+    those tensors (fed-back state and logits), and imports back to the same logits; SGLang, whose later draft
+    layers are another network, is refused by name, and the run's export skips it."""
+    torch.manual_seed(0)
+    ids = torch.randperm(tiny.vocab_size)[:DRAFT_VOCAB].sort().values
+    d = build_drafter(tiny, DRAFT_VOCAB, draft_ids=ids, num_layers=2)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name != "embed_tokens.weight":
+                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    d.eval()
+    p = export_drafter(d, tmp_path / "vl", "vllm", "x")
+    raw = json.loads((p / "config.json").read_text())
+    assert raw["transformer_layer_config"]["num_hidden_layers"] == 2
+    sd = load_file(str(p / "model.safetensors"))
+    H = tiny.hidden_size
+    assert tuple(sd["layers.0.self_attn.q_proj.weight"].shape)[1] == 2 * H
+    assert tuple(sd["layers.1.self_attn.q_proj.weight"].shape)[1] == H
+    assert "layers.1.hidden_norm.weight" not in sd and "layers.1.input_layernorm.weight" in sd
+    assert not any(k.startswith("midlayer.") for k in sd)
+    g = torch.Generator().manual_seed(2)
+    tok = torch.randint(0, tiny.vocab_size, (2, 9), generator=g)
+    aux = torch.randn(2, 9, 3 * H, generator=g)
+    pos = torch.arange(9)[None].expand(2, -1) + 4
+    with torch.no_grad():
+        h, logits = d(tok, aux, pos)
+        ref_h, ref_logits = _vllm_eagle3_forward(sd, d.config, d.embed_tokens(tok), aux, pos)
+    torch.testing.assert_close(h, ref_h, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    back = import_drafter(p, target=tiny)
+    assert back.config.num_hidden_layers == 2
+    assert torch.equal(_logits(back, tiny), _logits(d, tiny))
+    with pytest.raises(EyasError, match="2 decoder layers cannot be served by SGLang"):
+        export_drafter(d, tmp_path / "sg", "sglang", "x")
+    run = tmp_path / "run"
+    save_drafter(d, run / "draft")
+    cfg = Config()
+    cfg.out, cfg.target.name = str(run), "tiny"
+    assert set(run_export(cfg)["export"]) == {"vllm"} and not (run / "export" / "sglang").exists()
+    # an SGLang-layout folder with later layers is refused: SGLang runs them as another network
+    sg = tmp_path / "sg1"
+    export_drafter(_drafter(tiny), sg, "sglang", "x")
+    raw = json.loads((sg / "config.json").read_text())
+    (sg / "config.json").write_text(json.dumps(raw | {"num_hidden_layers": 2}))
+    with pytest.raises(EyasError, match="2 decoder layers in SGLang's layout"):
+        import_drafter(sg, target=tiny)

@@ -438,6 +438,26 @@ def test_loss_path_reaches_the_training_and_its_checkpoint(tiny_run, tiny, tmp_p
                                                          "train.loss_path": "chain"}), tiny)
 
 
+def test_draft_layers_trains_a_deeper_drafter(tiny_run, tiny, tmp_path):
+    """train.draft_layers=2 trains a drafter of two decoder layers (the saved drafter loads with both; that every
+    layer gets a gradient is test_ttt's slow-reference test), and the setting is in the checkpoint's fingerprint:
+    a resume with another depth is refused."""
+    from eyas.draft import load_drafter
+
+    over = {"train.max_steps": 3, "train.batch_tokens": 512, "train.max_seq_len": 256, "train.greedy_val": 0,
+            "train.draft_layers": 2}
+    run = clone_run(tiny_run, tmp_path / "deep")
+    run_train(resolve(preset_name="tiny", overrides={**over, "out": str(run)}), tiny)
+    d = load_drafter(run / "draft", tiny)
+    assert d.config.num_hidden_layers == 2 and len(d.decoder_layers()) == 2
+    assert tuple(d.state_dict()["layers.1.self_attn.q_proj.weight"].shape) == (
+        d.config.num_attention_heads * d.config.head_dim, d.config.hidden_size)
+    summary = json.loads((run / "train" / "summary.json").read_text())
+    assert summary["steps"] == 3
+    with pytest.raises(EyasError, match=r"\(train.draft_layers changed\)"):
+        run_train(resolve(preset_name="tiny", overrides={**over, "out": str(run), "train.draft_layers": 1}), tiny)
+
+
 def test_best_by_picks_the_checkpoint_by_the_chosen_measure(tiny_run, tiny, tmp_path):
     """train.best_by: the drafter kept in draft/ is the evaluation with the highest value of the chosen measure (the
     first such on a tie); auto is greedy_tau while the greedy answers are there; greedy_tau without them is refused."""

@@ -64,22 +64,27 @@ def reference_unroll(drafter, sample, lm_head, draft_ids, steps, path="all"):
     top = full.argmax(-1)
     to_draft = {int(t): i for i, t in enumerate(draft_ids)}
     tl = full[:, draft_ids]
-    cache_k, cache_v = [], []
 
-    def attend(q, k, v):  # q [1,h,L,d], k/v [1,kv,L,d]
-        cache_k.append(k)
-        cache_v.append(v)
-        j = len(cache_k) - 1
-        rep = q.shape[1] // k.shape[1]
-        out = torch.zeros_like(q)
-        for t in range(L):  # keys this position may see: its sequence up to t, then its own later steps
-            keys = torch.cat([cache_k[0][0, :, : t + 1]] + [cache_k[i][0, :, t:t + 1] for i in range(1, j + 1)], 1)
-            vals = torch.cat([cache_v[0][0, :, : t + 1]] + [cache_v[i][0, :, t:t + 1] for i in range(1, j + 1)], 1)
-            keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)  # [h, m, d]
-            w = torch.softmax((keys @ q[0, :, t, :, None]).squeeze(-1) / math.sqrt(q.shape[-1]), -1)
-            out[0, :, t] = (w[..., None] * vals).sum(1)
-        return out
+    def loop_attend():  # one per decoder layer, each with the keys of its own layer
+        cache_k, cache_v = [], []
 
+        def attend(q, k, v):  # q [1,h,L,d], k/v [1,kv,L,d]
+            cache_k.append(k)
+            cache_v.append(v)
+            j = len(cache_k) - 1
+            rep = q.shape[1] // k.shape[1]
+            out = torch.zeros_like(q)
+            for t in range(L):  # keys this position may see: its sequence up to t, then its own later steps
+                keys = torch.cat([cache_k[0][0, :, : t + 1]] + [cache_k[i][0, :, t:t + 1] for i in range(1, j + 1)], 1)
+                vals = torch.cat([cache_v[0][0, :, : t + 1]] + [cache_v[i][0, :, t:t + 1] for i in range(1, j + 1)], 1)
+                keys, vals = keys.repeat_interleave(rep, 0), vals.repeat_interleave(rep, 0)  # [h, m, d]
+                w = torch.softmax((keys @ q[0, :, t, :, None]).squeeze(-1) / math.sqrt(q.shape[-1]), -1)
+                out[0, :, t] = (w[..., None] * vals).sum(1)
+            return out
+        return attend
+
+    layers = drafter.config.num_hidden_layers
+    attend = loop_attend() if layers == 1 else [loop_attend() for _ in range(layers)]
     hidden = aux[None]
     pos = torch.arange(L)[None]
     res, drafted = [], []
@@ -137,8 +142,29 @@ def setup(tiny):
     return drafter, samples, draft_ids
 
 
-def test_unroll_equals_slow_reference(tiny, setup):
-    drafter, samples, draft_ids = setup
+def _deeper(tiny, setup, layers: int):
+    """setup's drafter with `layers` decoder layers: its own weights where they exist, the later layers random and
+    scaled up as setup's are."""
+    drafter, _, draft_ids = setup
+    if layers == 1:
+        return drafter
+    torch.manual_seed(5)
+    deep = build_drafter(tiny, draft_ids.numel(), draft_ids, num_layers=layers)
+    deep.load_state_dict(drafter.state_dict(), strict=False)
+    with torch.no_grad():
+        for n, p in deep.named_parameters():
+            if n.startswith("layers.") and p.dim() == 2:
+                p.mul_(4.0)
+    return deep
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unroll_equals_slow_reference(tiny, setup, layers):
+    """The packed unroll (one TTTAttend per decoder layer) equals the loop reference: losses, counts, right
+    guesses and every gradient, for EAGLE-3's one-layer drafter and a two-layer one."""
+    _, samples, draft_ids = setup
+    drafter = _deeper(tiny, setup, layers)
+    assert len(drafter.decoder_layers()) == layers
     steps = 3
     lm_head = tiny.model.get_output_embeddings()
     batch = pack_samples(samples, pad_to=48)
@@ -421,14 +447,15 @@ def _unroll_grads(drafter, batch, labels, backend="auto", steps=3):
 
 
 @pytest.mark.compiler
-@pytest.mark.parametrize("backend", ["docs", "dense"])
-def test_compiled_drafter_step_equals_eager(tiny, setup, monkeypatch, backend):
-    """The unroll with the drafter's two parts compiled around the attention (`DRAFTER_COMPILE`) gives the eager
-    unroll's losses, right guesses and gradients, on the first call (which also probes the compiled graphs on
-    copies: they must leave the attention's keys and the gradients alone) and on later ones, and with no grad."""
+@pytest.mark.parametrize("backend,layers", [("docs", 1), ("dense", 1), ("docs", 2)])
+def test_compiled_drafter_step_equals_eager(tiny, setup, monkeypatch, backend, layers):
+    """The unroll with the drafter's stateless parts compiled around the attention (`DRAFTER_COMPILE`; with two
+    layers, also the part between them) gives the eager unroll's losses, right guesses and gradients, on the first
+    call (which also probes the compiled graphs on copies: they must leave the attention's keys and the gradients
+    alone) and on later ones, and with no grad."""
     import copy
 
-    drafter = copy.deepcopy(setup[0])
+    drafter = copy.deepcopy(_deeper(tiny, setup, layers))
     samples, draft_ids = setup[1], setup[2]
     lm_head = tiny.model.get_output_embeddings()
     batch = pack_samples(samples, pad_to=48)
