@@ -618,6 +618,26 @@ def test_warm_up_leaves_no_graph_to_capture_on_gpu():
 
 
 @pytest.mark.gpu
+def test_two_layer_drafter_decodes_losslessly_on_gpu():
+    """On a GPU with CUDA graphs and the compiled drafter (the defaults there), a drafter of two decoder layers
+    decodes the tiny model's plain greedy tokens (fp32), and every graph stays on."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    _, prompts = _drafter_and_spanning_prompts(t)
+    torch.manual_seed(0)
+    d = build_drafter(t, 512, num_layers=2)
+    dec = Decoder(t, d, k=3, max_len=600, compile=True)
+    assert dec.fused and dec.graphs.enabled and dec.drafter_compiled and len(dec.dcaches) == 2
+    for ids in prompts:
+        plain = dec.generate(ids, 40, (), speculative=False).tokens
+        spec = dec.generate(ids, 40, (), speculative=True)
+        assert spec.tokens == plain and len(spec.accepted) > 0
+    assert dec.graphs.enabled
+
+
+@pytest.mark.gpu
 def test_graphed_prefill_gives_the_eager_prefill_generation_on_gpu(monkeypatch):
     """On a GPU with CUDA graphs, prompts prefilled padded as one graph per padded length (the default) give the
     eager prefill's tokens and accepted counts (fp32, tiny model), and every prefill graph passed its checks."""

@@ -541,11 +541,12 @@ def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, mo
 
 
 @pytest.mark.gpu
-def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch, layers):
     """On CUDA in bf16 with the flex attention, the compiled drafter step agrees with the eager one."""
     import copy
 
-    drafter = copy.deepcopy(setup[0]).cuda()
+    drafter = copy.deepcopy(_deeper(tiny, setup, layers)).cuda()
     samples, draft_ids = setup[1], setup[2]
     lm_head = copy.deepcopy(tiny.model.get_output_embeddings()).cuda()
     batch = pack_samples(samples, pad_to=128, multiple=128).to("cuda")
