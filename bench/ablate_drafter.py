@@ -85,6 +85,8 @@ VARIANTS = {
     # drafter's earlier steps drafted them (chain): eyas train's `train.loss_path`
     "fcscale_lr1e-3_decay0.8_pathgreedy": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "loss_path": "greedy"},
     "fcscale_lr1e-3_decay0.8_pathchain": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "loss_path": "chain"},
+    # a drafter of two decoder layers, the second a plain Llama layer (eyas train's `train.draft_layers`)
+    "fcscale_lr1e-3_decay0.8_layers2": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "layers": 2},
 }
 
 
@@ -133,13 +135,13 @@ def batches(data, budget: int, seed: int):
 
 def train_variant(t, tr, val, draft_ids, dv, steps, budget, lr=3e-4, clip=0.5, ttt=3, zero_aux=False,
                   fcscale=False, init_head=False, noise=0.0, steps_mult=1, aux_layers=None, auxnorm="", mlp_mult=1,
-                  label_temp=1.0, decay=1.0, all_positions=False, loss_path="all", seed=0, gval=None):
+                  label_temp=1.0, decay=1.0, all_positions=False, loss_path="all", layers=1, seed=0, gval=None):
     from eyas.train import init_head_from_target
 
     dev = t.device
     torch.manual_seed(seed)  # the drafter's initial weights (and any noise); seed 0 gives the earlier runs' figures
     inter = t.model.config.intermediate_size * mlp_mult if mlp_mult != 1 else 0
-    d = build_drafter(t, dv, draft_ids.cpu(), intermediate_size=inter).to(dev)
+    d = build_drafter(t, dv, draft_ids.cpu(), intermediate_size=inter, num_layers=layers).to(dev)
     H = d.config.target_hidden_size
     if fcscale:
         with torch.no_grad():
