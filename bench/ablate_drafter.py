@@ -87,6 +87,7 @@ VARIANTS = {
     "fcscale_lr1e-3_decay0.8_pathchain": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "loss_path": "chain"},
     # a drafter of two decoder layers, the second a plain Llama layer (eyas train's `train.draft_layers`)
     "fcscale_lr1e-3_decay0.8_layers2": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "layers": 2},
+    "fcscale_lr1e-3_decay0.8_layers3": {"fcscale": True, "lr": 1e-3, "decay": 0.8, "layers": 3},
 }
 
 
