@@ -13,8 +13,9 @@
 # train stage), the chat decode about 70 s and the greedy decode about 130 s (S2).
 # `--seeds 0,1` first (before NAME) trains the setting once per seed, all on the first run's regenerated data
 # (copied; data_runs in gpu_lib.sh), so each seed pairs with the yardstick's run of the same seed (the chain is
-# deterministic: see gpu_jobs_seed.sh). Each later seed adds about 430 s (T10PC: train 372 s and eval 43 s on T10's
-# data, thirtieth session) and its chat decode; the greedy-prompt decode runs for the first seed only.
+# deterministic: see gpu_jobs_seed.sh). Each later seed adds about 350 s (T10PC's retraining on T10's data, train to
+# export with its 43 s eval, thirtieth session) and its chat decode; the greedy-prompt decode runs for the first seed
+# only.
 args=("$@"); seeds=0
 if [ "${args[0]}" = "--seeds" ]; then seeds=${args[1]}; args=("${args[@]:2}"); fi
 n=${#args[@]}

@@ -363,6 +363,7 @@ class Decoder:
             # one cache per drafter decoder layer
             self.dcaches = [DraftCache(self.drafter, max_len, self.device, self.dtype)
                             for _ in range(self.drafter.config.num_hidden_layers)]
+            self._dattends = [dc.attend for dc in self.dcaches]  # what the drafter calls, layer by layer
             self.drafter.__dict__["_eyas_compiled"] = self.drafter_compiled
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -392,8 +393,7 @@ class Decoder:
         """Drafter over ids [1, T] at positions pos [T], attending to cache slots < upto."""
         for dc in self.dcaches:
             dc.pos, dc.upto = pos, upto
-        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=[dc.attend for dc in self.dcaches],
-                            rope_table=True)
+        return self.drafter(ids, hidden.to(self.dtype), pos[None], attend=self._dattends, rope_table=True)
 
     def _upto(self, end: int) -> int:
         """Cache slots a call whose positions end before `end` attends to (fastlm.attended_slots)."""

@@ -275,8 +275,8 @@ class Eagle3Drafter(nn.Module):
 
     def decoder_layers(self) -> list[MidLayer]:
         """The decoder layers in order: midlayer, then layers.1 ... of a multi-layer drafter."""
-        more = self.__dict__["_modules"].get("layers")
-        return [self.midlayer] + ([more[str(i)] for i in range(1, len(more) + 1)] if more is not None else [])
+        more = self._modules.get("layers")
+        return [self.midlayer] + (list(more.values()) if more is not None else [])
 
     def _norms_one_kernel(self, on: bool) -> None:
         for m in self.modules():
