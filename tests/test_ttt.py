@@ -543,7 +543,10 @@ def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("layers", [1, 2])
 def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch, layers):
-    """On CUDA in bf16 with the flex attention, the compiled drafter step agrees with the eager one."""
+    """On CUDA with the flex attention, the compiled drafter step agrees with the eager one: in fp32 closely, and in
+    bf16 autocast as closely to the fp32 step as eager bf16 is. (The thirty-first session's H200 found compiled and
+    eager bf16 gradients up to 6% of their largest value apart, at one layer as at two, so bf16 against bf16 alone
+    cannot tell rounding from a fault; each is measured against fp32 instead.)"""
     import copy
 
     drafter = copy.deepcopy(_deeper(tiny, setup, layers)).cuda()
@@ -552,20 +555,29 @@ def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch, layers):
     batch = pack_samples(samples, pad_to=128, multiple=128).to("cuda")
     labels = target_labels(batch.final, lm_head, draft_ids.cuda())
 
-    def run():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return _unroll_grads(drafter, batch, labels)
+    def run(compiled, bf16):
+        monkeypatch.setattr(ttt, "DRAFTER_COMPILE", "auto" if compiled else False)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            got = _unroll_grads(drafter, batch, labels)
+            if compiled:  # the first compiled call probes its graphs on copies; the second is the steady state
+                got = _unroll_grads(drafter, batch, labels)
+        assert ttt.drafter_state(drafter, torch.device("cuda")) == ("compiled" if compiled else "eager")
+        return got
 
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
-    eager = run()
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", "auto")
-    got = run()
-    got = run()
-    assert ttt.drafter_state(drafter, torch.device("cuda")) == "compiled"
-    assert got[0] == pytest.approx(eager[0], rel=2e-2)
-    for n, g in eager[2].items():
-        torch.testing.assert_close(got[2][n].float(), g.float(), rtol=5e-2, atol=2e-2 * float(g.abs().max()),
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    def rel(a, b):  # the relative Frobenius distance of two gradients
+        return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+    ref = run(False, False)
+    fp32 = run(True, False)
+    assert fp32[0] == pytest.approx(ref[0], rel=1e-4)
+    for n, g in ref[2].items():
+        torch.testing.assert_close(fp32[2][n], g, rtol=1e-3, atol=1e-4 * float(g.abs().max()), msg=lambda m, n=n: f"{n}: {m}")
+    eager = run(False, True)
+    got = run(True, True)
+    assert got[0] == pytest.approx(ref[0], rel=2e-2) and eager[0] == pytest.approx(ref[0], rel=2e-2)
+    for n, g in ref[2].items():
+        e, c = rel(eager[2][n], g), rel(got[2][n], g)
+        assert c <= 2 * e + 1e-3, f"{n}: compiled bf16 is {c:.4f} from fp32, eager bf16 {e:.4f}"
 
 
 def test_chain_step_cuts_where_the_data_leave_the_greedy_path():
