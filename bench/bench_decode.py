@@ -52,15 +52,19 @@ def _sync(device):
 def bench_drafter(spec: str, target):
     """The drafter a benchmark times: a drafter folder (eyas, or SGLang/vLLM via eyas.export), or "untrained" (or
     empty): SmolLM2's GPU shape (MLP 6,144, 32,000-token head) with seed-0 random weights, whose rounds emit about
-    one token, for timing rounds and the lossless check."""
+    one token, for timing rounds and the lossless check; "untrained:N" the same with N decoder layers
+    (train.draft_layers)."""
     import torch
 
     from eyas.draft import build_drafter
     from eyas.evaluate import adopt_drafter_aux_layers, load_eval_drafter
 
-    if spec in ("", "untrained"):
+    if spec in ("", "untrained") or spec.startswith("untrained:"):
+        layers = spec.partition(":")[2]
+        if layers and not (layers.isdigit() and int(layers) >= 1):
+            raise SystemExit(f"--draft {spec}: the layer count after 'untrained:' must be a whole number >= 1")
         torch.manual_seed(0)
-        return build_drafter(target, 32000, intermediate_size=6144)
+        return build_drafter(target, 32000, intermediate_size=6144, num_layers=int(layers or 1))
     adopt_drafter_aux_layers(target, spec)
     return load_eval_drafter(spec, target)
 
@@ -168,7 +172,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", required=True,
                     help="drafter folder (eyas, or SGLang/vLLM via eyas.export), or `untrained` (SmolLM2's GPU shape, "
-                         "random: rounds of about one token, for timing and the lossless check)")
+                         "random: rounds of about one token, for timing and the lossless check; `untrained:N` with N "
+                         "decoder layers)")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--prompts", default="sharegpt",
                     help="sharegpt | humaneval | a .jsonl/.txt file | greedy:RUN (the validation prompts a training in "

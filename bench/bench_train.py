@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-intermediate-size", type=int, default=0,
                    help="drafter MLP width (0: the target's, 1,536 for SmolLM2; `eyas run` on a GPU uses 6,144, and "
                         "bench/speculators_train.py defaults to that)")
+    p.add_argument("--draft-layers", type=int, default=1,
+                   help="train.draft_layers: the drafter's decoder layers (1, EAGLE-3's; 2 or more as vLLM builds them)")
     p.add_argument("--feature-cache-gb", type=float, default=-1.0,
                    help="train.feature_cache_gb: GPU memory for online features kept after their first computation "
                         "(-1 = auto, 0 = recompute every epoch); run more steps than an epoch to see its effect")
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
         "train.batch_tokens": a.batch_tokens, "train.ttt_steps": a.ttt_steps, "train.max_steps": a.steps,
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
         "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
-        "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel})
+        "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel,
+        "train.draft_layers": a.draft_layers})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -138,6 +141,7 @@ def main(argv=None) -> int:
         "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
+        "draft_layers": a.draft_layers,
         "host_waits": syncs,
         "conversations": a.conversations,
         "draft_intermediate_size": a.draft_intermediate_size or "target's",

@@ -1,4 +1,4 @@
-"""bench/bench_decode.py's speedup on the prompts both methods finished, on hand-made results."""
+"""bench/bench_decode.py: its speedup on the prompts both methods finished (hand-made results), and its timing drafter."""
 import importlib.util
 from pathlib import Path
 
@@ -15,3 +15,16 @@ def test_speedup_counts_only_the_prompts_both_finished():
     assert bd.same_prompts_speedup(fast, plain) == 3.0
     assert bd.same_prompts_speedup(plain, fast) == 1.0 / 3.0  # and the other way round: 1 s against 3
     assert bd.same_prompts_speedup({}, plain) is None  # a report from before the field has no such ratio
+
+
+def test_untrained_drafter_spec_takes_a_layer_count(smol):
+    """`--draft untrained:N` builds the timing drafter with N decoder layers (bench/profile_round.py times a deeper
+    drafter's round with it); a count that is not a whole number >= 1 stops with a message naming the flag."""
+    import pytest
+
+    assert len(bd.bench_drafter("untrained", smol).decoder_layers()) == 1
+    deep = bd.bench_drafter("untrained:2", smol)
+    assert len(deep.decoder_layers()) == 2 and deep.config.draft_vocab_size == 32000
+    for bad in ("untrained:0", "untrained:two"):
+        with pytest.raises(SystemExit, match=f"--draft {bad}: the layer count"):
+            bd.bench_drafter(bad, smol)
