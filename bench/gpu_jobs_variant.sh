@@ -16,6 +16,12 @@
 # deterministic: see gpu_jobs_seed.sh). Each later seed adds about 350 s (T10PC's retraining on T10's data, train to
 # export with its 43 s eval, thirtieth session) and its chat decode; the greedy-prompt decode runs for the first seed
 # only.
+# The recipe's regenerated answers are the same in every session (D's data), so the first run saves its regeneration
+# (about 260 s) by carrying them in when the variant leaves the regeneration alone (every setting train.*, vocab.*,
+# eval.* or export.*): put them in .carry/regenD.tgz and carry that path in the call that starts the chain (with
+# the last stage piece; `stage.py --chunk-mib 40` leaves room for its 9 MB). Without it the run regenerates, and
+# the answers come back as regenD.part*.tgz beside state.tgz (`cat regenD.part*.tgz > .carry/regenD.tgz` here).
+# A carried copy made with other settings stops the run at once (regen checks its plan), so nothing trains on it.
 args=("$@"); seeds=0
 if [ "${args[0]}" = "--seeds" ]; then seeds=${args[1]}; args=("${args[@]:2}"); fi
 n=${#args[@]}
@@ -27,6 +33,12 @@ for kv in "${args[@]:1:$((n - 3))}"; do
 done
 source bench/gpu_lib.sh
 machine_info
+own_regen=""  # a setting that changes what the first run regenerates: then nothing is carried or sent back
+for kv in "${args[@]:1:$((n - 3))}"; do
+  case $kv in train.*|vocab.*|eval.*|export.*) ;; *) own_regen=$kv;; esac
+done
+took=""  # (.carry is on the machine only in the call that carried it, so what was taken is remembered here)
+if [ -z "$own_regen" ] && [ -f .carry/regenD.tgz ]; then carried regenD.tgz /tmp/r$name && took=1; fi
 runs=(); names=()
 for seed in ${seeds//,/ }; do  # the first seed's run is NAME, the others NAMEs<seed>, on the first's data
   nm=$name; [ ${#names[@]} -gt 0 ] && nm=${name}s$seed
@@ -34,6 +46,7 @@ for seed in ${seeds//,/ }; do  # the first seed's run is NAME, the others NAMEs<
 done
 echo "$(date +%T) variant $name, seeds $seeds: $sets"
 data_runs "$sets" "${runs[@]}"
+if [ -z "$own_regen" ] && [ -z "$took" ]; then pieces regenD /tmp/r$name/data regen; fi
 decode_runs "${names[@]}"
 [ -d /tmp/r$name/draft ] && job decode_greedy_$name timeout 300 python3 bench/bench_decode.py --draft /tmp/r$name/draft \
   --prompts greedy:/tmp/r$name --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
