@@ -7,6 +7,9 @@
 # several chains can run side by side (one per GPU); every call then waits until all started chains are
 # finished or SECONDS have passed, and packs everything the jobs wrote so far into $OUT/state.tgz.
 # A jobs script gets the state folder and its tag and touches $S/finished_<tag> at its end.
+# Send each poll the moment the last one returns: the machine goes back after 30 s without a call, with its disk
+# (the twentieth and thirty-first sessions lost a run's last stages that way). Polls of close to the call limit
+# (SECONDS 580 in a 600 s call) leave the fewest gaps; anything else for the machine goes in the same call.
 set -uo pipefail
 S=/tmp/gq; mkdir -p $S
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
