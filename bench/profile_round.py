@@ -116,8 +116,9 @@ def graph_ms(fn, dev, n: int = 0) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--draft", default="", help="a drafter folder (default: an untrained one of the GPU shape; untrained:N "
-                                                   "with N decoder layers)")
+    ap.add_argument("--draft", default="",
+                    help="a drafter folder (default: an untrained one of the GPU shape; untrained:N with N decoder "
+                         "layers)")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per timed generation")
     ap.add_argument("--out", default="round.json")
     ap.add_argument("--parts", type=int, default=1, help="1: also time each part of a round alone (parts_ms)")

@@ -1,4 +1,5 @@
-"""bench/bench_decode.py: its speedup on the prompts both methods finished (hand-made results), and its timing drafter."""
+"""bench/bench_decode.py: its speedup on the prompts both methods finished (hand-made results), and its timing
+drafter."""
 import importlib.util
 from pathlib import Path
 

@@ -571,7 +571,8 @@ def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch, layers):
     fp32 = run(True, False)
     assert fp32[0] == pytest.approx(ref[0], rel=1e-4)
     for n, g in ref[2].items():
-        torch.testing.assert_close(fp32[2][n], g, rtol=1e-3, atol=1e-4 * float(g.abs().max()), msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(fp32[2][n], g, rtol=1e-3, atol=1e-4 * float(g.abs().max()),
+                                   msg=lambda m, n=n: f"{n}: {m}")
     eager = run(False, True)
     got = run(True, True)
     assert got[0] == pytest.approx(ref[0], rel=2e-2) and eager[0] == pytest.approx(ref[0], rel=2e-2)
