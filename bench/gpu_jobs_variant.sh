@@ -27,16 +27,17 @@ if [ "${args[0]}" = "--seeds" ]; then seeds=${args[1]}; args=("${args[@]:2}"); f
 n=${#args[@]}
 S=${args[$((n - 2))]}; tag=${args[$((n - 1))]}; name=${args[0]}
 sets="--set regen.samples=1 --set train.epochs=3"
+own_regen=""  # a setting that changes what the first run regenerates: then nothing is carried or sent back
 for kv in "${args[@]:1:$((n - 3))}"; do
-  case $kv in train.seed=*) echo "give the seed as --seeds ${kv#*=}, not as a setting" >&2; touch $S/finished_$tag; exit 2;; esac
+  case $kv in
+    train.seed=*) echo "give the seed as --seeds ${kv#*=}, not as a setting" >&2; touch $S/finished_$tag; exit 2;;
+    train.*|vocab.*|eval.*|export.*) ;;
+    *) own_regen=$kv;;
+  esac
   sets="$sets --set $kv"
 done
 source bench/gpu_lib.sh
 machine_info
-own_regen=""  # a setting that changes what the first run regenerates: then nothing is carried or sent back
-for kv in "${args[@]:1:$((n - 3))}"; do
-  case $kv in train.*|vocab.*|eval.*|export.*) ;; *) own_regen=$kv;; esac
-done
 took=""  # (.carry is on the machine only in the call that carried it, so what was taken is remembered here)
 if [ -z "$own_regen" ] && [ -f .carry/regenD.tgz ]; then carried regenD.tgz /tmp/r$name && took=1; fi
 runs=(); names=()
