@@ -20,7 +20,9 @@
 # (about 260 s) by carrying them in when the variant leaves the regeneration alone (every setting train.*, vocab.*,
 # eval.* or export.*): put them in .carry/regenD.tgz and carry that path in the call that starts the chain (with
 # the last stage piece; `stage.py --chunk-mib 40` leaves room for its 9 MB). Without it the run regenerates, and
-# the answers come back as regenD.part*.tgz beside state.tgz (`cat regenD.part*.tgz > .carry/regenD.tgz` here).
+# the answers come back as regenD.part*.tgz beside state.tgz (`cat regenD.part*.tgz > .carry/regenD.tgz` here),
+# from the first poll after the regen stage ends (the thirty-second session lost a machine after that poll, and the
+# answers with it, when they were packed only at the run's end).
 # A carried copy made with other settings stops the run at once (regen checks its plan), so nothing trains on it.
 args=("$@"); seeds=0
 if [ "${args[0]}" = "--seeds" ]; then seeds=${args[1]}; args=("${args[@]:2}"); fi
@@ -46,8 +48,15 @@ for seed in ${seeds//,/ }; do  # the first seed's run is NAME, the others NAMEs<
   runs+=("$nm=--set train.seed=$seed"); names+=("$nm=/tmp/r$nm")
 done
 echo "$(date +%T) variant $name, seeds $seeds: $sets"
+watcher=""  # the answers go into pieces as soon as the regen stage is done, so the next poll brings them back
+if [ -z "$own_regen" ] && [ -z "$took" ]; then
+  (until stage_done /tmp/r$name regen; do sleep 5; done; pieces regenD /tmp/r$name/data regen) & watcher=$!
+fi
 data_runs "$sets" "${runs[@]}"
-if [ -z "$own_regen" ] && [ -z "$took" ]; then pieces regenD /tmp/r$name/data regen; fi
+if [ -n "$watcher" ]; then  # a run that stopped before its regen finished leaves the watcher waiting
+  kill $watcher 2>/dev/null; wait $watcher 2>/dev/null
+  [ -e $S/regenD.part0.tgz ] || pieces regenD /tmp/r$name/data regen
+fi
 decode_runs "${names[@]}"
 [ -d /tmp/r$name/draft ] && job decode_greedy_$name timeout 300 python3 bench/bench_decode.py --draft /tmp/r$name/draft \
   --prompts greedy:/tmp/r$name --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \

@@ -29,13 +29,21 @@ carried() {  # carried TGZ RUN [PATH]: regen shards carried in as .carry/TGZ, un
   [ -f .carry/$1 ] || echo "$(date +%T) MISSING .carry/$1: the jobs that need it start from nothing"
   if [ -f .carry/$1 ] && [ ! -e $2/data/${3:-regen} ]; then mkdir -p $2/data && tar xzf .carry/$1 -C $2/data; fi
 }
+stage_done() {  # stage_done RUN STAGE: whether RUN's manifest says STAGE finished
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['stages'].get(sys.argv[2], {})
+sys.exit(r.get('status') != 'done')" $1/manifest.json $2 2>/dev/null
+}
 pieces() {  # pieces NAME DIR PATH...: DIR's PATHs (globs) into $S/NAME.partN.tgz, pieces of at most 14 MiB that
   # come back through the device's file limit (16 MiB each); here `cat NAME.part*.tgz > NAME.tgz` joins them
   [ -d "$2" ] || return 0
   local name=$1 dir=$2; shift 2
-  (cd $dir && tar czf $S/$name.whole $(eval echo "$@") 2>/dev/null)  # what is there (a missing plan is no reason to stop)
-  [ -s $S/$name.whole ] || return 0
-  split -b 14m -d -a 1 --additional-suffix=.tgz $S/$name.whole $S/$name.part && rm -f $S/$name.whole
+  # packed and split outside $S, then moved in: a poll meanwhile (it copies $S/*.tgz and tars the rest of $S) sees
+  # neither the whole archive nor a half-written piece
+  local w; w=$(mktemp -d)
+  (cd $dir && tar czf $w/whole $(eval echo "$@") 2>/dev/null)  # what is there (a missing plan is no reason to stop)
+  [ -s $w/whole ] || { rm -rf $w; return 0; }
+  split -b 14m -d -a 1 --additional-suffix=.tgz $w/whole $w/$name.part && mv $w/$name.part*.tgz $S/
+  rm -rf $w
   ls -l $S/$name.part*.tgz
 }
 decode_runs() {  # decode_runs NAME=RUN...: each run's drafter on the chat prompts' first turns, K=3 and 7, plain
