@@ -164,11 +164,15 @@ def main(argv=None) -> int:
 
 
 def step_profile(prof, steps: int) -> dict:
-    """Per profiled training step: the kernels launched and their device time, the top kernels, and the device
-    time of the kernels each op launched itself (ms; without a GPU, each op's own CPU time), largest first."""
-    from profile_round import by_kernel, device_events, self_device_us  # bench/ is this script's folder
+    """Per profiled training step: the kernels launched and their device time, the step's span on the device's
+    timeline and the share of it kernels kept the device busy (under the profiler's own overhead), the top
+    kernels, and the device time of the kernels each op launched itself (ms; without a GPU, each op's own CPU
+    time), largest first."""
+    from profile_round import by_kernel, device_events, self_device_us, step_spans_ms  # bench/: this folder
 
     dev = device_events(prof)
+    spans = step_spans_ms(prof)
+    busy_ms = sum(e.device_time for e in dev) / 1e3 / steps
     kernels = by_kernel(dev)
     by_op = []
     for e in prof.key_averages():
@@ -177,7 +181,9 @@ def step_profile(prof, steps: int) -> dict:
         if dt > 0:
             by_op.append([e.key[:120], round(e.count / steps, 1), round(dt / 1e3 / steps, 3)])
     return {"steps": steps, "op_time": "device" if dev else "cpu", "kernels_per_step": round(len(dev) / steps, 1),
-            "device_ms_per_step": round(sum(e.device_time for e in dev) / 1e3 / steps, 3),
+            "device_ms_per_step": round(busy_ms, 3),
+            "step_span_ms": round(sum(spans) / len(spans), 3) if spans else None,
+            "device_busy": round(busy_ms * len(spans) / sum(spans), 3) if spans and sum(spans) else None,
             "top_kernels": [[n, round(c / steps, 1), round(ms / steps, 3)]
                             for n, (c, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]],
             "by_op": sorted(by_op, key=lambda r: -r[2])[:40]}

@@ -22,8 +22,21 @@ import torch
 
 
 def device_events(prof) -> list:
-    """The kernels (and device copies) a torch.profiler run recorded."""
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    """The kernels (and device copies) a torch.profiler run recorded: not the spans that annotations (a
+    profiler schedule's ProfilerStep#N, record_function) leave on the device's timeline, which cover kernels
+    rather than being any."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and not _annotation(e)]
+
+
+def _annotation(e) -> bool:
+    # (the step marks by name as well: the thirty-second session's profile counted them as kernels)
+    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith("ProfilerStep")
+
+
+def step_spans_ms(prof) -> list[float]:
+    """The device-timeline span (ms) of each step a profiler schedule marked (ProfilerStep#N annotations)."""
+    return [e.device_time / 1e3 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.name.startswith("ProfilerStep")]
 
 
 def by_kernel(evs) -> dict[str, list]:
