@@ -61,3 +61,6 @@ def test_step_profile_of_a_real_cpu_profile():
     assert out["step_span_ms"] is None and out["device_busy"] is None
     ops = {r[0]: r for r in out["by_op"]}
     assert ops["aten::mm"][1] == 1.0 and ops["aten::tanh"][1] == 1.0  # one of each per profiled step
+    host = {r[0]: r for r in out["host_by_op"]}
+    assert host["aten::mm"][1] == 1.0 and host["aten::mm"][2] > 0 and not any(k.startswith("ProfilerStep") for k in host)
+    assert out["host_ms_per_step"] >= host["aten::mm"][2] + host["aten::tanh"][2]
