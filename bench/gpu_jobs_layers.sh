@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The two-layer drafter on one lease: run L2 (bench/gpu_jobs_variant.sh L2 train.draft_layers=2: the one-sample
 # recipe, seed 0, from nothing or on the carried .carry/regenD.tgz, its eval, chat decode at K=3 and 7 and the greedy
-# validation prompts), then the training step profiled at two layers and at one, to show where a second layer's
-# training time goes (the thirty-first session measured 1.7× one layer's on the H200 against 1.32× on the CPU).
+# validation prompts), then the training step profiled at two layers and at one (the thirty-second session
+# measured 1.35× one layer's time on one machine, as the layer's arithmetic predicts; these runs repeat it with the
+# host's time per op, since kernels kept the GPU busy only about a third of a step).
 # Started like the others:
 #   call 1: bash .stage/00/unpack.sh ~/eyas-stage
 #   call 2: bash .stage/01/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_layers.sh" bash bench/gpu_queue.sh 560
