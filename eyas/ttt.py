@@ -122,8 +122,12 @@ class TTTAttend:
     every step has the same shapes and the compiled kernels are built once; the block mask skips
     the zero blocks."""
 
-    def __init__(self, doc: torch.Tensor, backend: str = "auto", steps: int = 0, n_real: int | None = None):
+    def __init__(self, doc: torch.Tensor, backend: str = "auto", steps: int = 0, n_real: int | None = None,
+                 masks: dict | None = None):
         self.doc = doc
+        # flex block masks by (keys' steps, step): the layers of one unroll attend with the same pattern, so they
+        # pass one dict and a two-layer drafter builds each step's mask once, not once a layer
+        self.masks = {} if masks is None else masks
         self.n_real = doc.shape[0] if n_real is None else n_real  # rows past it are padding (output zeros)
         self.n = doc.shape[0]
         if backend == "auto":
@@ -135,7 +139,7 @@ class TTTAttend:
 
     def copy(self) -> "TTTAttend":
         """The same attention with the keys and values so far (detached), to run a step aside."""
-        c = TTTAttend(self.doc, self.backend, self.steps, self.n_real)
+        c = TTTAttend(self.doc, self.backend, self.steps, self.n_real, self.masks)
         c.ks, c.vs = [k.detach() for k in self.ks], [v.detach() for v in self.vs]
         return c
 
@@ -149,7 +153,10 @@ class TTTAttend:
             zeros = [k.new_zeros(k.shape)] * (total - j - 1)
             K = torch.cat(self.ks + zeros, dim=2)
             V = torch.cat(self.vs + zeros, dim=2)
-            return _compiled_flex()(q, K, V, block_mask=_block_mask(self.doc, total, j), enable_gqa=gqa)
+            mask = self.masks.get((total, j))
+            if mask is None:
+                mask = self.masks[(total, j)] = _block_mask(self.doc, total, j)
+            return _compiled_flex()(q, K, V, block_mask=mask, enable_gqa=gqa)
         if self.backend == "docs":
             return self._per_document(q)
         K = k if j == 0 else torch.cat(self.ks, dim=2)
@@ -502,7 +509,9 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
         noise = torch.randn(aux.shape, generator=generator, device=generator.device if generator else aux.device,
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
-    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real) for _ in range(drafter.config.num_hidden_layers)]
+    masks: dict = {}  # one block mask a step for every layer (TTTAttend)
+    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks)
+              for _ in range(drafter.config.num_hidden_layers)]
     pos = batch.pos[None]
     hidden = aux[None]
     stats = StepStats([], [], [])

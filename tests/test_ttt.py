@@ -303,6 +303,25 @@ def _assert_same(a, b, tol):
         torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
+@pytest.mark.compiler
+def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
+    """A two-layer drafter's unroll with the flex attention builds one block mask a TTT step, which both layers use
+    (not one a layer), and gives the dense pattern's losses (forward only: flex has no backward on a CPU)."""
+    drafter = _deeper(tiny, setup, 2)
+    samples, draft_ids = setup[1], setup[2]
+    batch = pack_samples(samples, pad_to=48)
+    labels = target_labels(batch.final, tiny.model.get_output_embeddings(), draft_ids)
+    built = []
+    real = ttt._block_mask
+    monkeypatch.setattr(ttt, "_block_mask", lambda doc, total, j: built.append((total, j)) or real(doc, total, j))
+    with torch.no_grad():
+        flex = ttt_unroll(drafter, batch, labels, 3, backend="flex")
+        dense = ttt_unroll(drafter, batch, labels, 3, backend="dense")
+    assert built == [(3, 0), (3, 1), (3, 2)]
+    assert [float(x) for x in flex.loss_sum] == pytest.approx([float(x) for x in dense.loss_sum], rel=1e-4)
+    assert [int(x) for x in flex.correct] == [int(x) for x in dense.correct] and sum(int(x) for x in flex.correct) > 0
+
+
 @pytest.mark.gpu
 def test_flex_equals_dense_on_gpu():
     args = ([300, 17, 129, 5, 400], 1024, 8, 64, torch.float32, "cuda")
