@@ -104,6 +104,9 @@ def ttt_dense_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
 
 
 _flex = None
+# the layers of one unroll share each TTT step's flex block mask (False: each layer builds its own, as before the
+# thirty-second session; bench/bench_train.py --share-masks times both)
+SHARE_MASKS = True
 
 
 def _compiled_flex():
@@ -510,7 +513,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
     masks: dict = {}  # one block mask a step for every layer (TTTAttend)
-    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks)
+    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks if SHARE_MASKS else None)
               for _ in range(drafter.config.num_hidden_layers)]
     pos = batch.pos[None]
     hidden = aux[None]

@@ -320,6 +320,12 @@ def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
     assert built == [(3, 0), (3, 1), (3, 2)]
     assert [float(x) for x in flex.loss_sum] == pytest.approx([float(x) for x in dense.loss_sum], rel=1e-4)
     assert [int(x) for x in flex.correct] == [int(x) for x in dense.correct] and sum(int(x) for x in flex.correct) > 0
+    built.clear()
+    monkeypatch.setattr(ttt, "SHARE_MASKS", False)  # each layer its own, as bench_train --share-masks 0 times it
+    with torch.no_grad():
+        own = ttt_unroll(drafter, batch, labels, 3, backend="flex")
+    assert built == [(3, 0), (3, 0), (3, 1), (3, 1), (3, 2), (3, 2)]
+    assert [float(x) for x in own.loss_sum] == [float(x) for x in flex.loss_sum]
 
 
 @pytest.mark.gpu
