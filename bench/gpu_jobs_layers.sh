@@ -12,7 +12,7 @@
 #   call 2: bash .stage/01/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_layers.sh" bash bench/gpu_queue.sh 560
 #   polls:  JOBS="bench/gpu_jobs_layers.sh" bash bench/gpu_queue.sh 580 (sent the moment the last one returns)
 # Budget (estimates from the thirty-first and thirty-second sessions): the first profile about 150 s (it converts
-# the GGUF and compiles), the others about 90-120 s each; the run about 1,000 s from nothing (regen 248 s, training
+# the GGUF and compiles), the others about 90-120 s each (four in all); the run about 1,000 s from nothing (regen 248 s, training
 # 515 s with masks per layer, less if sharing them is faster), its decodes about 200 s; with the start and staging
 # about 1,600 s.
 S=$1; tag=$2
@@ -23,5 +23,8 @@ for v in "2 1" "2 0" "1 1"; do
     --batch-tokens 8192 --draft-intermediate-size 6144 --draft-layers $1 --share-masks $2 --profile-steps 5 \
     --out $S/train_profile_l$1_share$2.json
 done
+# which lines make the host wait (the profile counted 3 stream syncs and 1 event sync a two-layer step)
+job train_syncs_l1 timeout 300 python3 bench/bench_train.py --conversations 1000 --steps 60 --batch-tokens 8192 \
+  --draft-intermediate-size 6144 --sync-debug --out $S/train_syncs_l1.json
 bash bench/gpu_jobs_variant.sh L2 train.draft_layers=2 "$S" "${tag}_variant"
 touch $S/finished_$tag
