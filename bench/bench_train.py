@@ -48,9 +48,10 @@ def main(argv=None) -> int:
     p.add_argument("--lag-stats", default="1", choices=("0", "1"),
                    help="eyas.train.LAG_STATS: read each step's statistics one step later (1, the default) or right "
                         "after the step (0: the host waits for the device every step, as before)")
-    p.add_argument("--share-masks", default="1", choices=("0", "1"),
-                   help="eyas.ttt.SHARE_MASKS: the drafter's layers use one flex block mask a TTT step (1, the "
-                        "default) or build their own each (0, as before the thirty-second session), to time both")
+    p.add_argument("--masks", default="once", choices=("once", "legacy"),
+                   help="eyas.ttt.MASKS: one flex block mask a TTT step for every drafter layer, its step number "
+                        "filled on the device (once, the default), or a mask per layer, each build waiting for the "
+                        "device to copy its step number (legacy, as before the thirty-second session), to time both")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the operations that make the host wait for the device "
                         "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
     import eyas.train as train_lag
 
     train_lag.LAG_STATS = a.lag_stats == "1"
-    ttt.SHARE_MASKS = a.share_masks == "1"
+    ttt.MASKS = a.masks
     caught = None
     if a.sync_debug and torch.cuda.is_available():
         import warnings
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
         "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
-        "share_masks": a.share_masks,
+        "masks": a.masks,
         "draft_layers": a.draft_layers,
         "host_waits": syncs,
         "conversations": a.conversations,

@@ -104,9 +104,11 @@ def ttt_dense_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
 
 
 _flex = None
-# the layers of one unroll share each TTT step's flex block mask (False: each layer builds its own, as before the
-# thirty-second session; bench/bench_train.py --share-masks times both)
-SHARE_MASKS = True
+# How the flex block masks are built. "once": one mask a TTT step that every decoder layer uses, its step number
+# filled in on the device. "legacy", as before the thirty-second session: each layer builds its own, and each
+# build copies the step number from the host, which makes the host wait for the device (a stream sync) every
+# time. bench/bench_train.py --masks times both.
+MASKS = "once"
 
 
 def _compiled_flex():
@@ -202,7 +204,9 @@ def _block_mask(doc: torch.Tensor, total: int, j: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = doc.shape[0]
-    jt = torch.tensor(j, device=doc.device)
+    # the step as a device tensor, so the compiled mask is one for every step; filled on the device, since a
+    # tensor copied from the host makes the host wait for the device first
+    jt = torch.tensor(j, device=doc.device) if MASKS == "legacy" else torch.full((), j, device=doc.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         step = kv_idx // n
@@ -513,7 +517,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
     masks: dict = {}  # one block mask a step for every layer (TTTAttend)
-    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks if SHARE_MASKS else None)
+    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks if MASKS == "once" else None)
               for _ in range(drafter.config.num_hidden_layers)]
     pos = batch.pos[None]
     hidden = aux[None]

@@ -321,7 +321,7 @@ def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
     assert [float(x) for x in flex.loss_sum] == pytest.approx([float(x) for x in dense.loss_sum], rel=1e-4)
     assert [int(x) for x in flex.correct] == [int(x) for x in dense.correct] and sum(int(x) for x in flex.correct) > 0
     built.clear()
-    monkeypatch.setattr(ttt, "SHARE_MASKS", False)  # each layer its own, as bench_train --share-masks 0 times it
+    monkeypatch.setattr(ttt, "MASKS", "legacy")  # each layer its own, as bench_train --masks legacy times it
     with torch.no_grad():
         own = ttt_unroll(drafter, batch, labels, 3, backend="flex")
     assert built == [(3, 0), (3, 0), (3, 1), (3, 1), (3, 2), (3, 2)]
@@ -627,3 +627,30 @@ def test_chain_step_cuts_where_the_data_leave_the_greedy_path():
     assert alive1.tolist() == [True, False, False, False, False, False]
     assert hit1.tolist() == [True, False, False, False, False, False]  # 3 is the top after row 2
     assert chain_acceptance([4.0, 1.0, 0.0], [2.0, 1.0, 0.0]) == [0.5, 1.0, 0.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", [1, 2])
+def test_unroll_never_waits_for_the_device_on_gpu(tiny, setup, layers):
+    """A warmed-up TTT unroll with the flex attention, forward and backward, has no operation that makes the host
+    wait for the device (torch.cuda.set_sync_debug_mode("error") raises at the first). Until the thirty-second
+    session each flex block mask copied its step number from the host: a stream sync every mask, 3 a one-layer
+    training step, in a step whose kernels kept the H200 busy about a third of the time."""
+    import copy
+
+    drafter = copy.deepcopy(_deeper(tiny, setup, layers)).cuda()
+    samples, draft_ids = setup[1], setup[2]
+    lm_head = copy.deepcopy(tiny.model.get_output_embeddings()).cuda()
+    batch = pack_samples(samples, pad_to=128, multiple=128).to("cuda")
+    labels = target_labels(batch.final, lm_head, draft_ids.cuda())
+    for _ in range(2):  # compile and probe first: compiling may wait, the steady state must not
+        _unroll_grads(drafter, batch, labels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drafter.zero_grad()
+        st = ttt_unroll(drafter, batch, labels, 3)
+        sum(st.loss_sum).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
