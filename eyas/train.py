@@ -917,7 +917,9 @@ def run_train(cfg: Config, target=None) -> dict:
         while pending:
             finish(pending.pop(0))
         evals, saves = evals_due(step) or step == total, saves_due(step) or step == total
-        if LAG_STATS and not (evals or saves or STEP_HOOK or step_sleep):
+        # (a profiled run, with STEP_HOOK, lags as well: until the thirty-second session it read every step's
+        # statistics at once, a wait for the device a step that unprofiled runs do not have)
+        if LAG_STATS and not (evals or saves or step_sleep):
             pending.append(rec)
         else:
             finish(rec)
