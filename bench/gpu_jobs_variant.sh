@@ -53,9 +53,9 @@ if [ -z "$own_regen" ] && [ -z "$took" ]; then
   (until stage_done /tmp/r$name regen; do sleep 5; done; pieces regenD /tmp/r$name/data regen) & watcher=$!
 fi
 data_runs "$sets" "${runs[@]}"
-if [ -n "$watcher" ]; then  # a run that stopped before its regen finished leaves the watcher waiting
-  kill $watcher 2>/dev/null; wait $watcher 2>/dev/null
-  [ -e $S/regenD.part0.tgz ] || pieces regenD /tmp/r$name/data regen
+if [ -n "$watcher" ]; then  # the run is over: its regen either finished (the watcher packs within 5 s) or not
+  if stage_done /tmp/r$name regen; then wait $watcher
+  else kill $watcher 2>/dev/null; wait $watcher 2>/dev/null; pieces regenD /tmp/r$name/data regen; fi
 fi
 decode_runs "${names[@]}"
 [ -d /tmp/r$name/draft ] && job decode_greedy_$name timeout 300 python3 bench/bench_decode.py --draft /tmp/r$name/draft \
