@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The lease after bench/gpu_jobs_samples23.sh: a drafter of two decoder layers trained on three samples of every
+# first answer (D's sample carried as .carry/regenD.tgz, samples 2 and 3 as .carry/regenS23.tgz), the nearest
+# candidate for τ 3.2 at K=3: two layers gave the eval 3.025 against one layer's 2.953 ± 0.028 on one sample
+# (thirty-third session), three samples with 4 epochs 3.09 with one layer (eighteenth session). Then its chat
+# decode (K=3 and 7) and the greedy validation prompts, as for the one-sample runs.
+# Started with both .carry files carried in the call that starts the chain (about 27 MB: stage with
+# `--chunk-mib 30` so the last piece leaves room):
+#   calls 1..n-1: bash .stage/NN/unpack.sh ~/eyas-stage
+#   call n:       bash .stage/NN/unpack.sh ~/eyas-stage && JOBS="bench/gpu_jobs_l2s3.sh [EPOCHS]" bash bench/gpu_queue.sh 560
+#   polls:        the same JOBS with gpu_queue.sh 580, sent the moment the last one returns
+# EPOCHS defaults to 3 to fit a lease: by the eighteenth session's one-layer run on the three samples (tokenize 92 s,
+# feature warm-up 106 s, 982 s for 4 epochs) and two layers' 1.3× the training time, 3 epochs take about 960 s of
+# training and the run about 1,250 s with its eval; 4 epochs about 1,570 s, which leaves no room for the start.
+S=$1; tag=$2
+ep=3; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
+source bench/gpu_lib.sh
+machine_info
+run=/tmp/rS3
+carried regenD.tgz $run
+carried regenS23.tgz $run regen/plan-s2.json
+job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=2
+NO_REGEN_TGZ=1 keep $run runL2S3
+decode_runs L2S3=$run
+[ -d $run/draft ] && job decode_greedy_L2S3 timeout 300 python3 bench/bench_decode.py --draft $run/draft \
+  --prompts greedy:$run --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
+  --out $S/decode_greedy_L2S3.json
+touch $S/finished_$tag
