@@ -18,6 +18,8 @@
 S=$1; tag=$2
 source bench/gpu_lib.sh
 machine_info
+# first, 20 s: what one flex mask a batch would save the host at the training batch's length (CPU: under 1 ms a step)
+job mask_cost timeout 120 python3 bench/mask_build_cost.py --tokens 8192 --device cuda
 run=/tmp/rS3
 carried regenD.tgz $run
 carried regenD.tgz /tmp/rE4  # now: .carry is on the machine only in the call that carried it, E4 starts later
