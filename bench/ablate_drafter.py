@@ -72,6 +72,8 @@ VARIANTS = {
     "fcscale_lr1e-3_lt0.25": {"fcscale": True, "lr": 1e-3, "label_temp": 0.25},
     "fcscale_lr1e-3_lt0.05": {"fcscale": True, "lr": 1e-3, "label_temp": 0.05},
     "fcscale_lr1e-3_decay0.8": {"fcscale": True, "lr": 1e-3, "decay": 0.8},
+    "fcscale_lr2e-3_decay0.8": {"fcscale": True, "lr": 2e-3, "decay": 0.8},
+    "fcscale_lr3e-3_decay0.8": {"fcscale": True, "lr": 3e-3, "decay": 0.8},
     "fcscale_lr1e-3_decay0.6": {"fcscale": True, "lr": 1e-3, "decay": 0.6},
     # Gaussian noise on the aux states (absolute, as `--noise-std` in eyas train; SmolLM2's layers 2 / 15 / 27 have RMS
     # about 3 / 6.6 / 22.6), on top of the default decay
