@@ -72,6 +72,7 @@ VARIANTS = {
     "fcscale_lr1e-3_lt0.25": {"fcscale": True, "lr": 1e-3, "label_temp": 0.25},
     "fcscale_lr1e-3_lt0.05": {"fcscale": True, "lr": 1e-3, "label_temp": 0.05},
     "fcscale_lr1e-3_decay0.8": {"fcscale": True, "lr": 1e-3, "decay": 0.8},
+    "fcscale_lr5e-4_decay0.8": {"fcscale": True, "lr": 5e-4, "decay": 0.8},
     "fcscale_lr2e-3_decay0.8": {"fcscale": True, "lr": 2e-3, "decay": 0.8},
     "fcscale_lr3e-3_decay0.8": {"fcscale": True, "lr": 3e-3, "decay": 0.8},
     "fcscale_lr1e-3_decay0.6": {"fcscale": True, "lr": 1e-3, "decay": 0.6},
