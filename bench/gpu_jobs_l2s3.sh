@@ -22,7 +22,5 @@ carried regenS23.tgz $run regen/plan-s2.json
 job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=2
 NO_REGEN_TGZ=1 keep $run runL2S3
 decode_runs L2S3=$run
-[ -d $run/draft ] && job decode_greedy_L2S3 timeout 300 python3 bench/bench_decode.py --draft $run/draft \
-  --prompts greedy:$run --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
-  --out $S/decode_greedy_L2S3.json
+decode_greedy L2S3 $run
 touch $S/finished_$tag

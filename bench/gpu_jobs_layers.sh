@@ -15,7 +15,7 @@
 #   polls:  JOBS="bench/gpu_jobs_layers.sh" bash bench/gpu_queue.sh 580 (sent the moment the last one returns)
 # (One layer with legacy masks was dropped from the list to fit the lease; the thirty-second session has it.)
 # Budget (estimates from the thirty-first and thirty-second sessions): the first profile about 150 s (it converts
-# the GGUF and compiles), the other three about 90-120 s each, the test about 60 s; the run about 1,000 s from
+# the GGUF and compiles), the other two about 35-120 s each, the test about 60 s; the run about 1,000 s from
 # nothing (regen 248 s, training 515 s with legacy masks, less with the new), its decodes about 200 s; with the
 # start and staging about 1,700 s.
 S=$1; tag=$2

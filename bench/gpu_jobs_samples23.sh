@@ -31,7 +31,7 @@ if [ -d $run/data/regen ]; then
   until stage_done $run regen || ! kill -0 $pid 2>/dev/null; do sleep 5; done
   kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
   echo "$(date +%T) end regen_s23 (regen done: $(stage_done $run regen && echo yes || echo no))"
-  cp $run/manifest.json $S/rS3_manifest.json 2>/dev/null
+  NO_REGEN_TGZ=1 keep $run rS3
   pieces regenS23 $run/data 'regen/plan-s2.json' 'regen/plan-s3.json' 'regen/shard-s2-*' 'regen/shard-s3-*'
 else
   echo "$(date +%T) no D sample carried: samples 2 and 3 skipped (they need the first sample beside them)"

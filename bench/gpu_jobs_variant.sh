@@ -58,8 +58,6 @@ if [ -n "$watcher" ]; then  # the run is over: its regen either finished (the wa
   else kill $watcher 2>/dev/null; wait $watcher 2>/dev/null; pieces regenD /tmp/r$name/data regen; fi
 fi
 decode_runs "${names[@]}"
-[ -d /tmp/r$name/draft ] && job decode_greedy_$name timeout 300 python3 bench/bench_decode.py --draft /tmp/r$name/draft \
-  --prompts greedy:/tmp/r$name --limit 256 --k 3 --max-new-tokens 256 --budget 100 --skip-hf \
-  --out $S/decode_greedy_$name.json
+decode_greedy $name /tmp/r$name
 wait
 touch $S/finished_$tag

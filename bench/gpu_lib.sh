@@ -55,6 +55,12 @@ decode_runs() {  # decode_runs NAME=RUN...: each run's drafter on the chat promp
       --limit 80 --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_${nr%%=*}.json
   done
 }
+decode_greedy() {  # decode_greedy NAME RUN: RUN's drafter on the greedy answers to its 256 validation prompts, K=3
+  # (the text training's greedy_tau forecasts), into $S/decode_greedy_NAME.json (a run with no drafter is left out)
+  [ -d $2/draft ] || return 0
+  job decode_greedy_$1 timeout 300 python3 bench/bench_decode.py --draft $2/draft --prompts greedy:$2 --limit 256 \
+    --k 3 --max-new-tokens 256 --budget 100 --skip-hf --out $S/decode_greedy_$1.json
+}
 data_runs() {  # data_runs "BASE" NAME="SETTINGS"...: `eyas run` into /tmp/rNAME with BASE and its SETTINGS, the first
   # from nothing, each later one on the first's regenerated data, tokens and vocabulary (copied: the stages whose keys
   # its settings leave alone are skipped); each run's results kept in $S as runNAME_*
