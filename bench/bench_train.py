@@ -48,10 +48,11 @@ def main(argv=None) -> int:
     p.add_argument("--lag-stats", default="1", choices=("0", "1"),
                    help="eyas.train.LAG_STATS: read each step's statistics one step later (1, the default) or right "
                         "after the step (0: the host waits for the device every step, as before)")
-    p.add_argument("--masks", default="once", choices=("once", "legacy"),
-                   help="eyas.ttt.MASKS: one flex block mask a TTT step for every drafter layer, its step number "
-                        "filled on the device (once, the default), or a mask per layer, each build waiting for the "
-                        "device to copy its step number (legacy, as before the thirty-second session), to time both")
+    p.add_argument("--masks", default="derive", choices=("derive", "once", "legacy"),
+                   help="eyas.ttt.MASKS, to time them: the flex block masks built once a batch, the earlier TTT "
+                        "steps' cut from the last's (derive, the default); built once a TTT step for every drafter "
+                        "layer, the step number filled on the device (once, the thirty-second session's); or a mask "
+                        "per layer, each build waiting for the device to copy its step number (legacy, before that)")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the operations that make the host wait for the device "
                         "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")

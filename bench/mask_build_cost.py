@@ -1,8 +1,9 @@
 """Host time of building a TTT step's flex block mask (eyas.ttt._block_mask, torch's compiled create_block_mask)
-against deriving it from the batch's last-step mask (BlockMask.from_kv_blocks with fewer kv blocks a row): the
-saving "one mask a batch instead of one a TTT step" could give. At a few hundred tokens the mask's own arithmetic
-is negligible, so the time is the host's: Python, Dynamo's guards and the launches. Checks that the derived masks
-list the same blocks as the built ones.
+against cutting it from the batch's last-step mask (eyas.ttt._derive_mask, what `eyas.ttt.MASKS = "derive"` does
+for every step but the last), and, for the record, against torch's BlockMask.from_kv_blocks on the cut key lists
+(which recomputes the query side). At a few hundred tokens the mask's own arithmetic is negligible, so the time is
+the host's: Python, Dynamo's guards and the launches. Checks that the cut masks list the same blocks as the built
+ones, on both sides.
 
     PYTHONPATH=. python3 bench/mask_build_cost.py [--tokens 256] [--steps 3] [--repeat 50] [--device cpu]
 """
@@ -21,14 +22,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eyas import ttt  # noqa: E402
 
 
-def derive(full, steps: int, j: int):
-    """Step j's mask from the last step's: each query block drops the diagonal blocks of the steps after j (every
-    query block has one a step, listed after its causal blocks, in ascending kv order)."""
+def from_kv_blocks(last, steps: int, j: int):
+    """Step j's mask through torch's constructor from the cut key lists (the thirty-third session's way)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    return BlockMask.from_kv_blocks(full.kv_num_blocks - (steps - 1 - j), full.kv_indices, full.full_kv_num_blocks,
-                                    full.full_kv_indices, BLOCK_SIZE=full.BLOCK_SIZE, mask_mod=full.mask_mod,
-                                    seq_lengths=full.seq_lengths)
+    return BlockMask.from_kv_blocks(last.kv_num_blocks - (steps - 1 - j), last.kv_indices, last.full_kv_num_blocks,
+                                    last.full_kv_indices, BLOCK_SIZE=last.BLOCK_SIZE, mask_mod=last.mask_mod,
+                                    seq_lengths=last.seq_lengths)
+
+
+def listed(m):
+    """Each row's listed blocks, both sides, partial and full."""
+    out = []
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        n, i = getattr(m, num), getattr(m, idx)
+        out.append([i[0, 0, r, :int(c)].tolist() for r, c in enumerate(n[0, 0].tolist())])
+    return out
 
 
 def per_call_ms(fn, repeat: int, sync) -> float:
@@ -53,20 +63,16 @@ def main() -> int:
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n, K = a.tokens, a.steps
+    if n % ttt.FLEX_BLOCK:
+        ap.error(f"--tokens must be a multiple of {ttt.FLEX_BLOCK} (batches are padded so on CUDA)")
     doc = torch.zeros(n, dtype=torch.long, device=dev)
     doc[n * 2 // 5:] = 1
-    full = ttt._block_mask(doc, K, K - 1)
-    same = []
-    for j in range(K):
-        ref, d = ttt._block_mask(doc, K, j), derive(full, K, j)
-        cnt = ref.kv_num_blocks
-        rows = [ref.kv_indices[0, 0, r, :int(c)].tolist() == d.kv_indices[0, 0, r, :int(c)].tolist()
-                for r, c in enumerate(cnt.flatten().tolist())]
-        same.append(bool(torch.equal(cnt, d.kv_num_blocks) and all(rows)
-                         and torch.equal(ref.q_num_blocks, d.q_num_blocks)))
+    last = ttt._block_mask(doc, K, K - 1)
+    same = [listed(ttt._block_mask(doc, K, j)) == listed(ttt._derive_mask(last, K, j)) for j in range(K - 1)]
     out = {"tokens": n, "steps": K, "device": str(dev), "torch": torch.__version__,
-           "build_ms": round(per_call_ms(lambda: ttt._block_mask(doc, K, 1), a.repeat, sync), 3),
-           "derive_ms": round(per_call_ms(lambda: derive(full, K, 1), a.repeat, sync), 3),
+           "build_ms": round(per_call_ms(lambda: ttt._block_mask(doc, K, 0), a.repeat, sync), 3),
+           "derive_ms": round(per_call_ms(lambda: ttt._derive_mask(last, K, 0), a.repeat, sync), 3),
+           "from_kv_blocks_ms": round(per_call_ms(lambda: from_kv_blocks(last, K, 0), a.repeat, sync), 3),
            "derived_equal_built": same, "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)}
     out["saving_per_step_ms"] = round((K - 1) * (out["build_ms"] - out["derive_ms"]), 3)
     print(json.dumps(out, indent=1))

@@ -104,11 +104,14 @@ def ttt_dense_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
 
 
 _flex = None
-# How the flex block masks are built. "once": one mask a TTT step that every decoder layer uses, its step number
-# filled in on the device. "legacy", as before the thirty-second session: each layer builds its own, and each
-# build copies the step number from the host, which makes the host wait for the device (a stream sync) every
-# time. bench/bench_train.py --masks times both.
-MASKS = "once"
+# How the flex block masks are built. "derive": the last TTT step's mask is built once a batch and every earlier
+# step's is cut from it (`_derive_mask`, a few small device ops instead of a compiled build, which cost the host
+# 2.8 ms at 8,192 tokens on an H200, thirty-fourth session). "once": one mask built a TTT step that every decoder
+# layer uses, its step number filled in on the device. "legacy", as before the thirty-second session: each layer
+# builds its own, and each build copies the step number from the host, which makes the host wait for the device
+# (a stream sync) every time. bench/bench_train.py --masks times them.
+MASKS = "derive"
+FLEX_BLOCK = 128  # the block masks' block size (create_block_mask's default)
 
 
 def _compiled_flex():
@@ -160,7 +163,7 @@ class TTTAttend:
             V = torch.cat(self.vs + zeros, dim=2)
             mask = self.masks.get((total, j))
             if mask is None:
-                mask = self.masks[(total, j)] = _block_mask(self.doc, total, j)
+                mask = self.masks[(total, j)] = _step_mask(self.doc, total, j, self.masks)
             return _compiled_flex()(q, K, V, block_mask=mask, enable_gqa=gqa)
         if self.backend == "docs":
             return self._per_document(q)
@@ -215,6 +218,34 @@ def _block_mask(doc: torch.Tensor, total: int, j: int):
         return causal | ((step > 0) & (step <= jt) & (p == q_idx))
 
     return create_block_mask(mask_mod, None, None, n, total * n, device=doc.device, _compile=True)
+
+
+def _step_mask(doc: torch.Tensor, total: int, j: int, masks: dict):
+    """Step j's flex block mask (keys of `total` steps): with MASKS "derive", cut from the last step's, which is
+    built once into `masks`; built where the steps do not start on block boundaries."""
+    if MASKS != "derive" or j == total - 1 or doc.shape[0] % FLEX_BLOCK:
+        return _block_mask(doc, total, j)
+    last = masks.get((total, total - 1))
+    if last is None:
+        last = masks[(total, total - 1)] = _block_mask(doc, total, total - 1)
+    return _derive_mask(last, total, j)
+
+
+def _derive_mask(last, total: int, j: int):
+    """Step j's block mask from the last step's (`_block_mask(doc, total, total - 1)`), which lists the same blocks
+    plus one diagonal block a query block for each later step, as each query block's last partial key blocks (keys
+    in ascending order, a step's keys starting on a block boundary). Dropping them is a subtraction on the key side
+    and zeroing those key blocks' columns on the query side (which the backward reads); the full blocks, all at step
+    0, and the mask_mod (only ever read inside the blocks listed) are shared."""
+    import copy
+
+    m = copy.copy(last)
+    m.kv_num_blocks = last.kv_num_blocks - (total - 1 - j)
+    if last.q_num_blocks is not None:
+        cols = last.q_num_blocks.shape[-1]
+        keep = torch.arange(cols, device=last.q_num_blocks.device) < cols // total * (j + 1)
+        m.q_num_blocks = last.q_num_blocks * keep.to(last.q_num_blocks.dtype)
+    return m
 
 
 # ------------------------------------------------------------------------------------- labels
@@ -517,7 +548,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
     masks: dict = {}  # one block mask a step for every layer (TTTAttend)
-    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks if MASKS == "once" else None)
+    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks if MASKS != "legacy" else None)
               for _ in range(drafter.config.num_hidden_layers)]
     pos = batch.pos[None]
     hidden = aux[None]

@@ -305,11 +305,12 @@ def _assert_same(a, b, tol):
 
 @pytest.mark.compiler
 def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
-    """A two-layer drafter's unroll with the flex attention builds one block mask a TTT step, which both layers use
-    (not one a layer), and gives the dense pattern's losses (forward only: flex has no backward on a CPU)."""
+    """A two-layer drafter's unroll with the flex attention builds one block mask a batch (the last TTT step's; the
+    earlier steps' are cut from it), which both layers use (not one a layer), and gives the dense pattern's losses
+    (forward only: flex has no backward on a CPU). Built a step ("once") or a layer ("legacy"), the same losses."""
     drafter = _deeper(tiny, setup, 2)
     samples, draft_ids = setup[1], setup[2]
-    batch = pack_samples(samples, pad_to=48)
+    batch = pack_samples(samples, pad_to=ttt.FLEX_BLOCK, multiple=ttt.FLEX_BLOCK)  # as on CUDA
     labels = target_labels(batch.final, tiny.model.get_output_embeddings(), draft_ids)
     built = []
     real = ttt._block_mask
@@ -317,15 +318,42 @@ def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
     with torch.no_grad():
         flex = ttt_unroll(drafter, batch, labels, 3, backend="flex")
         dense = ttt_unroll(drafter, batch, labels, 3, backend="dense")
-    assert built == [(3, 0), (3, 1), (3, 2)]
+    assert built == [(3, 2)]
     assert [float(x) for x in flex.loss_sum] == pytest.approx([float(x) for x in dense.loss_sum], rel=1e-4)
     assert [int(x) for x in flex.correct] == [int(x) for x in dense.correct] and sum(int(x) for x in flex.correct) > 0
-    built.clear()
-    monkeypatch.setattr(ttt, "MASKS", "legacy")  # each layer its own, as bench_train --masks legacy times it
-    with torch.no_grad():
-        own = ttt_unroll(drafter, batch, labels, 3, backend="flex")
-    assert built == [(3, 0), (3, 0), (3, 1), (3, 1), (3, 2), (3, 2)]
-    assert [float(x) for x in own.loss_sum] == [float(x) for x in flex.loss_sum]
+    for mode, builds in (("once", [(3, 0), (3, 1), (3, 2)]),
+                         ("legacy", [(3, 0), (3, 0), (3, 1), (3, 1), (3, 2), (3, 2)])):  # bench_train --masks
+        built.clear()
+        monkeypatch.setattr(ttt, "MASKS", mode)
+        with torch.no_grad():
+            own = ttt_unroll(drafter, batch, labels, 3, backend="flex")
+        assert built == builds
+        assert [float(x) for x in own.loss_sum] == [float(x) for x in flex.loss_sum]
+
+
+@pytest.mark.compiler
+@pytest.mark.parametrize("total", [3, 5])
+def test_derived_step_masks_list_the_built_blocks(total):
+    """Every earlier TTT step's block mask cut from the last step's lists the same key blocks for each query block,
+    partial and full, and the same query blocks for each key block (the backward's side), as the mask built for
+    that step: over packed sequences that start and end inside blocks, and a padding tail."""
+    lengths = [100, 420, 7, 61, 40]  # 628 tokens, padded to 640 (5 blocks) as a document of its own
+    doc = torch.repeat_interleave(torch.arange(len(lengths) + 1), torch.tensor(lengths + [640 - sum(lengths)]))
+    last = ttt._block_mask(doc, total, total - 1)
+
+    def rows(num, idx):  # the listed blocks of each row, in order
+        return [idx[0, 0, r, :int(c)].tolist() for r, c in enumerate(num[0, 0].tolist())]
+
+    for j in range(total - 1):
+        built, cut = ttt._block_mask(doc, total, j), ttt._derive_mask(last, total, j)
+        assert cut.seq_lengths == built.seq_lengths == (640, total * 640)
+        for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                         ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+            a, b = getattr(built, num), getattr(cut, num)
+            assert torch.equal(a, b), (j, num)
+            assert rows(a, getattr(built, idx)) == rows(b, getattr(cut, idx)), (j, idx)
+        assert int(built.kv_num_blocks.sum()) < int(last.kv_num_blocks.sum())  # there was something to drop
+    assert sum(int(x) for x in last.full_kv_num_blocks.flatten()) > 0  # and full blocks to keep
 
 
 @pytest.mark.gpu
