@@ -104,10 +104,11 @@ def ttt_dense_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
 
 
 _flex = None
-# How the flex block masks are built. "derive": the last TTT step's mask is built once a batch and every earlier
-# step's is cut from it (`_derive_mask`, a few small device ops instead of a compiled build, which cost the host
-# 2.8 ms at 8,192 tokens on an H200, thirty-fourth session). "once": one mask built a TTT step that every decoder
-# layer uses, its step number filled in on the device. "legacy", as before the thirty-second session: each layer
+# How the flex block masks are built. "derive": the last TTT step's mask is made once a batch from the documents'
+# bounds (`_last_step_mask`) and every earlier step's is cut from it (`_derive_mask`): a few dozen small device ops
+# in all, where a build by create_block_mask cost the host 2.8 ms at 8,192 tokens on an H200 (thirty-fourth session).
+# "once": one mask built by create_block_mask a TTT step that every decoder layer uses, its step number filled in on
+# the device. "legacy", as before the thirty-second session: each layer
 # builds its own, and each build copies the step number from the host, which makes the host wait for the device
 # (a stream sync) every time. bench/bench_train.py --masks times them.
 MASKS = "derive"
@@ -128,7 +129,7 @@ class TTTAttend:
 
     On CUDA (flex) the keys of the steps not run yet are zeros and the step number is a tensor, so
     every step has the same shapes and the compiled kernels are built once; the block mask skips
-    the zero blocks."""
+    the zero blocks. `doc` is each row's document, non-decreasing (pack_samples)."""
 
     def __init__(self, doc: torch.Tensor, backend: str = "auto", steps: int = 0, n_real: int | None = None,
                  masks: dict | None = None):
@@ -222,13 +223,48 @@ def _block_mask(doc: torch.Tensor, total: int, j: int):
 
 def _step_mask(doc: torch.Tensor, total: int, j: int, masks: dict):
     """Step j's flex block mask (keys of `total` steps): with MASKS "derive", cut from the last step's, which is
-    built once into `masks`; built where the steps do not start on block boundaries."""
-    if MASKS != "derive" or j == total - 1 or doc.shape[0] % FLEX_BLOCK:
+    made once into `masks` from the documents' bounds (`_last_step_mask`); built by create_block_mask where the steps
+    do not start on block boundaries."""
+    if MASKS != "derive" or doc.shape[0] % FLEX_BLOCK:
         return _block_mask(doc, total, j)
     last = masks.get((total, total - 1))
     if last is None:
-        last = masks[(total, total - 1)] = _block_mask(doc, total, total - 1)
-    return _derive_mask(last, total, j)
+        last = masks[(total, total - 1)] = _last_step_mask(doc, total)
+    return last if j == total - 1 else _derive_mask(last, total, j)
+
+
+def _ordered(dense: torch.Tensor):
+    """A [rows, cols] block-level boolean matrix as flex's (count [1,1,rows], indices [1,1,rows,cols]): each row's
+    listed blocks first, in ascending order."""
+    idx = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return dense.sum(-1, dtype=torch.int32)[None, None], idx.to(torch.int32)[None, None]
+
+
+def _last_step_mask(doc: torch.Tensor, total: int):
+    """The block mask `_block_mask(doc, total, total - 1)` builds, made from the packed documents' bounds with a few
+    small device ops instead of evaluating the mask at every position (create_block_mask: 2.8 ms of host time at
+    8,192 tokens on an H200, thirty-fourth session). `doc` is non-decreasing (pack_samples), its length a multiple of
+    FLEX_BLOCK. At step 0 a query block sees the key blocks from its first query's document start to its own, each
+    of them in full where it and the query block lie in one document; each later step adds the diagonal block."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, B = doc.shape[0], FLEX_BLOCK
+    nb, dev = n // B, doc.device
+    first, last = doc[::B].contiguous(), doc[B - 1::B].contiguous()  # the document of each block's first and last row
+    start = torch.searchsorted(doc, first) // B  # the block where each query block's first document starts
+    qb, kb = torch.arange(nb, device=dev)[:, None], torch.arange(nb, device=dev)[None, :]
+    full0 = (kb < qb) & (first[None, :] == last[:, None])
+    part0 = (kb >= start[:, None]) & (kb <= qb) & ~full0
+    eye = qb == kb
+    part = torch.cat([part0] + [eye] * (total - 1), dim=1)  # [nb, total·nb]
+    full = torch.cat([full0] + [torch.zeros_like(eye)] * (total - 1), dim=1)
+    kv_num, kv_idx = _ordered(part)
+    fkv_num, fkv_idx = _ordered(full)
+    q_num, q_idx = _ordered(part.T)
+    fq_num, fq_idx = _ordered(full.T)
+    return BlockMask(seq_lengths=(n, total * n), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=fkv_num,
+                     full_kv_indices=fkv_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num,
+                     full_q_indices=fq_idx, BLOCK_SIZE=(B, B), mask_mod=ttt_mask_mod(doc, n))
 
 
 def _derive_mask(last, total: int, j: int):

@@ -305,20 +305,22 @@ def _assert_same(a, b, tol):
 
 @pytest.mark.compiler
 def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
-    """A two-layer drafter's unroll with the flex attention builds one block mask a batch (the last TTT step's; the
+    """A two-layer drafter's unroll with the flex attention makes one block mask a batch (the last TTT step's; the
     earlier steps' are cut from it), which both layers use (not one a layer), and gives the dense pattern's losses
-    (forward only: flex has no backward on a CPU). Built a step ("once") or a layer ("legacy"), the same losses."""
+    (forward only: flex has no backward on a CPU). Built by create_block_mask a step ("once") or a layer ("legacy"),
+    the same losses."""
     drafter = _deeper(tiny, setup, 2)
     samples, draft_ids = setup[1], setup[2]
     batch = pack_samples(samples, pad_to=ttt.FLEX_BLOCK, multiple=ttt.FLEX_BLOCK)  # as on CUDA
     labels = target_labels(batch.final, tiny.model.get_output_embeddings(), draft_ids)
     built = []
-    real = ttt._block_mask
+    real, made = ttt._block_mask, ttt._last_step_mask
     monkeypatch.setattr(ttt, "_block_mask", lambda doc, total, j: built.append((total, j)) or real(doc, total, j))
+    monkeypatch.setattr(ttt, "_last_step_mask", lambda doc, total: built.append(("last", total)) or made(doc, total))
     with torch.no_grad():
         flex = ttt_unroll(drafter, batch, labels, 3, backend="flex")
         dense = ttt_unroll(drafter, batch, labels, 3, backend="dense")
-    assert built == [(3, 2)]
+    assert built == [("last", 3)]
     assert [float(x) for x in flex.loss_sum] == pytest.approx([float(x) for x in dense.loss_sum], rel=1e-4)
     assert [int(x) for x in flex.correct] == [int(x) for x in dense.correct] and sum(int(x) for x in flex.correct) > 0
     for mode, builds in (("once", [(3, 0), (3, 1), (3, 2)]),
@@ -331,29 +333,45 @@ def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
         assert [float(x) for x in own.loss_sum] == [float(x) for x in flex.loss_sum]
 
 
-@pytest.mark.compiler
-@pytest.mark.parametrize("total", [3, 5])
-def test_derived_step_masks_list_the_built_blocks(total):
-    """Every earlier TTT step's block mask cut from the last step's lists the same key blocks for each query block,
-    partial and full, and the same query blocks for each key block (the backward's side), as the mask built for
-    that step: over packed sequences that start and end inside blocks, and a padding tail."""
-    lengths = [100, 420, 7, 61, 40]  # 628 tokens, padded to 640 (5 blocks) as a document of its own
-    doc = torch.repeat_interleave(torch.arange(len(lengths) + 1), torch.tensor(lengths + [640 - sum(lengths)]))
-    last = ttt._block_mask(doc, total, total - 1)
+@pytest.mark.parametrize("total", [1, 3, 5])
+def test_step_masks_list_the_blocks_of_the_mask_they_stand_for(total):
+    """The flex block masks the unroll uses (the last TTT step's made from the documents' bounds, the earlier ones
+    cut from it) list, for every query block, the same key blocks, partial and full, and for every key block the
+    same query blocks (the backward's side) as torch's create_block_mask evaluating the TTT pattern at every
+    position: over packed sequences that start and end inside blocks, on block bounds, span several blocks, and a
+    padding tail."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def rows(num, idx):  # the listed blocks of each row, in order
         return [idx[0, 0, r, :int(c)].tolist() for r, c in enumerate(num[0, 0].tolist())]
 
-    for j in range(total - 1):
-        built, cut = ttt._block_mask(doc, total, j), ttt._derive_mask(last, total, j)
-        assert cut.seq_lengths == built.seq_lengths == (640, total * 640)
-        for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                         ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
-            a, b = getattr(built, num), getattr(cut, num)
-            assert torch.equal(a, b), (j, num)
-            assert rows(a, getattr(built, idx)) == rows(b, getattr(cut, idx)), (j, idx)
-        assert int(built.kv_num_blocks.sum()) < int(last.kv_num_blocks.sum())  # there was something to drop
-    assert sum(int(x) for x in last.full_kv_num_blocks.flatten()) > 0  # and full blocks to keep
+    g = torch.Generator().manual_seed(7)
+    packings = [[100, 420, 7, 61, 40, 12], [640], [128, 128, 256, 128], [1] * 5 + [379]]
+    for _ in range(6):
+        n = 128 * int(torch.randint(1, 9, (1,), generator=g))
+        cuts = sorted(set(torch.randint(1, n, (int(torch.randint(0, 7, (1,), generator=g)),), generator=g).tolist()))
+        packings.append([b - a for a, b in zip([0] + cuts, cuts + [n])])
+    fulls = cut_away = 0
+    for lengths in packings:
+        n = sum(lengths)
+        doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).int()
+        masks = {}
+        for j in range(total):
+            def pattern(b, h, q, kv, j=j):
+                return ttt.ttt_mask_mod(doc, n)(b, h, q, kv) & (kv // n <= j)
+
+            ref = create_block_mask(pattern, None, None, n, total * n, device="cpu", _compile=False)
+            got = ttt._step_mask(doc, total, j, masks)
+            assert got.seq_lengths == ref.seq_lengths and tuple(got.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
+            for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+                assert torch.equal(getattr(got, num), getattr(ref, num)), (lengths, j, num)
+                assert rows(getattr(got, num), getattr(got, idx)) == rows(getattr(ref, num), getattr(ref, idx)), \
+                    (lengths, j, idx)
+            fulls += int(ref.full_kv_num_blocks.sum())
+            cut_away += int(masks[(total, total - 1)].kv_num_blocks.sum() - ref.kv_num_blocks.sum())
+        assert list(masks) == [(total, total - 1)]  # one made a batch (the unroll keeps the cut ones beside it)
+    assert fulls > 0 and (cut_away > 0 or total == 1)  # both kinds of block occur, and the cuts dropped some
 
 
 @pytest.mark.gpu
