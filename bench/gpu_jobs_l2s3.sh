@@ -2,8 +2,11 @@
 # The lease after bench/gpu_jobs_samples23.sh: a drafter of two decoder layers trained on three samples of every
 # first answer (D's sample carried as .carry/regenD.tgz, samples 2 and 3 as .carry/regenS23.tgz), the nearest
 # candidate for τ 3.2 at K=3: two layers gave the eval 3.025 against one layer's 2.953 ± 0.028 on one sample
-# (thirty-third session), three samples with 4 epochs 3.09 with one layer (eighteenth session). Then its chat
-# decode (K=3 and 7) and the greedy validation prompts, as for the one-sample runs.
+# (thirty-third session; one layer's 4 epochs in the same time gave 3.002, thirty-fourth), three samples with 4
+# epochs 3.09 with one layer (eighteenth session). Then its chat decode (K=3 and 7) and the greedy validation
+# prompts, as for the one-sample runs. First, the GPU tests that a warmed-up unroll never waits for the device,
+# since the flex masks changed (made from the documents' bounds and cut, thirty-fourth session) and this run is the
+# first to train with them.
 # Started with both .carry files carried in the call that starts the chain (about 27 MB: stage with
 # `--chunk-mib 30` so the last piece leaves room):
 #   calls 1..n-1: bash .stage/NN/unpack.sh ~/eyas-stage
@@ -11,11 +14,13 @@
 #   polls:        the same JOBS with gpu_queue.sh 580, sent the moment the last one returns
 # EPOCHS defaults to 3 to fit a lease: by the eighteenth session's one-layer run on the three samples (tokenize 92 s,
 # feature warm-up 106 s, 982 s for 4 epochs) and two layers' 1.3× the training time, 3 epochs take about 960 s of
-# training and the run about 1,250 s with its eval; 4 epochs about 1,570 s, which leaves no room for the start.
+# training and the run about 1,250 s with its eval (before the cut masks, which may shorten it); 4 epochs about
+# 1,570 s, which leaves no room for the start. The tests first take about a minute.
 S=$1; tag=$2
 ep=3; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
 machine_info
+job test_no_waits timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ttt.py -k "never_waits or flex"
 run=/tmp/rS3
 carried regenD.tgz $run
 carried regenS23.tgz $run regen/plan-s2.json
