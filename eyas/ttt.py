@@ -108,9 +108,9 @@ _flex = None
 # bounds (`_last_step_mask`) and every earlier step's is cut from it (`_derive_mask`): a few dozen small device ops
 # in all, where a build by create_block_mask cost the host 2.8 ms at 8,192 tokens on an H200 (thirty-fourth session).
 # "once": one mask built by create_block_mask a TTT step that every decoder layer uses, its step number filled in on
-# the device. "legacy", as before the thirty-second session: each layer
-# builds its own, and each build copies the step number from the host, which makes the host wait for the device
-# (a stream sync) every time. bench/bench_train.py --masks times them.
+# the device. "legacy", as before the thirty-second session: each layer builds its own, and each build copies the
+# step number from the host, which makes the host wait for the device (a stream sync) every time.
+# bench/bench_train.py --masks times them.
 MASKS = "derive"
 FLEX_BLOCK = 128  # the block masks' block size (create_block_mask's default)
 
@@ -268,7 +268,7 @@ def _last_step_mask(doc: torch.Tensor, total: int):
 
 
 def _derive_mask(last, total: int, j: int):
-    """Step j's block mask from the last step's (`_block_mask(doc, total, total - 1)`), which lists the same blocks
+    """Step j's block mask from the last step's (`_last_step_mask`), which lists the same blocks
     plus one diagonal block a query block for each later step, as each query block's last partial key blocks (keys
     in ascending order, a step's keys starting on a block boundary). Dropping them is a subtraction on the key side
     and zeroing those key blocks' columns on the query side (which the backward reads); the full blocks, all at step
