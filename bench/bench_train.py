@@ -49,8 +49,9 @@ def main(argv=None) -> int:
                    help="eyas.train.LAG_STATS: read each step's statistics one step later (1, the default) or right "
                         "after the step (0: the host waits for the device every step, as before)")
     p.add_argument("--masks", default="derive", choices=("derive", "once", "legacy"),
-                   help="eyas.ttt.MASKS, to time them: the flex block masks built once a batch, the earlier TTT "
-                        "steps' cut from the last's (derive, the default); built once a TTT step for every drafter "
+                   help="eyas.ttt.MASKS, to time them: the flex block masks made once a batch from the documents' "
+                        "bounds, the earlier TTT steps' cut from the last's (derive, the default); built by "
+                        "create_block_mask once a TTT step for every drafter "
                         "layer, the step number filled on the device (once, the thirty-second session's); or a mask "
                         "per layer, each build waiting for the device to copy its step number (legacy, before that)")
     p.add_argument("--sync-debug", action="store_true",
