@@ -31,16 +31,6 @@ def from_kv_blocks(last, steps: int, j: int):
                                     seq_lengths=last.seq_lengths)
 
 
-def listed(m):
-    """Each row's listed blocks, both sides, partial and full."""
-    out = []
-    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
-        n, i = getattr(m, num), getattr(m, idx)
-        out.append([i[0, 0, r, :int(c)].tolist() for r, c in enumerate(n[0, 0].tolist())])
-    return out
-
-
 def per_call_ms(fn, repeat: int, sync) -> float:
     for _ in range(3):
         fn()
@@ -68,6 +58,7 @@ def main() -> int:
     doc = torch.zeros(n, dtype=torch.long, device=dev)
     doc[n * 2 // 5:] = 1
     last = ttt._last_step_mask(doc, K)
+    listed = ttt.block_lists
     same = [listed(ttt._block_mask(doc, K, K - 1)) == listed(last)]
     same += [listed(ttt._block_mask(doc, K, j)) == listed(ttt._derive_mask(last, K, j)) for j in range(K - 1)]
     out = {"tokens": n, "steps": K, "device": str(dev), "torch": torch.__version__,

@@ -277,11 +277,21 @@ def _derive_mask(last, total: int, j: int):
 
     m = copy.copy(last)
     m.kv_num_blocks = last.kv_num_blocks - (total - 1 - j)
-    if last.q_num_blocks is not None:
-        cols = last.q_num_blocks.shape[-1]
-        keep = torch.arange(cols, device=last.q_num_blocks.device) < cols // total * (j + 1)
-        m.q_num_blocks = last.q_num_blocks * keep.to(last.q_num_blocks.dtype)
+    cols = last.q_num_blocks.shape[-1]
+    keep = torch.arange(cols, device=last.q_num_blocks.device) < cols // total * (j + 1)
+    m.q_num_blocks = last.q_num_blocks * keep.to(last.q_num_blocks.dtype)
     return m
+
+
+# a block mask's (count, indices) pairs: key side partial and full (the forward), query side (the backward)
+BLOCK_FIELDS = (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices"))
+
+
+def block_lists(mask) -> dict:
+    """What a block mask lists, to compare two: for each field of BLOCK_FIELDS, each row's blocks in order."""
+    return {idx: [getattr(mask, idx)[0, 0, r, :int(c)].tolist()
+                  for r, c in enumerate(getattr(mask, num)[0, 0].tolist())] for num, idx in BLOCK_FIELDS}
 
 
 # ------------------------------------------------------------------------------------- labels
