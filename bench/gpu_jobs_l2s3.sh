@@ -15,14 +15,14 @@
 # EPOCHS defaults to 4, the eighteenth session's one-layer recipe on the same three samples (3.09). Time, from the
 # figures since: 36.84M tokens an epoch (eighteenth session), two layers at 167.8k tok/s steady on one sample
 # (thirty-third; on three samples two thirds of the features live in host memory, which cost one layer 8% in the
-# eighteenth), so about 920 s of training for 4 epochs at 160k, and with tokenize 92 s, feature warm-up 106 s and the eval about
-# 1,190 s of run; with the tests (about a minute), the decodes (about 210 s) and the start, about 1,550 s of the
-# lease's 1,800. The masks made from the documents' bounds (thirty-fourth session) may shorten the training.
+# eighteenth), so about 920 s of training for 4 epochs at 160k, and with tokenize 92 s, feature warm-up 106 s and
+# the eval about 1,190 s of run; with the tests (about a minute), the decodes (about 210 s) and the start, about
+# 1,550 s of the lease's 1,800. The masks made from the documents' bounds (thirty-fourth session) may shorten the training.
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
 machine_info
-job test_no_waits timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ttt.py -k "never_waits or flex"
+flex_tests
 run=/tmp/rS3
 carried regenD.tgz $run
 carried regenS23.tgz $run regen/plan-s2.json

@@ -26,5 +26,5 @@ for _ in $(seq ${PAIRS:-2}); do
   done
 done
 job mask_cost timeout 120 python3 bench/mask_build_cost.py --tokens 8192 --device cuda
-job test_no_waits timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ttt.py -k "never_waits or flex"
+flex_tests
 touch $S/finished_$tag

@@ -55,6 +55,10 @@ decode_runs() {  # decode_runs NAME=RUN...: each run's drafter on the chat promp
       --limit 80 --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_${nr%%=*}.json
   done
 }
+flex_tests() {  # the GPU tests of the flex attention: flex equals dense (with gradients), and a warmed-up unroll
+  # never waits for the device
+  job test_no_waits timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ttt.py -k "never_waits or flex"
+}
 decode_greedy() {  # decode_greedy NAME RUN: RUN's drafter on the greedy answers to its 256 validation prompts, K=3
   # (the text training's greedy_tau forecasts), into $S/decode_greedy_NAME.json (a run with no drafter is left out)
   [ -d $2/draft ] || return 0
