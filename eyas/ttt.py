@@ -235,9 +235,11 @@ def _step_mask(doc: torch.Tensor, total: int, j: int, masks: dict):
 
 def _ordered(dense: torch.Tensor):
     """A [rows, cols] block-level boolean matrix as flex's (count [1,1,rows], indices [1,1,rows,cols]): each row's
-    listed blocks first, in ascending order."""
+    listed blocks first, in ascending order. Row-major whatever `dense`'s layout (the query side is made from a
+    transpose, and sort keeps its input's strides): flex's CUDA kernels step along a row of indices as if its stride
+    were 1, so a transposed index tensor gave wrong key and value gradients on the H200 (thirty-fifth session)."""
     idx = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
-    return dense.sum(-1, dtype=torch.int32)[None, None], idx.to(torch.int32)[None, None]
+    return dense.sum(-1, dtype=torch.int32)[None, None], idx.to(torch.int32).contiguous()[None, None]
 
 
 def _last_step_mask(doc: torch.Tensor, total: int):

@@ -360,8 +360,10 @@ def test_step_masks_list_the_blocks_of_the_mask_they_stand_for(total):
             ref = create_block_mask(pattern, None, None, n, total * n, device="cpu", _compile=False)
             got = ttt._step_mask(doc, total, j, masks)
             assert got.seq_lengths == ref.seq_lengths and tuple(got.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
-            for num, _ in ttt.BLOCK_FIELDS:
+            for num, idx in ttt.BLOCK_FIELDS:
                 assert torch.equal(getattr(got, num), getattr(ref, num)), (lengths, j, num)
+                for f in (num, idx):  # as create_block_mask's; flex's CUDA kernels read index rows as if their stride were 1
+                    assert getattr(got, f).is_contiguous() and getattr(ref, f).is_contiguous(), (lengths, j, f)
             assert ttt.block_lists(got) == ttt.block_lists(ref), (lengths, j)
             fulls += int(ref.full_kv_num_blocks.sum())
             cut_away += int(masks[(total, total - 1)].kv_num_blocks.sum() - ref.kv_num_blocks.sum())
