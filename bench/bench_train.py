@@ -51,9 +51,9 @@ def main(argv=None) -> int:
     p.add_argument("--masks", default="derive", choices=("derive", "once", "legacy"),
                    help="eyas.ttt.MASKS, to time them: the flex block masks made once a batch from the documents' "
                         "bounds, the earlier TTT steps' cut from the last's (derive, the default); built by "
-                        "create_block_mask once a TTT step for every drafter "
-                        "layer, the step number filled on the device (once, the thirty-second session's); or a mask "
-                        "per layer, each build waiting for the device to copy its step number (legacy, before that)")
+                        "create_block_mask once a TTT step for every drafter layer, the step number filled on the "
+                        "device (once, the thirty-second session's); or a mask per layer, each build waiting for the "
+                        "device to copy its step number (legacy, before that)")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the operations that make the host wait for the device "
                         "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")
