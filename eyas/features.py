@@ -242,13 +242,21 @@ def feature_cache_budget(setting_gb: float, device, step_bytes: int = 0, free: i
     will need on top (`step_bytes` with a quarter more, and 4 GB); none on a CPU, where the default reads
     stored features. (Half of it until the twelfth H200 session, where 58.4 GB held 6,376 of 15,827
     sequences, the target recomputed the rest every epoch, 37% of the training time, and the run peaked at
-    65.6 GB of 141: BENCHMARKS.md.)"""
+    65.6 GB of 141: BENCHMARKS.md.) Memory that torch's allocator still holds for tensors already freed counts
+    as free: the regen stage's KV cache (512 rows of 2,560 slots, about 30 GB for SmolLM2), dropped when the
+    stage ends but kept by the allocator, left 100.1 GB of an H200 to the features instead of about 126 GB
+    (estimated; thirty-sixth session)."""
     if setting_gb >= 0:
         return int(setting_gb * 1e9)
     device = torch.device(device)
     if device.type != "cuda" and free is None:
         return 0
     if free is None:
+        import gc
+
+        gc.collect()  # tensors held only by reference cycles, then the allocator's unused blocks back to the driver
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
     return max(0, int(min(free * 0.85, free - 1.25 * step_bytes - 4e9)))
 

@@ -165,6 +165,19 @@ def test_feature_cache_budget_leaves_room_for_training():
     assert feature_cache_budget(-1, "cpu", step) == 0 and feature_cache_budget(2.5, "cpu") == int(2.5e9)
 
 
+@pytest.mark.gpu
+def test_feature_cache_budget_counts_what_the_allocator_holds_unused():
+    """A stage before training (regen's KV cache) frees its tensors, but torch's allocator keeps their memory,
+    which the driver reports as used: the auto budget must count it as free."""
+    from eyas.features import feature_cache_budget
+
+    held = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    del held  # 4 GiB now free for torch, used for the driver
+    seen = torch.cuda.mem_get_info()[0]
+    assert torch.cuda.memory_reserved() >= 4 << 30
+    assert feature_cache_budget(-1, "cuda") >= 0.85 * (seen + (4 << 30)) - (256 << 20)
+
+
 def test_fp8_round_trip_bound():
     """Per token and layer: |x - deq(q(x))| <= 2^-4·|x| + 2^-10·scale (3 mantissa bits; half the
     subnormal step), so the relative error of a whole state stays near 2-3%."""
