@@ -175,7 +175,7 @@ def test_feature_cache_budget_counts_what_the_allocator_holds_unused():
     del held  # 4 GiB now free for torch, used for the driver
     seen = torch.cuda.mem_get_info()[0]
     assert torch.cuda.memory_reserved() >= 4 << 30
-    assert feature_cache_budget(-1, "cuda") >= 0.85 * (seen + (4 << 30)) - (256 << 20)
+    assert feature_cache_budget(-1, "cuda") >= feature_cache_budget(-1, "cuda", free=seen + (4 << 30)) - (256 << 20)
 
 
 def test_fp8_round_trip_bound():
