@@ -548,7 +548,16 @@ def _samples_beside_a_finished_run(tmp_path, tiny, engine):
     train, _ = training_conversations(cfg)
     n = {c.id: c.n_assistant() for c in train}
     assert n["c0"] == 2 and n["c0~sample2"] == 1
-    assert run_regen(cfg, target=tiny)["records"] == 14  # a rerun finds both samples done
+    from eyas.data import regen
+
+    def no_engine(*a, **k):
+        raise AssertionError("an engine was built with every shard on disk")
+
+    with pytest.MonkeyPatch.context() as mp:  # a rerun finds both samples done, and builds no engine to find it
+        for cls in (regen.StaticEngine, regen.ContinuousEngine, regen.GenerateEngine):
+            mp.setattr(cls, "__init__", no_engine)
+        again = run_regen(cfg, target=tiny)
+    assert again["records"] == 14 and again["generator"] == two["generator"]
     with pytest.raises(EyasError, match="greedy answers are the same"):
         run_regen(tiny_cfg(tmp_path, src, temperature=0.0, samples=2), target=tiny)
 

@@ -280,8 +280,12 @@ class _Embedded:
             kw.update(do_sample=False)
         return GenerationConfig(**kw)
 
+    @classmethod
+    def identity(cls, target) -> dict:
+        return {"backend": "embedded", "engine": cls.name, "model": target.name, "target_sha256": target.sha256}
+
     def describe(self) -> dict:
-        return {"backend": "embedded", "engine": self.name, "model": self.t.name, "target_sha256": self.t.sha256}
+        return self.identity(self.t)
 
 
 class ContinuousEngine(_Embedded):
@@ -637,7 +641,8 @@ class StaticEngine(_Embedded):
         self.lm = self.step = None
 
 
-def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
+def embedded_engine(target, rc: RegenConfig) -> type[_Embedded]:
+    """The engine class rc.engine names for this target (auto: static where it runs the target), built by no one."""
     engine = rc.engine
     # auto never picks continuous: on an H200 (SmolLM2, batch 256) transformers 5.17's continuous batching ran
     # at 0.44x the speed of the padded, length-grouped generate engine (bench/bench_regen.py)
@@ -645,17 +650,44 @@ def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
         from ..fastlm import supported
 
         engine = "static" if supported(target.model)[0] else "generate"
-    if engine == "static":
-        return StaticEngine(target, rc, reasoning, ctx_limit)
-    if engine == "continuous" and hasattr(target.model, "init_continuous_batching"):
-        try:
-            return ContinuousEngine(target, rc, reasoning, ctx_limit)
-        except Exception as e:  # noqa: BLE001 - e.g. an architecture without paged attention
-            raise EyasError(f"continuous batching could not start for this target ({type(e).__name__}: {e}); "
-                            f"use --engine generate") from None
-    elif engine == "continuous":
+    if engine == "continuous" and not hasattr(target.model, "init_continuous_batching"):
         raise EyasError("this transformers version has no continuous batching; use --engine generate")
-    return GenerateEngine(target, rc, reasoning, ctx_limit)
+    return {"static": StaticEngine, "continuous": ContinuousEngine}.get(engine, GenerateEngine)
+
+
+def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
+    cls = embedded_engine(target, rc)
+    try:
+        return cls(target, rc, reasoning, ctx_limit)
+    except EyasError:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. an architecture without paged attention
+        if cls is not ContinuousEngine:
+            raise
+        raise EyasError(f"continuous batching could not start for this target ({type(e).__name__}: {e}); "
+                        f"use --engine generate") from None
+
+
+class _Deferred:
+    """An embedded engine built when a shard is left to write: a run whose every shard is on disk (carried, or
+    finished before) builds none. The static engine's KV cache is 30 GB on an H200, which torch's allocator kept
+    from the features that `eyas run` trains on next (BENCHMARKS.md, thirty-sixth session)."""
+
+    def __init__(self, target, rc: RegenConfig, reasoning: str, ctx_limit: int):
+        self._args, self._engine = (target, rc, reasoning, ctx_limit), None
+        self._ident = embedded_engine(target, rc).identity(target)
+
+    def describe(self) -> dict:
+        return self._ident
+
+    def __getattr__(self, name):  # anything else is the engine's: built on first use
+        if self._engine is None:
+            self._engine = make_embedded(*self._args)
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
 
 
 # --------------------------------------------------------------------------- the stage
@@ -758,7 +790,7 @@ def run_regen(cfg: Config, target=None) -> dict:
                 target = load_target(tcfg)
             if not target.has_chat_template:
                 raise EyasError(f"target '{target.name}' has no chat template; regeneration needs one")
-            backend = make_embedded(target, rc, cfg.data.reasoning, cfg.data.max_seq_len)
+            backend = _Deferred(target, rc, cfg.data.reasoning, cfg.data.max_seq_len)
         ident = backend.describe()
         identity = {k: v for k, v in ident.items() if k not in ("engine", "endpoints")}
         sets: list[int | str] = [*range(1, rc.samples + 1), *([LATER] if rc.later_turns else [])]
