@@ -17,11 +17,22 @@ keep() {  # keep RUN PREFIX: the run's results into $S
   du -sb $1/* > $S/$2_run_bytes.txt 2>/dev/null
   [ -z "${NO_REGEN_TGZ:-}" ] && [ -d $1/data/regen ] && tar czf $S/$2_regen.tgz -C $1/data regen
 }
-machine_info() {  # the GPUs, torch and transformers versions and the core count, into $S/gpu.txt
+machine_info() {  # the GPUs, torch and transformers versions and the core count, into $S/gpu.txt; starts the sampler
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())"
     nproc
   } > $S/gpu.txt 2>&1
+  clock_sampler
+}
+clock_sampler() {  # every 10 s, one line a GPU into $S/gpu_clocks.csv: its SM clock (and the most it allows), power,
+  # temperature, use, the reasons the driver gives for holding the clock down (a bit mask), then the host's 1-minute
+  # load. For training speeds that drift over minutes within one run (thirty-sixth and thirty-seventh sessions).
+  [ -f $S/gpu_clocks.pid ] && kill -0 $(cat $S/gpu_clocks.pid) 2>/dev/null && return
+  local q=timestamp,index,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
+  nvidia-smi --query-gpu=$q --format=csv -c 1 > /dev/null 2>&1 || q=${q/clocks_event_reasons/clocks_throttle_reasons}
+  nvidia-smi --query-gpu=$q --format=csv -c 1 2>&1 | head -1 | sed 's/$/, load1/' > $S/gpu_clocks.csv
+  setsid bash -c "while sleep 10; do nvidia-smi --query-gpu=$q --format=csv,noheader | sed \"s/\$/, \$(cut -d' ' -f1 /proc/loadavg)/\"; done >> $S/gpu_clocks.csv" < /dev/null > /dev/null 2>&1 &
+  echo $! > $S/gpu_clocks.pid
 }
 carried() {  # carried TGZ RUN [PATH]: regen shards carried in as .carry/TGZ, untarred into RUN/data unless
   # RUN/data/PATH is there already (default: the regen folder; a later sample's plan, e.g. regen/plan-s2.json)
