@@ -29,8 +29,9 @@ clock_sampler() {  # every 10 s, one line a GPU into $S/gpu_clocks.csv: its SM c
   # load. For training speeds that drift over minutes within one run (thirty-sixth and thirty-seventh sessions).
   [ -f $S/gpu_clocks.pid ] && kill -0 $(cat $S/gpu_clocks.pid) 2>/dev/null && return
   local q=timestamp,index,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
-  nvidia-smi --query-gpu=$q --format=csv -c 1 > /dev/null 2>&1 || q=${q/clocks_event_reasons/clocks_throttle_reasons}
-  nvidia-smi --query-gpu=$q --format=csv -c 1 2>&1 | head -1 | sed 's/$/, load1/' > $S/gpu_clocks.csv
+  # (a query prints once; nvidia-smi's -c sets the compute mode, a setting to leave alone)
+  nvidia-smi --query-gpu=$q --format=csv > /dev/null 2>&1 || q=${q/clocks_event_reasons/clocks_throttle_reasons}
+  nvidia-smi --query-gpu=$q --format=csv 2>&1 | head -1 | sed 's/$/, load1/' > $S/gpu_clocks.csv
   setsid bash -c "while sleep 10; do nvidia-smi --query-gpu=$q --format=csv,noheader | sed \"s/\$/, \$(cut -d' ' -f1 /proc/loadavg)/\"; done >> $S/gpu_clocks.csv" < /dev/null > /dev/null 2>&1 &
   echo $! > $S/gpu_clocks.pid
 }
