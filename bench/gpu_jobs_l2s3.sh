@@ -23,6 +23,10 @@
 # epochs (about 1,275 s of run before the feature budget's fix, which should keep every sequence's features, an estimate)
 # pass 6 and skip the flex tests, which have passed twice on the fixed masks:
 #   NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
+# That run (thirty-seventh session) was lost at 77% (step 20,311 of 26,328 after 19 minutes of training) when the machine
+# went back between polls. Stage it in 3 pieces to leave one gap fewer:
+#   python3 ../shared/tools/stage.py --model smollm2 --data sharegpt,humaneval --wheels gguf --out .stage46 --chunk-mib 46
+# (the last piece, 27.8 MiB, with .carry's 24.6 MiB and the tree, fits one upload)
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
