@@ -947,6 +947,9 @@ def run_train(cfg: Config, target=None) -> dict:
                "feature_cache": train.features.cache_stats() if hasattr(train.features, "cache_stats") else None,
                "feature_warm": warm,
                "peak_memory": human_bytes(peak) if peak else None, "best": best,
+               # times the caching allocator found no free block, returned its cache and asked the driver again
+               # (each a device sync): a cause to rule out when the speed drifts with the GPU memory near full
+               "cuda_alloc_retries": torch.cuda.memory_stats(d.device).get("num_alloc_retries", 0) if peak else None,
                "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device),
                "drafter_step": drafter_state(drafter, d.device),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
