@@ -110,7 +110,8 @@ _flex = None
 # "once": one mask built by create_block_mask a TTT step that every decoder layer uses, its step number filled in on
 # the device. "legacy", as before the thirty-second session: each layer builds its own, and each build copies the
 # step number from the host, which makes the host wait for the device (a stream sync) every time.
-# bench/bench_train.py --masks times them.
+# bench/bench_train.py --masks times them: at one layer, four alternating pairs on one H200 gave derive 389.5k tok/s
+# steady against once's 292.1k, ahead in every pair (1.24-1.46x, thirty-eighth session).
 MASKS = "derive"
 FLEX_BLOCK = 128  # the block masks' block size (create_block_mask's default)
 
