@@ -27,6 +27,11 @@
 # went back between polls. Stage it in 3 pieces to leave one gap fewer:
 #   python3 ../shared/tools/stage.py --model smollm2 --data sharegpt,humaneval --wheels gguf --out .stage46 --chunk-mib 46
 # (the last piece, 27.8 MiB, with .carry's 24.6 MiB and the tree, fits one upload)
+# Measured (thirty-eighth session, 6 epochs): the job 1,029 s (train 902 s at 287.3k tok/s steady, no feature recomputed),
+# the decodes 185 s, 1,717 s of the lease with staging and a masks A/B: eval τ 3.183, `val_tau` +0.015 in epoch 6.
+# SETS adds `--set` options to the run and names it after them, e.g. the chain loss that gained +0.044 eval τ in one
+# pair on one sample (thirtieth session):
+#   SETS="train.loss_path=chain" NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
@@ -35,10 +40,12 @@ machine_info
 # the feature budget counts the allocator's unused memory as free (thirty-sixth session: the regen engine's 30 GB)
 job test_budget timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_features.py -k budget
 name=L2S3; [ "$ep" = 4 ] || name=L2S3e$ep
+extra=()
+for kv in ${SETS:-}; do extra+=(--set "$kv"); name=${name}_$(echo "${kv#*.}" | tr -c 'A-Za-z0-9\n' '_'); done
 run=/tmp/rS3
 carried regenD.tgz $run
 carried regenS23.tgz $run regen/plan-s2.json
-job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=2
+job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=2 "${extra[@]}"
 NO_REGEN_TGZ=1 keep $run run$name
 decode_runs $name=$run
 decode_greedy $name $run
