@@ -124,9 +124,13 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
            "prefill_s": prefill_s, "target_forwards": steps,
            "ms_per_forward_after_prefill": 1e3 * (secs - prefill_s) / steps if steps else None}
     if speculative:
+        from eyas.evaluate import round_sums, tau_interval
+
         k = dec.k
         hist = [acc.count(i) for i in range(k + 1)]
-        res.update(acceptance_length=(sum(acc) + len(acc)) / max(1, len(acc)), accepted_length_histogram=hist,
+        res.update(acceptance_length=(sum(acc) + len(acc)) / max(1, len(acc)),
+                   acceptance_length_ci95=tau_interval([round_sums(a) for a in accepted]),  # over the prompts
+                   accepted_length_histogram=hist,
                    per_position_acceptance=[sum(hist[i:]) / max(1, sum(hist[i - 1:])) for i in range(1, k + 1)],
                    draft_s=draft_s, verify_s=verify_s, per_prompt=per_prompt, accepted_by_prompt=accepted)
     if reference is not None:

@@ -151,6 +151,30 @@ class Tally:
         return out
 
 
+def tau_interval(groups: list[tuple[int, int]], level: float = 0.95, resamples: int = 2000,
+                 seed: int = 0) -> list[float] | None:
+    """A bootstrap interval for τ over independent groups of verify rounds, each (Σ (accepted + 1), rounds): the
+    groups drawn with replacement `resamples` times, τ of each draw its tokens over its rounds, and the central
+    `level` of those. Groups are conversations in `evaluate` (an answer builds on the earlier ones, so its rounds
+    are not independent of theirs) and prompts in `measure_acceptance`. Deterministic in `seed`; None with fewer
+    than two groups."""
+    groups = [g for g in groups if g[1] > 0]
+    if len(groups) < 2:
+        return None
+    t = torch.tensor(groups, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(groups), (resamples, len(groups)), generator=gen)
+    drawn = t[idx].sum(1)  # [resamples, 2]
+    taus = drawn[:, 0] / drawn[:, 1]
+    lo, hi = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return [lo, hi]
+
+
+def round_sums(accepted: list[int]) -> tuple[int, int]:
+    """One answer's (Σ (accepted + 1), rounds), the unit `tau_interval` adds up."""
+    return sum(a + 1 for a in accepted), len(accepted)
+
+
 def turn_bucket(n: int) -> str:
     """Where a conversation's n-th answer (from 1) is counted in report.json's `by_turn`."""
     return str(n) if n < 3 else "3+"
@@ -214,16 +238,19 @@ def measure_acceptance(target, drafter, prompts: list, k: int = 3, temperature: 
                        seed)
     tally = Tally(k)
     outputs = []
+    groups = []  # each prompt's (Σ (accepted + 1), rounds), for the interval
     try:
         for ids in progress(ids_list, desc="acceptance", unit="prompt"):
             g = dec.generate(ids, max_new_tokens, target.eot_token_ids, speculative=True)
             tally.add_rounds(g.accepted)
+            groups.append(round_sums(g.accepted))
             tally.tokens += len(g.tokens)
             outputs.append(g.tokens)
     finally:
         dec.close()
     return {"k": k, "temperature": temperature, "prompts": len(ids_list),
-            "acceptance_length": tally.acceptance_length(), "per_position_acceptance": tally.per_position(),
+            "acceptance_length": tally.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
+            "per_position_acceptance": tally.per_position(),
             "accepted_length_histogram": tally.hist, "rounds": tally.rounds, "new_tokens": tally.tokens,
             "outputs": outputs}
 
@@ -255,6 +282,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     turns: dict[str, Tally] = {}  # by turn_bucket
     repeats: dict[str, Tally] = {}  # by repeat_bucket
     n_prompts = skipped = 0
+    groups = []  # each conversation's (Σ (accepted + 1), rounds), for the interval
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
     try:
@@ -270,6 +298,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         for conv in convs:
             history: list[dict] = []
             answered = 0
+            conv_sum = conv_rounds = 0
             for turn in conv.turns:
                 if turn.role == "system":
                     history.append({"role": "system", "content": turn.content})
@@ -284,6 +313,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 g = dec.generate(ids, max_new_tokens, stop, speculative=True)
                 t.add_rounds(g.accepted)
                 answered += 1
+                a_sum, a_rounds = round_sums(g.accepted)
+                conv_sum, conv_rounds = conv_sum + a_sum, conv_rounds + a_rounds
                 content = [x for x in g.tokens if x not in stop]
                 for tb in (turns.setdefault(turn_bucket(answered), Tally(k)),
                            repeats.setdefault(repeat_bucket(content), Tally(k))):
@@ -311,6 +342,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 n_prompts += 1
                 answer = tok.decode(content, skip_special_tokens=True)
                 history = msgs + [{"role": "assistant", "content": answer}]
+            groups.append((conv_sum, conv_rounds))
             bar.update(1)
         bar.close()
     finally:
@@ -320,7 +352,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     return {
         "k": k, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
         "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
-        "acceptance_length": t.acceptance_length(), "per_position_acceptance": t.per_position(),
+        "acceptance_length": t.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
+        "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
         "by_turn": by_turn(turns), "by_repetition": by_repetition(repeats),
         "tokens_per_s": tps, "baseline_tokens_per_s": base,
@@ -378,6 +411,14 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     ]
 
 
+def ci_text(r: dict) -> str:
+    """The τ interval as report pages print it after τ, or nothing where the report has none."""
+    ci = r.get("acceptance_length_ci95")
+    if not ci:
+        return ""
+    return f" (95% interval {ci[0]:.2f}-{ci[1]:.2f}, bootstrap over the {r.get('conversations')} conversations)"
+
+
 def report_markdown(r: dict) -> str:
     def f(x, fmt="{:.2f}"):
         return "n/a" if x is None else fmt.format(x)
@@ -389,7 +430,7 @@ def report_markdown(r: dict) -> str:
         f"{r['prompts']['count']} prompts from `{r['prompts']['set']}`, up to {r['max_new_tokens']} new tokens, "
         f"device {r['device']}.", "",
         "| metric | value |", "| --- | --- |",
-        f"| acceptance length τ (tokens per target forward) | {f(r['acceptance_length'])} |",
+        f"| acceptance length τ (tokens per target forward) | {f(r['acceptance_length'])}{ci_text(r)} |",
         f"| speculative tokens/s | {f(r['tokens_per_s'], '{:.1f}')} |",
         f"| plain decoding tokens/s (same engine) | {f(r['baseline_tokens_per_s'], '{:.1f}')} |",
         f"| speedup | {f(r['speedup'])}× |",

@@ -39,10 +39,12 @@ def write_report(run: Path) -> dict:
         lines += [f"Target **{tgt.get('name')}** ({tgt.get('num_layers')} layers, hidden {tgt.get('hidden_size')}, "
                   f"vocabulary {tgt.get('vocab_size'):,}), aux layers {tgt.get('aux_layers')}.", ""]
     if ev:
+        ci = ev.get("acceptance_length_ci95")  # a bootstrap over the eval's conversations (eyas.evaluate.tau_interval)
+        ci = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
         lines += ["## Result", "",
-                  "| acceptance length τ | K | temperature | speedup vs plain decoding | lossless | prompts | device |",
+                  f"| acceptance length τ{' (95% interval)' if ci else ''} | K | temperature | speedup vs plain decoding | lossless | prompts | device |",
                   "| --- | --- | --- | --- | --- | --- | --- |",
-                  f"| **{_fmt(ev.get('acceptance_length'))}** | {ev.get('k')} | {ev.get('temperature')} | "
+                  f"| **{_fmt(ev.get('acceptance_length'))}**{ci} | {ev.get('k')} | {ev.get('temperature')} | "
                   f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
                   f"{ev.get('lossless')} | {json.dumps(ev.get('prompts'))} | {ev.get('device')} |", ""]
         ppa = ev.get("per_position_acceptance")

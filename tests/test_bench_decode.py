@@ -29,3 +29,22 @@ def test_untrained_drafter_spec_takes_a_layer_count(smol):
     for bad in ("untrained:0", "untrained:two"):
         with pytest.raises(SystemExit, match=f"--draft {bad}: the layer count"):
             bd.bench_drafter(bad, smol)
+
+
+def test_run_engine_gives_tau_an_interval_over_the_prompts():
+    """A speculative method's τ comes with a bootstrap interval over its prompts (eyas.evaluate.tau_interval), from
+    each prompt's rounds; hand-made generations: two prompts of τ 4 and one of τ 1."""
+    from types import SimpleNamespace
+
+    rounds = [[3, 3], [3, 3, 3], [0, 0, 0, 0]]
+    it = iter(rounds)
+
+    def generate(ids, max_new, stop, speculative):
+        acc = next(it)
+        return SimpleNamespace(tokens=[1] * sum(a + 1 for a in acc), accepted=acc, seconds=0.1, draft_seconds=0.0,
+                               verify_seconds=0.1, prefill_seconds=0.01, target_forwards=len(acc))
+
+    res = bd.run_engine(SimpleNamespace(k=3, generate=generate), [[1]] * 3, 16, [], True, 1e9)
+    assert res["acceptance_length"] == (8 + 12 + 4) / 9
+    lo, hi = res["acceptance_length_ci95"]
+    assert 1.0 <= lo < res["acceptance_length"] < hi <= 4.0

@@ -6,7 +6,7 @@ import torch
 
 from eyas.config import resolve
 from eyas.draft import build_drafter, save_drafter
-from eyas.evaluate import measure_acceptance, run_eval
+from eyas.evaluate import measure_acceptance, round_sums, run_eval, tau_interval
 from eyas.util import EyasError
 
 DESIGN_KEYS = ["target", "k", "temperature", "prompts", "acceptance_length", "per_position_acceptance",
@@ -54,6 +54,9 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert sum(v["acceptance_length"] * v["verify_rounds"] for v in br.values()) == pytest.approx(
         rep["acceptance_length"] * rep["verify_rounds"])
     assert 1.0 <= rep["acceptance_length"] <= 3.0
+    lo, hi = rep["acceptance_length_ci95"]  # over the two conversations
+    assert 1.0 <= lo <= rep["acceptance_length"] <= hi <= 3.0
+    assert "95% interval" in (tmp_path / "run" / "eval" / "report.md").read_text()
     assert rep["lossless"] is True and rep["lossless_checked"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
     assert rep["peak_memory_bytes"] > 0 and set(rep["time_split"]) >= {"draft_s", "verify_s", "prefill_s"}
@@ -108,3 +111,21 @@ def test_measure_acceptance_counts(tiny, tiny_drafter):
     assert res["acceptance_length"] == pytest.approx(emitted / res["rounds"])
     # every verify round emits at least one token; the first token comes from the prefill
     assert emitted + 2 >= res["new_tokens"]
+    lo, hi = res["acceptance_length_ci95"]  # over the two prompts
+    assert lo <= res["acceptance_length"] <= hi
+
+
+def test_tau_interval_bootstraps_the_groups():
+    assert round_sums([0, 2, 1]) == (6, 3)
+    assert tau_interval([(9, 3)]) is None  # one group: no spread to draw from
+    assert tau_interval([(9, 3), (4, 0)]) is None  # a group without rounds is no group
+    assert tau_interval([(9, 3)] * 5) == pytest.approx([3.0, 3.0])  # equal groups: no spread at all
+    groups = [(3 * r, r) for r in (10, 20, 5)] + [(r, r) for r in (10, 15)]  # τ 3 in three, 1 in two
+    lo, hi = tau_interval(groups)
+    point = sum(g[0] for g in groups) / sum(g[1] for g in groups)
+    assert 1.0 < lo < point < hi <= 3.0  # all five drawn from the τ-3 groups: 7.8% of the draws
+    assert tau_interval(groups) == [lo, hi]  # the same seed, the same draws
+    lo4, hi4 = tau_interval(groups * 4)  # four times the groups, same spread: a narrower interval
+    assert lo < lo4 < point < hi4 < hi
+    lo80, hi80 = tau_interval(groups * 4, level=0.8)
+    assert lo4 < lo80 < hi80 < hi4
