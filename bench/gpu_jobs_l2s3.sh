@@ -32,6 +32,7 @@
 # SETS adds `--set` options to the run and names it after them, e.g. the chain loss that gained +0.044 eval τ in one
 # pair on one sample (thirtieth session):
 #   SETS="train.loss_path=chain" NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
+# SAMPLE_NEXT=4 also regenerates sample 4 after the run and its chat decode (about 250 s more), for a later lease.
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
@@ -45,8 +46,28 @@ for kv in ${SETS:-}; do extra+=(--set "$kv"); name=${name}_$(echo "${kv#*.}" | t
 run=/tmp/rS3
 carried regenD.tgz $run
 carried regenS23.tgz $run regen/plan-s2.json
+next=${SAMPLE_NEXT:-}  # a later sample to regenerate after the run, in a run folder of its own (below)
+if [ -n "$next" ]; then  # its samples 1..next-1 untarred now: .carry is on the machine only in this call
+  carried regenD.tgz /tmp/rS$next
+  carried regenS23.tgz /tmp/rS$next regen/plan-s2.json
+fi
 job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=2 "${extra[@]}"
 NO_REGEN_TGZ=1 keep $run run$name
 decode_runs $name=$run
+if [ -n "$next" ]; then
+  # SAMPLE_NEXT=4: sample 4 of every first answer, for a later lease to train on four (about 250 s, as samples 2
+  # and 3 took 231 and 237 s in the thirty-fourth session). A folder of its own with the earlier samples and no
+  # manifest: in $run the regen stage's key would change with regen.samples and clear samples 1-3 first. Stopped
+  # once its regen stage is done, as gpu_jobs_samples23.sh does; it comes back as regenS<next>.part*.tgz
+  # (`cat regenS4.part*.tgz > .carry/regenS4.tgz`), before the greedy decode, which matters least.
+  r=/tmp/rS$next
+  echo "$(date +%T) start regen_s$next: python3 -m eyas run --out $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=2 (stopped after regen)"
+  setsid python3 -m eyas run --out $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=2 \
+    > $S/regen_s$next.log 2>&1 < /dev/null & pid=$!
+  until stage_done $r regen || ! kill -0 $pid 2>/dev/null; do sleep 5; done
+  kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+  echo "$(date +%T) end regen_s$next (regen done: $(stage_done $r regen && echo yes || echo no))"
+  pieces regenS$next $r/data "regen/plan-s$next.json" "regen/shard-s$next-*"
+fi
 decode_greedy $name $run
 touch $S/finished_$tag
