@@ -162,12 +162,38 @@ def tau_interval(groups: list[tuple[int, int]], level: float = 0.95, resamples: 
     if len(groups) < 2:
         return None
     t = torch.tensor(groups, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(groups), (resamples, len(groups)), generator=gen)
-    drawn = t[idx].sum(1)  # [resamples, 2]
-    taus = drawn[:, 0] / drawn[:, 1]
-    lo, hi = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
-    return [lo, hi]
+    drawn = t[_draws(len(groups), resamples, seed)].sum(1)  # [resamples, 2]
+    return _central(drawn[:, 0] / drawn[:, 1], level)
+
+
+def tau_difference(a: list[tuple[int, int]], b: list[tuple[int, int]], level: float = 0.95, resamples: int = 2000,
+                   seed: int = 0) -> dict | None:
+    """τ over groups `a` minus τ over groups `b`, where a[i] and b[i] are the same prompt or conversation decoded
+    with two drafters (greedy decoding gives both the target's text, so each pair differs only in its rounds), with
+    a paired bootstrap interval: the same groups drawn for both sides in every draw, so what the prompts share
+    (how easy their text is) cancels. None with fewer than two pairs of groups that both have rounds."""
+    pairs = [(x, y) for x, y in zip(a, b) if x[1] > 0 and y[1] > 0]
+    if len(pairs) < 2:
+        return None
+    ta = torch.tensor([x for x, _ in pairs], dtype=torch.float64)
+    tb = torch.tensor([y for _, y in pairs], dtype=torch.float64)
+    idx = _draws(len(pairs), resamples, seed)
+    da, db = ta[idx].sum(1), tb[idx].sum(1)
+    diff = da[:, 0] / da[:, 1] - db[:, 0] / db[:, 1]
+    tau_a, tau_b = (ta[:, 0].sum() / ta[:, 1].sum()).item(), (tb[:, 0].sum() / tb[:, 1].sum()).item()
+    return {"pairs": len(pairs), "tau_a": tau_a, "tau_b": tau_b, "difference": tau_a - tau_b,
+            "ci95" if level == 0.95 else f"ci{level:g}": _central(diff, level)}
+
+
+def _draws(n: int, resamples: int, seed: int) -> torch.Tensor:
+    """`resamples` draws of n group indices with replacement, deterministic in `seed`."""
+    return torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _central(values: torch.Tensor, level: float) -> list[float]:
+    """The central `level` of the bootstrap draws' values."""
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    return torch.quantile(values, q).tolist()
 
 
 def round_sums(accepted: list[int]) -> tuple[int, int]:
@@ -250,6 +276,7 @@ def measure_acceptance(target, drafter, prompts: list, k: int = 3, temperature: 
         dec.close()
     return {"k": k, "temperature": temperature, "prompts": len(ids_list),
             "acceptance_length": tally.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
+            "rounds_by_prompt": [list(g) for g in groups],  # each prompt's (Σ (accepted + 1), rounds): tau_difference pairs them
             "per_position_acceptance": tally.per_position(),
             "accepted_length_histogram": tally.hist, "rounds": tally.rounds, "new_tokens": tally.tokens,
             "outputs": outputs}
@@ -353,6 +380,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         "k": k, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
         "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
         "acceptance_length": t.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
+        # each conversation's (Σ (accepted + 1), rounds), in order: two drafters' evals pair by it (tau_difference)
+        "rounds_by_conversation": [list(g) for g in groups],
         "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
         "by_turn": by_turn(turns), "by_repetition": by_repetition(repeats),

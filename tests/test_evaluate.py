@@ -6,7 +6,7 @@ import torch
 
 from eyas.config import resolve
 from eyas.draft import build_drafter, save_drafter
-from eyas.evaluate import measure_acceptance, round_sums, run_eval, tau_interval
+from eyas.evaluate import measure_acceptance, round_sums, run_eval, tau_difference, tau_interval
 from eyas.util import EyasError
 
 DESIGN_KEYS = ["target", "k", "temperature", "prompts", "acceptance_length", "per_position_acceptance",
@@ -56,6 +56,9 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert 1.0 <= rep["acceptance_length"] <= 3.0
     lo, hi = rep["acceptance_length_ci95"]  # over the two conversations
     assert 1.0 <= lo <= rep["acceptance_length"] <= hi <= 3.0
+    convs = rep["rounds_by_conversation"]  # what compare_tau pairs: each conversation's tokens and rounds
+    assert len(convs) == 2 and sum(r for _, r in convs) == rep["verify_rounds"]
+    assert sum(t for t, _ in convs) == pytest.approx(rep["acceptance_length"] * rep["verify_rounds"])
     assert "95% interval" in (tmp_path / "run" / "eval" / "report.md").read_text()
     assert rep["lossless"] is True and rep["lossless_checked"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
@@ -113,6 +116,8 @@ def test_measure_acceptance_counts(tiny, tiny_drafter):
     assert emitted + 2 >= res["new_tokens"]
     lo, hi = res["acceptance_length_ci95"]  # over the two prompts
     assert lo <= res["acceptance_length"] <= hi
+    assert len(res["rounds_by_prompt"]) == 2 and sum(r for _, r in res["rounds_by_prompt"]) == res["rounds"]
+    assert sum(t for t, _ in res["rounds_by_prompt"]) == emitted
 
 
 def test_tau_interval_bootstraps_the_groups():
@@ -129,3 +134,20 @@ def test_tau_interval_bootstraps_the_groups():
     assert lo < lo4 < point < hi4 < hi
     lo80, hi80 = tau_interval(groups * 4, level=0.8)
     assert lo4 < lo80 < hi80 < hi4
+
+
+def test_tau_difference_pairs_the_groups():
+    easy, hard = [(40, 10)] * 6, [(12, 10)] * 6  # τ 4 and 1.2: prompts that differ far more than the drafters do
+    a = [(s + 2, r) for s, r in easy + hard]  # drafter A: two tokens more than B on every prompt
+    b = easy + hard
+    d = tau_difference(a, b)
+    assert d["pairs"] == 12 and d["difference"] == pytest.approx(0.2)
+    lo, hi = d["ci95"]
+    assert 0 < lo <= 0.2 <= hi  # the same prompts drawn for both sides: the prompts' spread cancels
+    # drawn apart, each side's interval spans the prompts' spread, far wider than the difference
+    la, ha = tau_interval(a)
+    lb, hb = tau_interval(b)
+    assert la < hb and ha - la > 5 * (hi - lo)
+    assert tau_difference(b, b)["ci95"] == [0.0, 0.0]
+    assert tau_difference([(3, 1)], [(2, 1)]) is None
+    assert tau_difference(a + [(5, 0)], b + [(5, 2)])["pairs"] == 12  # a pair with no rounds on one side is left out
