@@ -100,6 +100,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     maps["parity"] = add_config_flags(sp, ["eval", "target", "data"])
     sp.add_argument("--endpoint", required=False, help="base URL of the running server")
     sp.add_argument("--engine", choices=("vllm", "sglang"), help="which engine serves the drafter")
+    sp = sub.add_parser("compare", help="two drafters' τ on the same prompts, with a paired bootstrap interval",
+                        description="τ of report A minus τ of report B on the same prompts (greedy decoding writes the "
+                        "same text whatever the drafter, so each prompt pairs with itself), with a paired bootstrap "
+                        "interval over the prompts or conversations")
+    sp.add_argument("a", help="report A: a run directory, an eval report.json or a bench/bench_decode.py JSON")
+    sp.add_argument("b", help="report B, of the same prompts")
+    sp.add_argument("--method", default=None, help="bench_decode method to read in both (default: each report's "
+                    "first speculative method)")
+    sp.add_argument("--level", type=float, default=0.95, help="the interval's level (default: 0.95)")
+    sp.add_argument("--json", action="store_true", help="print JSON instead of two lines")
     return p, maps
 
 
@@ -172,6 +182,19 @@ def cmd_parity(cfg: C.Config, args) -> int:
     return _print_result(fn(cfg, endpoint=args.endpoint, engine=args.engine))
 
 
+def cmd_compare(args) -> int:
+    from .evaluate import compare_reports
+
+    r = compare_reports(args.a, args.b, args.method, args.level)
+    if args.json:
+        return _print_result(r)
+    lo, hi = r["interval"]
+    print(f"τ A {r['tau_a']:.3f} ({r['read'][0]}), τ B {r['tau_b']:.3f} ({r['read'][1]})")
+    print(f"A - B: {r['difference']:+.3f} ({r['level']:.0%} paired interval {lo:+.3f} to {hi:+.3f}) over "
+          f"{r['pairs']} prompts both reached" + (f"; same text {r['same_text']}" if "same_text" in r else ""))
+    return 0
+
+
 def _print_result(res) -> int:
     if isinstance(res, dict):
         print(json.dumps(res, indent=2, default=str))
@@ -185,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command == "compare":  # reads two reports, no config
+            return cmd_compare(args)
         cfg = config_from_args(args, maps.get(args.command, {}))
         if args.command == "target":
             return cmd_target(cfg, args)

@@ -7,6 +7,7 @@ with a serving engine's counters).
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import resource
@@ -181,8 +182,8 @@ def tau_difference(a: list[tuple[int, int]], b: list[tuple[int, int]], level: fl
     da, db = ta[idx].sum(1), tb[idx].sum(1)
     diff = da[:, 0] / da[:, 1] - db[:, 0] / db[:, 1]
     tau_a, tau_b = (ta[:, 0].sum() / ta[:, 1].sum()).item(), (tb[:, 0].sum() / tb[:, 1].sum()).item()
-    return {"pairs": len(pairs), "tau_a": tau_a, "tau_b": tau_b, "difference": tau_a - tau_b,
-            "ci95" if level == 0.95 else f"ci{level:g}": _central(diff, level)}
+    return {"pairs": len(pairs), "tau_a": tau_a, "tau_b": tau_b, "difference": tau_a - tau_b, "level": level,
+            "interval": _central(diff, level)}
 
 
 def _draws(n: int, resamples: int, seed: int) -> torch.Tensor:
@@ -199,6 +200,59 @@ def _central(values: torch.Tensor, level: float) -> list[float]:
 def round_sums(accepted: list[int]) -> tuple[int, int]:
     """One answer's (Σ (accepted + 1), rounds), the unit `tau_interval` adds up."""
     return sum(a + 1 for a in accepted), len(accepted)
+
+
+def report_groups(path: str | Path, method: str | None = None) -> tuple[list[tuple[int, int]], list | None, str]:
+    """A report's groups (Σ (accepted + 1), rounds) in prompt order, its texts where kept, and what was read: an
+    `eyas eval` report (each conversation's rounds; a run directory reads its eval/report.json) or a
+    `bench/bench_decode.py` report (each prompt's accepted drafts of `method`, by default its first speculative
+    method; its texts are the method's own or plain decoding's, which bench_decode checks the method against)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "eval" / "report.json"
+    try:
+        rep = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise EyasError(f"{p}: no such report (give an eval report.json, a run directory or a bench_decode JSON)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"{p}: cannot read a JSON report ({e})") from None
+    if "rounds_by_conversation" in rep:
+        return [tuple(g) for g in rep["rounds_by_conversation"]], None, "eval conversations"
+    methods = rep.get("methods")
+    if not isinstance(methods, dict):
+        raise EyasError(f"{p}: neither an eval report with rounds_by_conversation (eyas eval writes it since the "
+                        f"thirty-eighth session; rerun the eval for it) nor a bench_decode report with methods")
+    spec = [m for m, v in methods.items() if "accepted_by_prompt" in v]
+    if method is None:
+        if not spec:
+            raise EyasError(f"{p}: no speculative method with accepted_by_prompt")
+        method = spec[0]
+    if method not in spec:
+        raise EyasError(f"{p}: no method {method!r} with accepted_by_prompt (there: {', '.join(spec) or 'none'})")
+    m = methods[method]
+    texts = m.get("outputs") or methods.get("eyas_plain", {}).get("outputs")
+    what = method + (f" (same as plain: {m['same_as_plain']})" if "same_as_plain" in m else "")
+    return [round_sums(a) for a in m["accepted_by_prompt"]], texts, what
+
+
+def compare_reports(a: str | Path, b: str | Path, method: str | None = None, level: float = 0.95) -> dict:
+    """`eyas compare`: τ of report A minus τ of report B on the prompts both reached, with a paired bootstrap
+    interval (`tau_difference`). Greedy decoding writes the target's own text whatever the drafter, so prompt i of
+    A and of B differ only in their rounds; where both reports keep the texts, how many agree is given too (all of
+    them at temperature 0 on one engine and dtype)."""
+    if not 0 < level < 1:
+        raise EyasError(f"--level must be between 0 and 1, got {level}")
+    ga, ta, ra = report_groups(a, method)
+    gb, tb, rb = report_groups(b, method)
+    n = min(len(ga), len(gb))
+    res = tau_difference(ga[:n], gb[:n], level=level)
+    if res is None:
+        raise EyasError(f"fewer than two prompts with rounds in both reports ({len(ga)} and {len(gb)} prompts)")
+    out = {"a": str(a), "b": str(b), "read": [ra, rb], "prompts_a": len(ga), "prompts_b": len(gb), **res}
+    if ta is not None and tb is not None:  # over the compared prompts that have a text in both
+        k = min(n, len(ta), len(tb))
+        out["same_text"] = f"{sum(x == y for x, y in zip(ta[:k], tb[:k]))}/{k}"
+    return out
 
 
 def turn_bucket(n: int) -> str:

@@ -49,37 +49,3 @@ def test_run_engine_gives_tau_an_interval_over_the_prompts():
     lo, hi = res["acceptance_length_ci95"]
     assert 1.0 <= lo < res["acceptance_length"] < hi <= 4.0
 
-
-def test_compare_tau_pairs_two_reports_by_prompt(tmp_path):
-    """bench/compare_tau.py: two bench_decode reports of the same prompts (τ 4 and 1 on alternate prompts; A writes
-    the hard ones' 3 tokens in 2 rounds, B in 3), compared on the prompts both reached, with the texts' agreement; an eval
-    report pairs by conversation; a report of neither kind stops with a message naming the file."""
-    import json
-
-    import pytest
-
-    spec = importlib.util.spec_from_file_location("compare_tau", ROOT / "bench" / "compare_tau.py")
-    ct = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ct)
-
-    def report(path, accepted, texts):
-        path.write_text(json.dumps({"methods": {
-            "eyas_plain": {"outputs": texts},
-            "eyas_spec_k3_fused": {"accepted_by_prompt": accepted, "same_as_plain": f"{len(texts)}/{len(texts)}"}}}))
-        return str(path)
-
-    b_acc = [[3, 3], [0, 0, 0], [3, 3], [0, 0, 0]]
-    a_acc = [[3, 3], [1, 0], [3, 3], [1, 0], [3]]  # one prompt more: its time box ended later
-    a = report(tmp_path / "a.json", a_acc, [[1], [2], [3], [4], [5]])
-    b = report(tmp_path / "b.json", b_acc, [[1], [2], [3], [9]])
-    res = ct.main([a, b, "--out", str(tmp_path / "d.json")])
-    assert res["pairs"] == 4 and res["prompts_a"] == 5 and res["same_text"] == "3/4"
-    assert res["tau_a"] == pytest.approx(22 / 8) and res["tau_b"] == pytest.approx(22 / 10)
-    assert res["ci95"][0] <= res["difference"] <= res["ci95"][1]
-    assert json.loads((tmp_path / "d.json").read_text())["difference"] == res["difference"]
-    ev = tmp_path / "eval.json"
-    ev.write_text(json.dumps({"rounds_by_conversation": [[8, 2], [3, 3], [8, 2]]}))
-    assert ct.main([str(ev), str(ev)])["read"] == ["eval conversations", "eval conversations"]
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(SystemExit, match="bad.json: neither"):
-        ct.main([str(tmp_path / "bad.json"), a])

@@ -142,12 +142,51 @@ def test_tau_difference_pairs_the_groups():
     b = easy + hard
     d = tau_difference(a, b)
     assert d["pairs"] == 12 and d["difference"] == pytest.approx(0.2)
-    lo, hi = d["ci95"]
-    assert 0 < lo <= 0.2 <= hi  # the same prompts drawn for both sides: the prompts' spread cancels
+    lo, hi = d["interval"]
+    assert d["level"] == 0.95 and 0 < lo <= 0.2 <= hi  # the same prompts drawn for both sides: the prompts' spread cancels
     # drawn apart, each side's interval spans the prompts' spread, far wider than the difference
     la, ha = tau_interval(a)
     lb, hb = tau_interval(b)
     assert la < hb and ha - la > 5 * (hi - lo)
-    assert tau_difference(b, b)["ci95"] == [0.0, 0.0]
+    assert tau_difference(b, b)["interval"] == [0.0, 0.0]
     assert tau_difference([(3, 1)], [(2, 1)]) is None
     assert tau_difference(a + [(5, 0)], b + [(5, 2)])["pairs"] == 12  # a pair with no rounds on one side is left out
+
+
+def test_eyas_compare_pairs_two_reports_by_prompt(tmp_path, capsys):
+    """`eyas compare`: two bench_decode reports of the same prompts (τ 4 and 1 on alternate prompts; A writes the hard
+    ones' 3 tokens in 2 rounds, B in 3), compared on the prompts both reached, with the texts' agreement; eval
+    reports (or their run directories) pair by conversation; a report of neither kind, a missing file or a method
+    not in the report is one line naming the file, exit 2."""
+    from eyas.cli import main
+
+    def report(path, accepted, texts):
+        path.write_text(json.dumps({"methods": {
+            "eyas_plain": {"outputs": texts},
+            "eyas_spec_k3_fused": {"accepted_by_prompt": accepted, "same_as_plain": f"{len(texts)}/{len(texts)}"}}}))
+        return str(path)
+
+    a = report(tmp_path / "a.json", [[3, 3], [1, 0], [3, 3], [1, 0], [3]], [[1], [2], [3], [4], [5]])  # a prompt more
+    b = report(tmp_path / "b.json", [[3, 3], [0, 0, 0], [3, 3], [0, 0, 0]], [[1], [2], [3], [9]])
+    assert main(["compare", a, b, "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["pairs"] == 4 and res["prompts_a"] == 5 and res["same_text"] == "3/4"
+    assert res["tau_a"] == pytest.approx(22 / 8) and res["tau_b"] == pytest.approx(22 / 10)
+    assert res["interval"][0] <= res["difference"] <= res["interval"][1]
+    assert main(["compare", a, b, "--level", "0.8"]) == 0
+    out = capsys.readouterr().out
+    assert "A - B: +0.550 (80% paired interval" in out and "over 4 prompts both reached; same text 3/4" in out
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "report.json").write_text(json.dumps({"rounds_by_conversation": [[8, 2], [3, 3], [8, 2]]}))
+    assert main(["compare", str(run), str(run / "eval" / "report.json"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["read"] == ["eval conversations", "eval conversations"] and res["interval"] == [0.0, 0.0]
+    (tmp_path / "bad.json").write_text("{}")
+    for args, msg in (([str(tmp_path / "bad.json"), a], "bad.json: neither"),
+                      ([str(tmp_path / "none.json"), a], "none.json: no such report"),
+                      ([a, b, "--method", "eyas_spec_k7_fused"], "no method 'eyas_spec_k7_fused'"),
+                      ([a, b, "--level", "95"], "--level must be between 0 and 1")):
+        assert main(["compare", *args]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and err.count("\n") == 1, err
