@@ -101,9 +101,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     sp.add_argument("--endpoint", required=False, help="base URL of the running server")
     sp.add_argument("--engine", choices=("vllm", "sglang"), help="which engine serves the drafter")
     sp = sub.add_parser("compare", help="two drafters' τ on the same prompts, with a paired bootstrap interval",
-                        description="τ of report A minus τ of report B on the same prompts (greedy decoding writes the "
-                        "same text whatever the drafter, so each prompt pairs with itself), with a paired bootstrap "
-                        "interval over the prompts or conversations")
+                        description="τ of report A minus τ of report B on the same prompts (greedy decoding writes "
+                        "the same text whatever the drafter, so each prompt pairs with itself), with a paired "
+                        "bootstrap interval over the prompts or conversations")
     sp.add_argument("a", help="report A: a run directory, an eval report.json or a bench/bench_decode.py JSON")
     sp.add_argument("b", help="report B, of the same prompts")
     sp.add_argument("--method", default=None, help="bench_decode method to read in both (default: each report's "

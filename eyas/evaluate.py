@@ -213,7 +213,8 @@ def report_groups(path: str | Path, method: str | None = None) -> tuple[list[tup
     try:
         rep = json.loads(p.read_text())
     except FileNotFoundError:
-        raise EyasError(f"{p}: no such report (give an eval report.json, a run directory or a bench_decode JSON)") from None
+        raise EyasError(f"{p}: no such report (give an eval report.json, a run directory or a bench_decode "
+                        f"JSON)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{p}: cannot read a JSON report ({e})") from None
     if "rounds_by_conversation" in rep:
@@ -330,7 +331,8 @@ def measure_acceptance(target, drafter, prompts: list, k: int = 3, temperature: 
         dec.close()
     return {"k": k, "temperature": temperature, "prompts": len(ids_list),
             "acceptance_length": tally.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
-            "rounds_by_prompt": [list(g) for g in groups],  # each prompt's (Σ (accepted + 1), rounds): tau_difference pairs them
+            # each prompt's (Σ (accepted + 1), rounds), in order: two drafters' runs pair by it (tau_difference)
+            "rounds_by_prompt": [list(g) for g in groups],
             "per_position_acceptance": tally.per_position(),
             "accepted_length_histogram": tally.hist, "rounds": tally.rounds, "new_tokens": tally.tokens,
             "outputs": outputs}

@@ -42,7 +42,8 @@ def write_report(run: Path) -> dict:
         ci = ev.get("acceptance_length_ci95")  # a bootstrap over the eval's conversations (eyas.evaluate.tau_interval)
         ci = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
         lines += ["## Result", "",
-                  f"| acceptance length τ{' (95% interval)' if ci else ''} | K | temperature | speedup vs plain decoding | lossless | prompts | device |",
+                  f"| acceptance length τ{' (95% interval)' if ci else ''} | K | temperature | speedup vs plain decoding "
+                  "| lossless | prompts | device |",
                   "| --- | --- | --- | --- | --- | --- | --- |",
                   f"| **{_fmt(ev.get('acceptance_length'))}**{ci} | {ev.get('k')} | {ev.get('temperature')} | "
                   f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
