@@ -571,5 +571,6 @@ def run_eval(cfg) -> dict:
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},
               **{k: v for k, v in res.items() if k not in ("k", "temperature")}}
     path = write_report(report, Path(cfg.out) / "eval")
-    keys = ("acceptance_length", "tokens_per_s", "baseline_tokens_per_s", "speedup", "lossless")
+    keys = ("acceptance_length", "acceptance_length_ci95", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+            "lossless")
     return {"report": str(path), **{k: report[k] for k in keys}}

@@ -263,10 +263,17 @@ def one_line(name: str, r: dict) -> str:
         "vocab": ["draft_vocab_size", "coverage"],
         "extract": ["tokens", "bytes", "tokens_per_s"],
         "train": ["steps", "best_sim_acceptance_length", "tokens_per_s"],
-        "eval": ["acceptance_length", "speedup", "lossless"],
+        "eval": ["acceptance_length", "acceptance_length_ci95", "speedup", "lossless"],
         "export": ["formats"],
     }.get(name, [])
-    parts = [f"{k}={r[k]:.3g}" if isinstance(r.get(k), float) else f"{k}={r[k]}" for k in pick if k in r]
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}"
+        if isinstance(v, list) and len(v) == 2 and all(isinstance(x, float) for x in v):  # an interval
+            return f"{v[0]:.3g}-{v[1]:.3g}"
+        return str(v)
+
+    parts = [f"{k}={fmt(r[k])}" for k in pick if k in r]
     return ", ".join(parts) or ", ".join(f"{k}={v}" for k, v in list(r.items())[:3] if not isinstance(v, (dict, list)))
 
 
