@@ -58,15 +58,10 @@ if [ -n "$next" ]; then
   # SAMPLE_NEXT=4: sample 4 of every first answer, for a later lease to train on four (about 250 s, as samples 2
   # and 3 took 231 and 237 s in the thirty-fourth session). A folder of its own with the earlier samples and no
   # manifest: in $run the regen stage's key would change with regen.samples and clear samples 1-3 first. Stopped
-  # once its regen stage is done, as gpu_jobs_samples23.sh does; it comes back as regenS<next>.part*.tgz
+  # once its regen stage is done (regen_only, gpu_lib.sh); it comes back as regenS<next>.part*.tgz
   # (`cat regenS4.part*.tgz > .carry/regenS4.tgz`), before the greedy decode, which matters least.
   r=/tmp/rS$next
-  echo "$(date +%T) start regen_s$next: python3 -m eyas run --out $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=2 (stopped after regen)"
-  setsid python3 -m eyas run --out $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=2 \
-    > $S/regen_s$next.log 2>&1 < /dev/null & pid=$!
-  until stage_done $r regen || ! kill -0 $pid 2>/dev/null; do sleep 5; done
-  kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
-  echo "$(date +%T) end regen_s$next (regen done: $(stage_done $r regen && echo yes || echo no))"
+  regen_only regen_s$next $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=2
   pieces regenS$next $r/data "regen/plan-s$next.json" "regen/shard-s$next-*"
 fi
 decode_greedy $name $run

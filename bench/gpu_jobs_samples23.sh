@@ -25,12 +25,7 @@ carried regenD.tgz $run
 carried regenD.tgz /tmp/rE4  # now: .carry is on the machine only in the call that carried it, E4 starts later
 if [ -d $run/data/regen ]; then
   # the pipeline of the later lease, stopped once its regeneration is done (the regen settings must be the same then)
-  echo "$(date +%T) start regen_s23: python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=4 --set train.draft_layers=2 (stopped after regen)"
-  setsid python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=4 --set train.draft_layers=2 \
-    > $S/regen_s23.log 2>&1 < /dev/null & pid=$!
-  until stage_done $run regen || ! kill -0 $pid 2>/dev/null; do sleep 5; done
-  kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
-  echo "$(date +%T) end regen_s23 (regen done: $(stage_done $run regen && echo yes || echo no))"
+  regen_only regen_s23 $run --set regen.samples=3 --set train.epochs=4 --set train.draft_layers=2
   NO_REGEN_TGZ=1 keep $run rS3
   pieces regenS23 $run/data 'regen/plan-s2.json' 'regen/plan-s3.json' 'regen/shard-s2-*' 'regen/shard-s3-*'
 else

@@ -45,6 +45,15 @@ stage_done() {  # stage_done RUN STAGE: whether RUN's manifest says STAGE finish
   python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['stages'].get(sys.argv[2], {})
 sys.exit(r.get('status') != 'done')" $1/manifest.json $2 2>/dev/null
 }
+regen_only() {  # regen_only NAME RUN SETTING...: `eyas run --out RUN SETTING...` stopped once its regen stage is
+  # done (samples regenerated for a later lease), logged to $S/NAME.log
+  local name=$1 run=$2 pid; shift 2
+  echo "$(date +%T) start $name: python3 -m eyas run --out $run $* (stopped after regen)"
+  setsid python3 -m eyas run --out $run "$@" > $S/$name.log 2>&1 < /dev/null & pid=$!
+  until stage_done $run regen || ! kill -0 $pid 2>/dev/null; do sleep 5; done
+  kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+  echo "$(date +%T) end $name (regen done: $(stage_done $run regen && echo yes || echo no))"
+}
 pieces() {  # pieces NAME DIR PATH...: DIR's PATHs (globs) into $S/NAME.partN.tgz, pieces of at most 14 MiB that
   # come back through the device's file limit (16 MiB each); here `cat NAME.part*.tgz > NAME.tgz` joins them
   [ -d "$2" ] || return 0
