@@ -54,6 +54,9 @@ def main(argv=None) -> int:
                         "create_block_mask once a TTT step for every drafter layer, the step number filled on the "
                         "device (once, the thirty-second session's); or a mask per layer, each build waiting for the "
                         "device to copy its step number (legacy, before that)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="train.cuda_graph: each step captured as one CUDA graph after 3 eager steps and replayed "
+                        "(one process); the result's step_graph says whether it was")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the operations that make the host wait for the device "
                         "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
         "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
         "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel,
-        "train.draft_layers": a.draft_layers})
+        "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
         "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
-        "masks": a.masks,
+        "masks": a.masks, "cuda_graph": a.cuda_graph, "step_graph": res.get("step_graph"),
         "draft_layers": a.draft_layers,
         "host_waits": syncs,
         "conversations": a.conversations,

@@ -33,6 +33,7 @@ from .config import KEYED_WHEN_CHANGED, Config
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
+from .stepgraph import StepGraph, graph_unfit
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
                    stable_hash, text_lines)
 
@@ -119,6 +120,7 @@ class Data:
         self.lengths = [min(int(x), max_len) for x in tokens.lengths()]
         self._epoch: tuple[tuple[int, int], list] | None = None
         self.fp32 = fp32  # train.precision=fp32 on a GPU: features cast up like on the CPU
+        self.fixed = False  # every batch padded to the budget, wherever it runs (a step run as a CUDA graph)
 
     def bins(self, seed: int) -> list[list[int]]:
         return self.slot_bins(seed, 1)[0]
@@ -157,7 +159,7 @@ class Data:
         # on the GPU (or wherever the drafter's step is compiled) every batch has the budget's shape, so compiled
         # kernels are built once; elsewhere no padding
         dev = torch.device(device)
-        pad_to = self.budget if dev.type == "cuda" or drafter_compile_on(dev) else 0
+        pad_to = self.budget if dev.type == "cuda" or drafter_compile_on(dev) or self.fixed else 0
         batch = pack_samples(samples, self.max_len, pad_to, multiple).to(device)
         if self.all_positions:  # the padding stays out: step_targets counts only rows below n_real
             batch.loss_mask = torch.ones_like(batch.loss_mask)
@@ -304,6 +306,15 @@ def ckpt_dir(run: Path) -> Path:
     return run / "ckpt"
 
 
+def plain_group(g: dict) -> dict:
+    """An optimizer param group (less its params) as a checkpoint keeps it, whichever way the step ran: a learning
+    rate held as a tensor for a CUDA graph as a number, and capturable off (`stepgraph`)."""
+    out = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in g.items() if k != "params"}
+    if "capturable" in out:
+        out["capturable"] = False
+    return out
+
+
 class TrainState:
     """The drafter's weights and optimizer state by parameter name, whole, however the processes hold them:
     one process or DDP read them directly; under FSDP2 weights() and optimizer() are collectives (every process
@@ -332,7 +343,7 @@ class TrainState:
             osd = self.opt.state_dict()
             params = [p for g in self.opt.param_groups for p in g["params"]]
             st = {names[id(params[i])]: dict(v) for i, v in osd["state"].items()}
-            groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(params[i])] for i in g["params"]]}
+            groups = [plain_group(g) | {"params": [names[id(params[i])] for i in g["params"]]}
                       for g in osd["param_groups"]]
             return st, groups
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -538,10 +549,11 @@ def plot_curves(rows: list[dict], png: Path) -> None:
 
 # ------------------------------------------------------------------------------------ steps
 
-def autocast(device: torch.device, precision: str = "auto"):
-    """bf16 autocast for precision bf16, or auto on CUDA; none otherwise (fp32)."""
+def autocast(device: torch.device, precision: str = "auto", cache: bool = True):
+    """bf16 autocast for precision bf16, or auto on CUDA; none otherwise (fp32). cache=False for a step captured
+    as a CUDA graph: the weights' bf16 copies are made inside the graph, not kept from outside it."""
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -611,6 +623,7 @@ def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dic
             "world": world}
 
 
+GRAPH_ON_CPU = False  # tests: train.cuda_graph's step (static buffers, one body) on a CPU, run eagerly
 STEP_HOOK = None  # called with the step number after each optimizer step (bench/bench_train.py --profile-steps)
 LAG_STATS = True  # read a step's statistics one step later, so the host never waits for the device between steps
 
@@ -745,8 +758,17 @@ def run_train(cfg: Config, target=None) -> dict:
 
         model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
     params = [p for p in drafter.parameters() if p.requires_grad]  # sharded ones under FSDP
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay,
-                            **({"fused": True} if d.device.type == "cuda" and not sharded else {}))
+    graph_why = graph_unfit(d.device, d.world, tc.grad_accum, tc.noise_std, drafter_compile_on(d.device), sharded) \
+        if tc.cuda_graph and not (GRAPH_ON_CPU and d.device.type == "cpu") else ""
+    graphed = tc.cuda_graph and not graph_why
+    if graph_why:
+        log(f"train: train.cuda_graph is on, but the step runs without a graph: {graph_why}")
+    # a graph reads the learning rate from the device, and AdamW must allow the capture
+    lr_t = torch.tensor(tc.lr, device=d.device) if graphed and d.device.type == "cuda" else None
+    opt = torch.optim.AdamW(params, lr=tc.lr if lr_t is None else lr_t, betas=(0.9, 0.95),
+                            weight_decay=tc.weight_decay,
+                            **({"fused": True} if d.device.type == "cuda" and not sharded else {}),
+                            **({"capturable": True} if lr_t is not None else {}))
     ts = TrainState(drafter, opt, module if sharded else None)
 
     spe = min(len(b) for e in range(tc.epochs) for b in train.slot_bins(tc.seed + e, group))
@@ -761,6 +783,9 @@ def run_train(cfg: Config, target=None) -> dict:
     fp = fingerprint(cfg, target, draft_ids, d.world)
 
     state = load_checkpoint(run, ts, fp)
+    if lr_t is not None:  # the checkpoint's groups hold plain numbers (plain_group)
+        for g in opt.param_groups:
+            g["lr"], g["capturable"] = lr_t, True
     step, best = 0, {"val_al": -1.0, "step": -1}
     if state is not None:
         step, best = state["step"], state["best"]
@@ -772,6 +797,28 @@ def run_train(cfg: Config, target=None) -> dict:
     evals_due = (lambda s: s % tc.eval_every == 0) if tc.eval_every else (lambda s: s % spe == 0)
     saves_due = (lambda s: s % tc.save_every == 0) if tc.save_every else (lambda s: s % spe == 0)
     decay = [tc.ttt_decay ** j for j in range(tc.ttt_steps)]
+    train.fixed = graphed
+
+    def forward_loss(batch, denom, gen, cache: bool = True):
+        """The micro-batch's weighted TTT loss and step statistics (denom: the step's loss-masked positions, numbers
+        or, for a graph, a device tensor)."""
+        with autocast(d.device, tc.precision, cache):
+            labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top, temperature=tc.label_temperature)
+            st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen, loss_path=tc.loss_path)
+        return sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps)), st
+
+    def graph_body(batch, denom) -> torch.Tensor:
+        """One process's whole step on one micro-batch, as `stepgraph.StepGraph` captures it: the statistics the
+        eager step gathers (loss, right guesses per step, real tokens, gradient norm) in one tensor."""
+        loss, st = forward_loss(batch, denom, None, cache=False)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        opt.step()
+        return torch.cat([loss.detach().double().reshape(1), torch.stack(st.correct).double(),
+                          torch.as_tensor(batch.n_real, device=d.device).double().reshape(1),
+                          gnorm.detach().double().reshape(1)])
+
+    stepper = None  # the StepGraph, made at the first step
     n_params = sum(p.numel() for p in params)
     log(f"train: {len(train.tokens)} sequences in {n_bins} micro-batches of <= {tc.batch_tokens} tokens, "
         f"{spe} steps/epoch x {tc.epochs} epochs -> {total} steps on {d.world} x {d.device.type}; "
@@ -869,10 +916,13 @@ def run_train(cfg: Config, target=None) -> dict:
         denom = [max(1, c) for c in counts]
         mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
         lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
-        for a, m in enumerate(mine):
+        if lr_t is not None:
+            lr_t.fill_(lr)
+        else:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        acc_t = None if graphed else torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
+        for a, m in enumerate(mine if not graphed else ()):
             t_ph = clock.start()
             batch = train.batch(bins[m], d.device, multiple)
             clock.stop("features", t_ph)
@@ -883,11 +933,7 @@ def run_train(cfg: Config, target=None) -> dict:
                 model.set_requires_gradient_sync(last)
             sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
             with sync:
-                with autocast(d.device, tc.precision):
-                    labels = target_labels(batch.final, lm_head, draft_ids, top=batch.top,
-                                           temperature=tc.label_temperature)
-                    st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen, loss_path=tc.loss_path)
-                loss = sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps))
+                loss, st = forward_loss(batch, denom, gen)
                 clock.stop("forward", t_ph)
                 t_ph = clock.start()
                 (loss * d.world).backward()
@@ -895,18 +941,32 @@ def run_train(cfg: Config, target=None) -> dict:
             acc_t[0] += loss.detach().double()
             acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
             acc_t[-1] += batch.n_real
-        t_ph = clock.start()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-        if hasattr(gnorm, "full_tensor"):  # a DTensor under FSDP
-            gnorm = gnorm.full_tensor()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        clock.stop("optimizer", t_ph)
-        step += 1
-        acc_t = d.all_sum(acc_t)
+        if graphed:  # one process, one micro-batch: the whole step, a CUDA graph after its warm-up (stepgraph)
+            t_ph = clock.start()
+            batch = train.batch(bins[0], d.device, multiple)
+            clock.stop("features", t_ph)
+            if stepper is None:
+                why = graph_unfit(d.device, 1, 1, 0.0, True, False, batch) if d.device.type == "cuda" else ""
+                if why:
+                    log(f"train: train.cuda_graph is on, but the step runs eagerly: {why}")
+                stepper = StepGraph(graph_body, opt, batch, tc.ttt_steps, capture=not why and d.device.type == "cuda")
+            t_ph = clock.start()
+            stats = stepper(batch, denom).clone()  # the graph's output is rewritten by the next replay
+            clock.stop("step", t_ph)
+            step += 1
+        else:
+            t_ph = clock.start()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            if hasattr(gnorm, "full_tensor"):  # a DTensor under FSDP
+                gnorm = gnorm.full_tensor()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            clock.stop("optimizer", t_ph)
+            step += 1
+            acc_t = d.all_sum(acc_t)
+            stats = torch.cat([acc_t, gnorm.detach().reshape(1).to(acc_t)])
         # the step's statistics leave the device without a wait (a copy queued behind the step, with an event):
         # read one step later, so the host builds and queues the next step while the device runs this one
-        stats = torch.cat([acc_t, gnorm.detach().reshape(1).to(acc_t)])
         host, ev = stats, None
         if stats.is_cuda:
             host = stats.to("cpu", non_blocking=True)  # into pinned memory: the copy runs on the stream
@@ -951,6 +1011,7 @@ def run_train(cfg: Config, target=None) -> dict:
                # (each a device sync): a cause to rule out when the speed drifts with the GPU memory near full
                "cuda_alloc_retries": torch.cuda.memory_stats(d.device).get("num_alloc_retries", 0) if peak else None,
                "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device),
+               "step_graph": stepper.state if stepper is not None else (f"eager: {graph_why}" if graph_why else "off"),
                "drafter_step": drafter_state(drafter, d.device),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
     if d.main:

@@ -668,3 +668,70 @@ def test_host_cache_budget():
     assert host_cache_budget(-1, "cpu") == 0  # auto: none on a CPU
     assert host_cache_budget(-1, "cuda", available=100e9) == 50e9
     assert host_cache_budget(-1, "cuda", available=100e9, local_processes=2) == 25e9
+
+
+def _graph_runs(tiny_run, target, tmp_path, **over) -> dict:
+    """Two short runs of the tiny preset, train.cuda_graph off and on, with validations and checkpoints between
+    steps: {on: (loss rows, summary, drafter weights)}."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for on in (False, True):
+        run = clone_run(tiny_run, tmp_path / f"graph{int(on)}")
+        cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.epochs": 2, "train.batch_tokens": 512,
+                                                     "train.max_seq_len": 256, "train.eval_every": 3,
+                                                     "train.save_every": 5, "train.cuda_graph": on, **over})
+        summary = run_train(cfg, target)
+        out[on] = (losses(run), summary, load_file(str(run / "draft" / "model.safetensors")))
+    return out
+
+
+def test_graph_step_on_cpu_trains_like_the_plain_step(tiny_run, tiny, tmp_path, monkeypatch):
+    """train.cuda_graph's step, run eagerly on the CPU (GRAPH_ON_CPU): each batch padded to the budget and copied
+    into one set of buffers, the loss denominators and real tokens read from tensors, one body for the loss, the
+    backward, clipping and AdamW, gradients set to None before each. Its losses, validations and drafter are the
+    plain loop's, to the rounding the padding brings; a step that read a stale batch, denominator or token count
+    would not be."""
+    import eyas.train as train_mod
+
+    monkeypatch.setattr(train_mod, "GRAPH_ON_CPU", True)
+    out = _graph_runs(tiny_run, tiny, tmp_path)
+    (plain, s0, w0), (graphed, s1, w1) = out[False], out[True]
+    assert s0["step_graph"] == "off" and s1["step_graph"] == "eager (no capture)"
+    assert [s for s, _ in graphed] == [s for s, _ in plain] == list(range(1, s1["steps"] + 1)) and s1["steps"] >= 7
+    assert [v for _, v in graphed] == pytest.approx([v for _, v in plain], rel=1e-4)
+    assert len({round(v, 3) for _, v in plain}) > 3  # the batches differ, so a stale one would show
+    assert s1["tokens_trained"] == s0["tokens_trained"]
+    assert s1["best"]["step"] == s0["best"]["step"]
+    assert s1["best"]["val_acc"] == pytest.approx(s0["best"]["val_acc"], abs=1e-3)
+    assert all(torch.allclose(w1[k], w0[k], rtol=1e-3, atol=1e-5) for k in w0)
+    assert set(s1["step_time_split"]) == {"features", "step"}
+
+
+def test_graph_step_refused_where_it_cannot_run():
+    """The reasons train.cuda_graph falls back to eager steps, one line each."""
+    from eyas.stepgraph import graph_unfit
+
+    cuda = torch.device("cuda")
+    assert "GPU" in graph_unfit(torch.device("cpu"), 1, 1, 0.0, True, False)
+    assert "micro-batch" in graph_unfit(cuda, 2, 1, 0.0, True, False)
+    assert "micro-batch" in graph_unfit(cuda, 1, 2, 0.0, True, False)
+    assert "noise_std" in graph_unfit(cuda, 1, 1, 0.05, True, False)
+    assert "compiled" in graph_unfit(cuda, 1, 1, 0.0, False, False)
+    assert graph_unfit(cuda, 1, 1, 0.0, True, False) == ""
+
+
+@pytest.mark.gpu
+def test_graph_step_on_gpu_trains_like_the_eager_step(tiny_run, tmp_path):
+    """On a GPU the step is captured after its warm-up and replayed; its losses follow the eager steps' to the
+    rounding of AdamW's learning rate read as a float32 tensor and of autocast without its weight cache."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    target = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    out = _graph_runs(tiny_run, target, tmp_path)
+    (plain, s0, w0), (graphed, s1, w1) = out[False], out[True]
+    assert s0["step_graph"] == "off" and s1["step_graph"] == "graph", s1["step_graph"]
+    assert [s for s, _ in graphed] == [s for s, _ in plain] and s1["steps"] >= 7
+    assert [v for _, v in graphed] == pytest.approx([v for _, v in plain], rel=2e-3)
+    assert s1["best"]["val_acc"] == pytest.approx(s0["best"]["val_acc"], abs=0.02)
