@@ -2,7 +2,9 @@
 
 On an H200 a two-layer training step launches about 660 kernels holding 22.6 ms of GPU work, while the host took
 about 33 ms a step to launch them (BENCHMARKS.md, thirty-third session): the step waits on the host. Captured once
-as a graph (the labels, the TTT unroll, the loss, the backward, gradient clipping and AdamW), a step is one launch.
+as a graph (the labels, the TTT unroll, the loss, the backward, gradient clipping and AdamW), a step is one launch:
+on an H200 the pipeline's one-sample recipe then trained the same drafter (the same validation figures to the last
+digit) at 472.4k against 358.7k tokens a second (thirty-ninth session, BENCHMARKS.md).
 
 What a graph needs, and how the step gives it:
 - fixed addresses: every batch is copied into one set of buffers (`StaticBatch`) of the budget's shape, which the
@@ -48,20 +50,24 @@ class StaticBatch:
             v = getattr(b, f.name)
             if f.name == "n_real":
                 s.n_real.fill_(v)
-            elif isinstance(v, torch.Tensor):
+            else:
                 mine = getattr(s, f.name)
-                if mine.shape != v.shape or mine.dtype != v.dtype:
-                    raise ValueError(f"batch field {f.name}: {tuple(v.shape)} {v.dtype}, the graph's buffer is "
-                                     f"{tuple(mine.shape)} {mine.dtype}")
+                if mine is None and v is None:
+                    continue
+                if mine is None or v is None or mine.shape != v.shape or mine.dtype != v.dtype:
+                    raise ValueError(f"batch field {f.name}: {_desc(v)}, the graph's buffer is {_desc(mine)}")
                 mine.copy_(v, non_blocking=True)
         for j, c in enumerate(denom):
             self.denom[j].fill_(c)
 
 
-def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: float, compiled: bool, sharded: bool,
-                first: PackedBatch | None = None) -> str:
-    """Why the training step cannot run as a graph (one line), or "" when it can; `first`: a batch, when one is
-    at hand."""
+def _desc(t) -> str:
+    return "none" if t is None else f"{tuple(t.shape)} {t.dtype}"
+
+
+def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: float, compiled: bool,
+                sharded: bool) -> str:
+    """Why the training step cannot run as a graph (one line), or "" when it can."""
     if device.type != "cuda":
         return "not on a GPU"
     if world > 1 or grad_accum > 1 or sharded:
@@ -70,8 +76,6 @@ def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: fl
         return "train.noise_std draws fresh noise from a seeded generator each step"
     if not compiled:
         return "the drafter's step is not compiled (a graph keeps every shape fixed, which the compiled step pads to)"
-    if first is not None and first.top is None:
-        return "the features carry no target top token"
     return ""
 
 

@@ -761,7 +761,7 @@ def run_train(cfg: Config, target=None) -> dict:
     graph_why = graph_unfit(d.device, d.world, tc.grad_accum, tc.noise_std, drafter_compile_on(d.device), sharded) \
         if tc.cuda_graph and not (GRAPH_ON_CPU and d.device.type == "cpu") else ""
     graphed = tc.cuda_graph and not graph_why
-    if graph_why:
+    if graph_why and d.device.type == "cuda":
         log(f"train: train.cuda_graph is on, but the step runs without a graph: {graph_why}")
     # a graph reads the learning rate from the device, and AdamW must allow the capture
     lr_t = torch.tensor(tc.lr, device=d.device) if graphed and d.device.type == "cuda" else None
@@ -807,13 +807,20 @@ def run_train(cfg: Config, target=None) -> dict:
             st: StepStats = model(batch, labels, tc.ttt_steps, tc.noise_std, gen, loss_path=tc.loss_path)
         return sum(decay[j] * st.loss_sum[j] / denom[j] for j in range(tc.ttt_steps)), st
 
+    def clip_and_step() -> torch.Tensor:
+        """Gradient clipping and the optimizer's step; the gradients' norm before clipping."""
+        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        if hasattr(gnorm, "full_tensor"):  # a DTensor under FSDP
+            gnorm = gnorm.full_tensor()
+        opt.step()
+        return gnorm
+
     def graph_body(batch, denom) -> torch.Tensor:
         """One process's whole step on one micro-batch, as `stepgraph.StepGraph` captures it: the statistics the
         eager step gathers (loss, right guesses per step, real tokens, gradient norm) in one tensor."""
         loss, st = forward_loss(batch, denom, None, cache=False)
         loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-        opt.step()
+        gnorm = clip_and_step()
         return torch.cat([loss.detach().double().reshape(1), torch.stack(st.correct).double(),
                           torch.as_tensor(batch.n_real, device=d.device).double().reshape(1),
                           gnorm.detach().double().reshape(1)])
@@ -946,20 +953,14 @@ def run_train(cfg: Config, target=None) -> dict:
             batch = train.batch(bins[0], d.device, multiple)
             clock.stop("features", t_ph)
             if stepper is None:
-                why = graph_unfit(d.device, 1, 1, 0.0, True, False, batch) if d.device.type == "cuda" else ""
-                if why:
-                    log(f"train: train.cuda_graph is on, but the step runs eagerly: {why}")
-                stepper = StepGraph(graph_body, opt, batch, tc.ttt_steps, capture=not why and d.device.type == "cuda")
+                stepper = StepGraph(graph_body, opt, batch, tc.ttt_steps, capture=d.device.type == "cuda")
             t_ph = clock.start()
             stats = stepper(batch, denom).clone()  # the graph's output is rewritten by the next replay
             clock.stop("step", t_ph)
             step += 1
         else:
             t_ph = clock.start()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-            if hasattr(gnorm, "full_tensor"):  # a DTensor under FSDP
-                gnorm = gnorm.full_tensor()
-            opt.step()
+            gnorm = clip_and_step()
             opt.zero_grad(set_to_none=True)
             clock.stop("optimizer", t_ph)
             step += 1

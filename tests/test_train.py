@@ -179,6 +179,22 @@ def wait_for_checkpoint(p: subprocess.Popen, latest: Path, step: int) -> None:
     assert p.poll() is None, "the run finished before it could be killed"
 
 
+def killed_and_resumed(cut: Path, args: list[str], first_env: dict) -> Path:
+    """`eyas train ARGS` on run `cut` (24 steps, a checkpoint every 4) killed with SIGKILL once a checkpoint of
+    step 8 or later is written (`first_env`: the killed run's environment), then run again to the end; checks that
+    the second run resumed from that checkpoint."""
+    p = subprocess.Popen(cli(cut, *args), env=first_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = cut / "ckpt" / "latest.json"
+    wait_for_checkpoint(p, latest, 8)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    killed_at = json.loads(latest.read_text())["step"]
+    assert 8 <= killed_at < 24
+    r = subprocess.run(cli(cut, *args), env=env(), check=True, capture_output=True, text=True, timeout=600)
+    assert f"resuming from step {killed_at}" in r.stderr
+    return cut
+
+
 def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     args = ["--epochs", "3", "--max-steps", "24", "--save-every", "4", "--eval-every", "8", "--noise-std", "0.05"]
     full = clone_run(tiny_run, tmp_path / "full")
@@ -186,16 +202,7 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
     ref = losses(full)
     assert [s for s, _ in ref] == list(range(1, 25))
 
-    cut = clone_run(tiny_run, tmp_path / "cut")
-    p = subprocess.Popen(cli(cut, *args), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = cut / "ckpt" / "latest.json"
-    wait_for_checkpoint(p, latest, 8)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    killed_at = json.loads(latest.read_text())["step"]
-    assert 8 <= killed_at < 24
-    r = subprocess.run(cli(cut, *args), env=env(), check=True, capture_output=True, text=True, timeout=300)
-    assert f"resuming from step {killed_at}" in r.stderr
+    cut = killed_and_resumed(clone_run(tiny_run, tmp_path / "cut"), args, env())
     assert losses(cut) == ref  # exactly: same data order, noise, weights and optimizer state
     assert (cut / "draft" / "model.safetensors").exists() and (cut / "train" / "curves.png").exists()
     best = json.loads((cut / "ckpt" / "best.json").read_text())
@@ -735,3 +742,25 @@ def test_graph_step_on_gpu_trains_like_the_eager_step(tiny_run, tmp_path):
     assert [s for s, _ in graphed] == [s for s, _ in plain] and s1["steps"] >= 7
     assert [v for _, v in graphed] == pytest.approx([v for _, v in plain], rel=2e-3)
     assert s1["best"]["val_acc"] == pytest.approx(s0["best"]["val_acc"], abs=0.02)
+    assert all(torch.allclose(w1[k], w0[k], rtol=1e-2, atol=1e-4) for k in w0)
+
+
+@pytest.mark.gpu
+def test_graph_step_kill_and_resume_on_gpu(tiny_run, tmp_path):
+    """kill -9 during a run whose steps replay a CUDA graph, then the same command: it resumes from the last
+    checkpoint, warms up and captures again, and logs the losses of the uninterrupted run (to the rounding of
+    any atomic adds in the GPU's backward)."""
+    args = ["--epochs", "3", "--max-steps", "24", "--save-every", "4", "--eval-every", "8", "--device", "cuda",
+            "--cuda-graph"]
+    slow = dict(env(), EYAS_DEBUG_STEP_SLEEP="0.2")  # steps of a few ms would end the run before the kill
+    full = clone_run(tiny_run, tmp_path / "full")
+    subprocess.run(cli(full, *args), env=env(), check=True, capture_output=True, timeout=600)
+    ref = losses(full)
+    assert [s for s, _ in ref] == list(range(1, 25))
+    assert json.loads((full / "train" / "summary.json").read_text())["step_graph"] == "graph"
+
+    cut = killed_and_resumed(clone_run(tiny_run, tmp_path / "cut"), args, slow)
+    got = losses(cut)
+    assert [s for s, _ in got] == [s for s, _ in ref]
+    assert [v for _, v in got] == pytest.approx([v for _, v in ref], rel=1e-5)
+    assert json.loads((cut / "train" / "summary.json").read_text())["step_graph"] == "graph"
