@@ -54,9 +54,10 @@ def main(argv=None) -> int:
                         "create_block_mask once a TTT step for every drafter layer, the step number filled on the "
                         "device (once, the thirty-second session's); or a mask per layer, each build waiting for the "
                         "device to copy its step number (legacy, before that)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="train.cuda_graph: each step captured as one CUDA graph after 3 eager steps and replayed "
-                        "(one process); the result's step_graph says whether it was")
+    p.add_argument("--cuda-graph", default="1", choices=("0", "1"),
+                   help="train.cuda_graph: each step captured as one CUDA graph after 3 eager steps and replayed (1, "
+                        "the default; one process), or eager steps (0), to time both; the result's step_graph says "
+                        "which ran")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the operations that make the host wait for the device "
                         "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
         "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
         "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel,
-        "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph})
+        "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph == "1"})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None

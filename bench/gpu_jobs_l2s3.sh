@@ -33,6 +33,10 @@
 # pair on one sample (thirtieth session):
 #   SETS="train.loss_path=chain" NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
 # SAMPLE_NEXT=4 also regenerates sample 4 after the run and its chat decode (about 250 s more), for a later lease.
+# Without .carry (the thirty-ninth session's checkout had none) the run regenerates its three samples first (about
+# 3 x 241 s), and since the training step runs as a CUDA graph (1.33x at two layers, thirty-ninth session) 6 epochs
+# should train in about 680 s instead of 902: about 1,550 s of job from nothing, with 2 staging calls about 1,600 s of
+# the lease, so the chat decode may fit and the greedy one not (estimates).
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
