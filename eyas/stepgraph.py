@@ -102,7 +102,7 @@ class StepGraph:
         if self.graph is not None:
             self.graph.replay()
             return self.out
-        if not self.capture or self.state.startswith("eager"):
+        if not self.capture:
             return self._eager()
         if self.calls <= WARMUP:
             side, main = torch.cuda.Stream(), torch.cuda.current_stream()
@@ -120,7 +120,7 @@ class StepGraph:
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
                 out = self.body(self.static.batch, self.static.denom)
         except Exception as e:  # noqa: BLE001 - a capture problem costs speed, not the run
-            self.state = f"eager: capture failed ({compile_failure(e)})"
+            self.capture, self.state = False, f"eager: capture failed ({compile_failure(e)})"
             log(f"train: the training step runs without a CUDA graph from now on: {self.state}")
             torch.cuda.synchronize()
             return self._eager()

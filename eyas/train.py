@@ -921,33 +921,12 @@ def run_train(cfg: Config, target=None) -> dict:
         bins = [slot[i] for slot in train.slot_bins(tc.seed + epoch, group)]
         counts = train.counts(bins, tc.ttt_steps)
         denom = [max(1, c) for c in counts]
-        mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
         lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
         if lr_t is not None:
             lr_t.fill_(lr)
         else:
             for g in opt.param_groups:
                 g["lr"] = lr
-        acc_t = None if graphed else torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
-        for a, m in enumerate(mine if not graphed else ()):
-            t_ph = clock.start()
-            batch = train.batch(bins[m], d.device, multiple)
-            clock.stop("features", t_ph)
-            t_ph = clock.start()
-            gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
-            last = a == len(mine) - 1
-            if sharded:  # gradients reduce-scattered after the last micro-batch only
-                model.set_requires_gradient_sync(last)
-            sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
-            with sync:
-                loss, st = forward_loss(batch, denom, gen)
-                clock.stop("forward", t_ph)
-                t_ph = clock.start()
-                (loss * d.world).backward()
-                clock.stop("backward", t_ph)
-            acc_t[0] += loss.detach().double()
-            acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
-            acc_t[-1] += batch.n_real
         if graphed:  # one process, one micro-batch: the whole step, a CUDA graph after its warm-up (stepgraph)
             t_ph = clock.start()
             batch = train.batch(bins[0], d.device, multiple)
@@ -957,15 +936,35 @@ def run_train(cfg: Config, target=None) -> dict:
             t_ph = clock.start()
             stats = stepper(batch, denom).clone()  # the graph's output is rewritten by the next replay
             clock.stop("step", t_ph)
-            step += 1
         else:
+            mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
+            acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
+            for a, m in enumerate(mine):
+                t_ph = clock.start()
+                batch = train.batch(bins[m], d.device, multiple)
+                clock.stop("features", t_ph)
+                t_ph = clock.start()
+                gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
+                last = a == len(mine) - 1
+                if sharded:  # gradients reduce-scattered after the last micro-batch only
+                    model.set_requires_gradient_sync(last)
+                sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
+                with sync:
+                    loss, st = forward_loss(batch, denom, gen)
+                    clock.stop("forward", t_ph)
+                    t_ph = clock.start()
+                    (loss * d.world).backward()
+                    clock.stop("backward", t_ph)
+                acc_t[0] += loss.detach().double()
+                acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
+                acc_t[-1] += batch.n_real
             t_ph = clock.start()
             gnorm = clip_and_step()
             opt.zero_grad(set_to_none=True)
             clock.stop("optimizer", t_ph)
-            step += 1
             acc_t = d.all_sum(acc_t)
             stats = torch.cat([acc_t, gnorm.detach().reshape(1).to(acc_t)])
+        step += 1
         # the step's statistics leave the device without a wait (a copy queued behind the step, with an event):
         # read one step later, so the host builds and queues the next step while the device runs this one
         host, ev = stats, None
