@@ -29,34 +29,41 @@
 # (the last piece, 27.8 MiB, with .carry's 24.6 MiB and the tree, fits one upload)
 # Measured (thirty-eighth session, 6 epochs): the job 1,029 s (train 902 s at 287.3k tok/s steady, no feature recomputed),
 # the decodes 185 s, 1,717 s of the lease with staging and a masks A/B: eval τ 3.183, `val_tau` +0.015 in epoch 6.
-# SETS adds `--set` options to the run and names it after them, e.g. the chain loss that gained +0.044 eval τ in one
-# pair on one sample (thirtieth session):
+# SETS adds `--set` options to the run and names it after them, e.g. the chain loss (fortieth session, below):
 #   SETS="train.loss_path=chain" NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
+# NO_TESTS=1 also skips the feature budget's test. REGEN_BACK=1 packs the samples' answers to come back after the run.
+# LAYERS=3 trains a drafter of three decoder layers (default 2).
 # SAMPLE_NEXT=4 also regenerates sample 4 after the run and its chat decode (about 250 s more), for a later lease.
-# Without .carry (the thirty-ninth session's checkout had none) the run regenerates its three samples first (about
-# 3 x 241 s), and since the training step runs as a CUDA graph (1.33x at two layers, thirty-ninth session) 6 epochs
-# should train in about 680 s instead of 902: about 1,550 s of job from nothing, with 2 staging calls about 1,600 s of
-# the lease, so the chat decode may fit and the greedy one not (estimates).
+# Measured from nothing (fortieth session, the chain loss, no .carry): regen 723 s for the three samples, train 796 s
+# (353.8k tok/s steady as a CUDA graph, 27,461 sequences' features in host memory), eval 66 s: the job 1,658 s, 1,780 s
+# of the lease with 2 staging calls, so only the chat decode's K=3 fitted. Its samples came back with REGEN_BACK=1 as
+# .carry/regenS123.tgz (26.4 MB), which this script now prefers; with it the job is about 900 s (an estimate: the
+# regen stage skipped, the same training), staged in 3 pieces (`--chunk-mib 46`) with .carry in the last call.
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
 machine_info
 [ -n "${NO_TESTS:-}" ] || flex_tests
 # the feature budget counts the allocator's unused memory as free (thirty-sixth session: the regen engine's 30 GB)
-job test_budget timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_features.py -k budget
-name=L2S3; [ "$ep" = 4 ] || name=L2S3e$ep
+[ -n "${NO_TESTS:-}" ] || job test_budget timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_features.py -k budget
+L=${LAYERS:-2}  # LAYERS=3: a drafter of three decoder layers
+name=L${L}S3; [ "$ep" = 4 ] || name=L${L}S3e$ep
 extra=()
 for kv in ${SETS:-}; do extra+=(--set "$kv"); name=${name}_$(echo "${kv#*.}" | tr -c 'A-Za-z0-9\n' '_'); done
 run=/tmp/rS3
-carried regenD.tgz $run
-carried regenS23.tgz $run regen/plan-s2.json
+carried3() {  # carried3 RUN: the three samples from .carry/regenS123.tgz (fortieth session), else from the two older files
+  if [ -f .carry/regenS123.tgz ]; then carried regenS123.tgz $1
+  else carried regenD.tgz $1; carried regenS23.tgz $1 regen/plan-s2.json; fi
+}
+carried3 $run
 next=${SAMPLE_NEXT:-}  # a later sample to regenerate after the run, in a run folder of its own (below)
 if [ -n "$next" ]; then  # its samples 1..next-1 untarred now: .carry is on the machine only in this call
-  carried regenD.tgz /tmp/rS$next
-  carried regenS23.tgz /tmp/rS$next regen/plan-s2.json
+  carried3 /tmp/rS$next
 fi
-job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=2 "${extra[@]}"
+job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=$L "${extra[@]}"
 NO_REGEN_TGZ=1 keep $run run$name
+# REGEN_BACK=1: the three samples' answers back as regenS123.partN.tgz (about 25 MB), for a later lease to carry
+[ -n "${REGEN_BACK:-}" ] && pieces regenS123 $run/data regen
 decode_runs $name=$run
 if [ -n "$next" ]; then
   # SAMPLE_NEXT=4: sample 4 of every first answer, for a later lease to train on four (about 250 s, as samples 2
@@ -65,7 +72,7 @@ if [ -n "$next" ]; then
   # once its regen stage is done (regen_only, gpu_lib.sh); it comes back as regenS<next>.part*.tgz
   # (`cat regenS4.part*.tgz > .carry/regenS4.tgz`), before the greedy decode, which matters least.
   r=/tmp/rS$next
-  regen_only regen_s$next $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=2
+  regen_only regen_s$next $r --set regen.samples=$next --set train.epochs=$ep --set train.draft_layers=$L
   pieces regenS$next $r/data "regen/plan-s$next.json" "regen/shard-s$next-*"
 fi
 decode_greedy $name $run
