@@ -32,7 +32,8 @@
 # SETS adds `--set` options to the run and names it after them, e.g. the chain loss (fortieth session, below):
 #   SETS="train.loss_path=chain" NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
 # NO_TESTS=1 also skips the feature budget's test. REGEN_BACK=1 packs the samples' answers to come back after the run.
-# LAYERS=3 trains a drafter of three decoder layers (default 2).
+# LAYERS=3 trains a drafter of three decoder layers (default 2). Its first lease (forty-first session) was lost after
+# epoch 2 of 6 (then +0.050 val_tau over two layers), at 34.6 steps/s: about 1,000 s of job with .carry, an estimate.
 # SAMPLE_NEXT=4 also regenerates sample 4 after the run and its chat decode (about 250 s more), for a later lease.
 # Measured from nothing (fortieth session, the chain loss, no .carry): regen 723 s for the three samples, train 796 s
 # (353.8k tok/s steady as a CUDA graph, 27,461 sequences' features in host memory), eval 66 s: the job 1,658 s, 1,780 s
