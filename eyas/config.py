@@ -194,6 +194,8 @@ class EvalConfig:
     top_p: float = opt(1.0, "nucleus sampling threshold when temperature > 0")
     max_new_tokens: int = opt(256, "tokens generated per answer")
     limit: int = opt(20, "prompts evaluated (0 = all)")
+    turns: int = opt(0, "answer at most the first N user turns of each conversation (0 = every turn; a later "
+                        "turn's history holds eyas' own earlier answers)")
     draft: str = opt("", "drafter to evaluate (default: the run's trained drafter)")
     round: str = opt("auto", "greedy speculative round: fused (drafts, verify, acceptance and drafter rerun as one "
                      "step with no host work between them, one CUDA graph on a GPU; its draft time is counted as "
@@ -234,7 +236,8 @@ SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "ex
 # out of the pipeline's stage keys (pipeline.stage_keys) and, the train ones, out of a checkpoint's fingerprint
 # (train.fingerprint), so a run folder or checkpoint made before them resumes instead of starting over
 KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0,
-                      "train.loss_positions": "answers", "train.loss_path": "all", "train.draft_layers": 1}
+                      "train.loss_positions": "answers", "train.loss_path": "all", "train.draft_layers": 1,
+                      "eval.turns": 0}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},

@@ -352,9 +352,10 @@ def _peak_memory(device: torch.device) -> int:
 
 def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True,
-             fused: bool | None = None) -> dict:
+             fused: bool | None = None, max_turns: int = 0) -> dict:
     """Answer every user turn of every conversation in sequence (the history holds eyas' own
-    answers), with speculative decoding and, when `baseline`, plain decoding on the same engine."""
+    answers), or its first `max_turns` ones, with speculative decoding and, when `baseline`, plain decoding on
+    the same engine."""
     from .data.tokenize import to_messages
 
     tok = target.tokenizer
@@ -388,6 +389,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                     continue
                 if turn.role != "user":
                     continue  # the data set's answers are replaced by the target's own
+                if max_turns and answered >= max_turns:
+                    break
                 msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
                 ids = prompt_ids(tok, msgs)
                 if len(ids) + max_new_tokens + k + 2 > max_len:
@@ -556,6 +559,8 @@ def run_eval(cfg) -> dict:
     e = cfg.eval
     if e.max_new_tokens < 1:
         raise EyasError(f"eval.max_new_tokens must be at least 1, got {e.max_new_tokens}")
+    if e.turns < 0:
+        raise EyasError(f"eval.turns must be 0 (every turn) or more, got {e.turns}")
     draft_path = Path(e.draft or os.path.join(cfg.out, "draft")).expanduser()
     tcfg = replace(cfg.target, dtype=e.dtype) if e.dtype else cfg.target
     target = load_target(tcfg)
@@ -565,7 +570,7 @@ def run_eval(cfg) -> dict:
     log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
     res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
                    max_new_tokens=e.max_new_tokens, compile_=e.compile,
-                   fused={"fused": True, "stepwise": False, "auto": None}[e.round])
+                   fused={"fused": True, "stepwise": False, "auto": None}[e.round], max_turns=e.turns)
     report = {"target": target.name, "target_identity": target.identity(), "dtype": str(target.dtype).replace("torch.", ""),
               "draft": str(draft_path), "k": e.k, "temperature": e.temperature,
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},

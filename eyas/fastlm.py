@@ -474,15 +474,21 @@ class DecodeGraph:
                 g = None
         return g
 
-    def _step(self, upto) -> None:
-        logits, _ = self.lm.forward(self.ids, self.pos, last_only=True, upto=upto)
-        self.tok.copy_(self.pick(logits[:, -1]))
+    def _step(self, upto, rows: slice | None = None) -> None:
+        if rows is None:
+            logits, _ = self.lm.forward(self.ids, self.pos, last_only=True, upto=upto)
+            self.tok.copy_(self.pick(logits[:, -1]))
+        else:
+            logits, _ = self.lm.forward(self.ids[rows], self.pos[rows], rows=rows, last_only=True, upto=upto)
+            self.tok[rows] = self.pick(logits[:, -1])
 
-    def __call__(self, upto=None) -> torch.Tensor:
+    def __call__(self, upto=None, rows: slice | None = None) -> torch.Tensor:
+        """One step; `rows` (a slice, eager steps only) advances just those rows: the rows outside it keep
+        their last token in `tok`, and their cache is left alone. A graph replays every row."""
         slots = self.slots(upto)
         g = self._graph(slots)
         if g is not None:
             g.replay()
         else:
-            self._step(slots)
+            self._step(slots, None if isinstance(slots, tuple) else rows)
         return self.tok

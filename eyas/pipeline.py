@@ -163,6 +163,10 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     from .data import read_dataset
     from .target import load_target
 
+    for key, ok, want in (("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more"),
+                          ("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1")):
+        if not ok:  # the eval stage would refuse it after the whole training
+            raise EyasError(f"{key} must be {want}, got {_get(cfg, key)}")
     target = load_target(cfg.target)
     if not target.has_chat_template:
         raise EyasError(f"target '{cfg.target.name}' has no chat template; eyas needs one to build training data")

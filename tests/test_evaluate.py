@@ -71,6 +71,23 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     assert "acceptance length" in (tmp_path / "run" / "eval" / "report.md").read_text()
 
 
+def test_eval_turns_answers_only_the_first_turns(tiny, tiny_drafter, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
+                                     {"role": "assistant", "content": "ignored"},
+                                     {"role": "user", "content": "And again?"}]},
+            {"id": "b", "messages": [{"role": "user", "content": "Name a fruit."}]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    over = {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 2, "eval.max_new_tokens": 6,
+            "eval.draft": str(tiny_drafter), "target.device": "cpu", "eval.turns": 1}
+    run_eval(resolve(None, "tiny", over))
+    rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert rep["prompts"] == {"set": "p.jsonl", "count": 2, "conversations": 2}  # a's second turn left out
+    assert {b: v["answers"] for b, v in rep["by_turn"].items()} == {"1": 2}
+    with pytest.raises(EyasError, match="eval.turns"):
+        run_eval(resolve(None, "tiny", {**over, "eval.turns": -1}))
+
+
 def test_repeat_bucket_reads_the_answers_own_ngrams():
     from eyas.evaluate import Tally, by_repetition, repeat_bucket
 

@@ -19,7 +19,7 @@ ARGS = [
     "--set", "train.lr=3e-3", "--set", "train.save_every=4", "--set", "train.eval_every=12",
     "--set", "train.val_ratio=0.15",
     "--set", "eval.limit=2", "--set", "eval.max_new_tokens=24", "--set", "eval.k=3",
-    "--set", "eval.prompts=sharegpt",
+    "--set", "eval.prompts=sharegpt", "--set", "eval.turns=1",
 ]
 
 
@@ -133,6 +133,7 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol):
         (["--set", "vocab.draft_vocab_size=60000"], "larger than the target's vocabulary"),
         (["--set", "target.aux_layers=2,15,40"], "out of range"),
         (["--set", f"data.source={tmp_path / 'missing.json'}"], "not found"),
+        (["--set", "eval.turns=-1"], "eval.turns must be"),
     ]
     for extra, msg in cases:
         r = eyas(tmp_path / "bad", *extra, timeout=300)
