@@ -167,6 +167,10 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
                           ("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1")):
         if not ok:  # the eval stage would refuse it after the whole training
             raise EyasError(f"{key} must be {want}, got {_get(cfg, key)}")
+    if cfg.regen.backend == "embedded" or not cfg.regen.enabled:  # before the target, which takes longer to load
+        convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
+        if not convs:
+            raise EyasError(f"data set {cfg.data.source} holds no usable conversations: {rep.summary()}")
     target = load_target(cfg.target)
     if not target.has_chat_template:
         raise EyasError(f"target '{cfg.target.name}' has no chat template; eyas needs one to build training data")
@@ -177,10 +181,6 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     if old and (old.get("name"), old.get("sha256")) != (target.name, target.sha256):
         raise EyasError(f"run directory {run} was made with target '{old.get('name')}' ({str(old.get('sha256'))[:12]}), "
                         f"not '{target.name}' ({target.sha256[:12]}); use another --out")
-    if cfg.regen.backend == "embedded" or not cfg.regen.enabled:
-        convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
-        if not convs:
-            raise EyasError(f"data set {cfg.data.source} holds no usable conversations: {rep.summary()}")
     return target
 
 
