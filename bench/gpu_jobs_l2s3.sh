@@ -40,6 +40,10 @@
 # of the lease with 2 staging calls, so only the chat decode's K=3 fitted. Its samples came back with REGEN_BACK=1 as
 # .carry/regenS123.tgz (26.4 MB), which this script now prefers; with it the job is about 900 s (an estimate: the
 # regen stage skipped, the same training), staged in 3 pieces (`--chunk-mib 46`) with .carry in the last call.
+# Without .carry (a new checkout, as in the forty-second session), three layers fit one lease at 5 epochs, not 6:
+#   LAYERS=3 REGEN_BACK=1 NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 5" bash bench/gpu_queue.sh 560
+# about 1,580 s of job (regen 723, tokenize 29, warm-up 122, 21,960 steps at 34.6/s, eval 70; an estimate), staged in
+# 2 pieces (`--chunk-mib 61`); 6 epochs would be about 1,700 s of job, beyond the lease with its start and staging.
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
