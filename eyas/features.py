@@ -822,7 +822,7 @@ def run_extract(cfg: Config, target=None) -> dict:
     splits into feature shards. Under torchrun each rank extracts its share on its own GPU."""
     import dataclasses
 
-    from .data.prepare import run_tokenize, tokens_dir
+    from .data.prepare import ensure_tokens
     from .target import load_target
 
     rank, world, local = dist_env()
@@ -842,10 +842,9 @@ def run_extract(cfg: Config, target=None) -> dict:
                 torch.cuda.set_device(local)
                 tcfg = dataclasses.replace(tcfg, device=f"cuda:{local}")
             target = load_target(tcfg, allow_tp=True)
-        if not (tokens_dir(Path(cfg.out)) / "meta.json").exists():
-            if rank == 0:
-                run_tokenize(cfg, target)
-            dist_barrier()
+        if rank == 0:  # made now if missing; refused if made from other data or given settings (ensure_tokens)
+            ensure_tokens(cfg, target)
+        dist_barrier()
         t0 = time.perf_counter()
         splits = [extract_split(cfg, target, s) for s in ("train", "val")]
         dt = time.perf_counter() - t0

@@ -167,6 +167,12 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
                           ("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1")):
         if not ok:  # the eval stage would refuse it after the whole training
             raise EyasError(f"{key} must be {want}, got {_get(cfg, key)}")
+    from .train import check_train_settings
+
+    check_train_settings(cfg)  # the train stage would refuse them after regen
+    if not (cfg.data.val_ratio >= 0 and cfg.data.test_ratio >= 0 and cfg.data.val_ratio + cfg.data.test_ratio < 1):
+        raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got "
+                        f"{cfg.data.val_ratio} and {cfg.data.test_ratio}")
     if cfg.regen.backend == "embedded" or not cfg.regen.enabled:  # before the target, which takes longer to load
         convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
         if not convs:

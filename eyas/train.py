@@ -426,10 +426,17 @@ def load_checkpoint(run: Path, ts: TrainState, fp: dict | None = None) -> dict |
     info = read_json(latest)
     d = ckpt_dir(run) / info["dir"]
     state = read_json(d / "state.json")
-    if fp is not None and state.get("fingerprint") != fp:
-        was, now = state.get("fingerprint", {}).get("train", {}), fp["train"]
-        diff = sorted(k for k in {*now, *was} if was.get(k) != now.get(k))
-        what = ", ".join(f"train.{k}" for k in diff) or "the target, draft vocabulary or process count"
+    stored = state.get("fingerprint") or {}
+    if fp is not None and "tokens" not in stored:  # a checkpoint from before the tokens were part of it
+        fp = {k: v for k, v in fp.items() if k != "tokens"}
+    if fp is not None and stored != fp:
+        was, now = stored.get("train", {}), fp["train"]
+        diff = [f"train.{k}" for k in sorted({*now, *was}) if was.get(k) != now.get(k)]
+        for key, name in (("target", "the target"), ("draft_vocab_hash", "the draft vocabulary"),
+                          ("world", "the process count"), ("tokens", f"the training data ({Path(run) / 'data' / 'tokens'})")):
+            if stored.get(key) != fp.get(key):
+                diff.append(name)
+        what = ", ".join(diff) or "the draft vocabulary's size"
         raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({what} changed); "
                         f"use another --out or delete {ckpt_dir(run)} to start over")
     try:
@@ -618,9 +625,11 @@ def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dic
         sec, _, field = key.partition(".")
         if sec == "train" and getattr(cfg.train, field) != old:
             train[field] = getattr(cfg.train, field)
+    from .data.prepare import tokens_key
+
     return {"train": train, "target": target.identity(),
             "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
-            "world": world}
+            "world": world, "tokens": tokens_key(cfg.out)}
 
 
 GRAPH_ON_CPU = False  # tests: train.cuda_graph's step (static buffers, one body) on a CPU, run eagerly
@@ -628,22 +637,39 @@ STEP_HOOK = None  # called with the step number after each optimizer step (bench
 LAG_STATS = True  # read a step's statistics one step later, so the host never waits for the device between steps
 
 
+def check_train_settings(cfg: Config) -> None:
+    """Refuse train settings out of range, naming the key (before anything is tokenized or trained)."""
+    tc = cfg.train
+    for key, ok, want in (
+            ("ttt_steps", tc.ttt_steps >= 1, "at least 1"),
+            ("epochs", tc.epochs >= 1, "at least 1"),
+            ("batch_tokens", tc.batch_tokens >= 16, "at least 16"),
+            ("grad_accum", tc.grad_accum >= 1, "at least 1"),
+            ("max_seq_len", tc.max_seq_len >= 2, "at least 2"),
+            ("label_temperature", tc.label_temperature > 0, "above 0"),
+            ("ttt_decay", tc.ttt_decay >= 0, "0 or above"),
+            ("lr", tc.lr > 0, "above 0"),
+            ("weight_decay", tc.weight_decay >= 0, "0 or above"),
+            ("noise_std", tc.noise_std >= 0, "0 or above"),
+            ("warmup_ratio", 0 <= tc.warmup_ratio <= 1, "between 0 and 1"),
+            ("val_ratio", 0 <= tc.val_ratio < 1, "at least 0 and below 1"),
+            ("grad_clip", tc.grad_clip >= 0, "0 (off) or above"),
+            ("max_steps", tc.max_steps >= 0, "0 (every epoch) or above"),
+            ("save_every", tc.save_every >= 0, "0 (each epoch end) or above"),
+            ("eval_every", tc.eval_every >= 0, "0 (each epoch end) or above")):
+        if not ok:
+            raise EyasError(f"train.{key} must be {want}, got {getattr(tc, key)}")
+
+
 def run_train(cfg: Config, target=None) -> dict:
     """Train the drafter of run directory `cfg.out` (tokenizing and choosing the vocabulary first if
     those stages have not run) and write the best drafter to `<run>/draft/`."""
-    from .data.prepare import load_tokens, run_tokenize, tokens_dir
+    from .data.prepare import ensure_tokens, load_tokens, tokens_dir
     from .target import load_target
-    from .vocab import load_vocab, run_vocab, vocab_dir
+    from .vocab import ensure_vocab, load_vocab
 
     tc = cfg.train
-    if tc.ttt_steps < 1:
-        raise EyasError(f"train.ttt_steps must be at least 1, got {tc.ttt_steps}")
-    if tc.batch_tokens < 16 or tc.grad_accum < 1 or tc.epochs < 1:
-        raise EyasError("train.batch_tokens must be >= 16, train.grad_accum and train.epochs >= 1")
-    if not tc.label_temperature > 0:
-        raise EyasError(f"train.label_temperature must be above 0, got {tc.label_temperature}")
-    if not tc.ttt_decay >= 0:
-        raise EyasError(f"train.ttt_decay must be 0 or above, got {tc.ttt_decay}")
+    check_train_settings(cfg)
     d = dist_setup(cfg.target.device)
     run = Path(cfg.out)
     torch.manual_seed(tc.seed)
@@ -651,11 +677,9 @@ def run_train(cfg: Config, target=None) -> dict:
     if target is None:
         tcfg = replace(cfg.target, device=str(d.device))
         target = load_target(tcfg)
-    if d.main:
-        if not (tokens_dir(run) / "meta.json").exists():
-            run_tokenize(cfg, target)
-        if not (vocab_dir(run) / "vocab.safetensors").exists():
-            run_vocab(cfg, target)
+    if d.main:  # made now if missing; see ensure_tokens and ensure_vocab for what a standalone `eyas train` reuses
+        ensure_tokens(cfg, target)
+        ensure_vocab(cfg, target)
     d.barrier()
     draft_ids = load_vocab(run, target)
     max_len = min(tc.max_seq_len, tc.batch_tokens)

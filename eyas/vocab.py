@@ -141,14 +141,13 @@ def run_vocab(cfg: Config, target=None) -> dict:
     write vocab.safetensors, coverage.json and coverage.png; returns the coverage summary."""
     from safetensors.torch import save_file
 
-    from .data.prepare import load_tokens, run_tokenize, tokens_dir
+    from .data.prepare import ensure_tokens, load_tokens, tokens_dir, tokens_key
     from .target import load_target
 
     run = Path(cfg.out)
     if target is None:
         target = load_target(cfg.target)
-    if not (tokens_dir(run) / "meta.json").exists():
-        run_tokenize(cfg, target)
+    ensure_tokens(cfg, target)
     tokens = load_tokens(run, "train")
     V = target.vocab_size
     counts = count_tokens(tokens, V)
@@ -165,7 +164,7 @@ def run_vocab(cfg: Config, target=None) -> dict:
     coverage = covered / total
     curve = coverage_curve(counts)
     out = vocab_dir(run)
-    meta = {"target": json.dumps(target.identity()), "draft_vocab_size": str(size)}
+    meta = {"target": json.dumps(target.identity()), "draft_vocab_size": str(size), "tokens": tokens_key(run) or ""}
     with atomic_path(out / "vocab.safetensors") as tmp:
         save_file({"d2t": d2t, "t2d": t2d, "draft_ids": draft_ids.contiguous()}, str(tmp), metadata=meta)
     report = {
@@ -184,6 +183,43 @@ def run_vocab(cfg: Config, target=None) -> dict:
             f"the drafter cannot propose the other {100 * (1 - coverage):.2f}% of tokens. Use more training data "
             f"or a larger --draft-vocab-size")
     return {k: v for k, v in report.items() if k not in ("curve", "target", "required_ids")}
+
+
+def ensure_vocab(cfg: Config, target) -> bool:
+    """Choose the run's draft vocabulary (run_vocab) when vocab/ has none, or again when the one there cannot be
+    what this command means: of another size than a vocab.draft_vocab_size this command was given explicitly
+    (`eyas train --draft-vocab-size`), or chosen from tokens the run no longer has (then at its own size).
+    Otherwise it is reused as it is, whatever the size settings say (a standalone command is not given the
+    settings it was made with). Returns whether it chose one."""
+    import dataclasses
+
+    from safetensors import SafetensorError, safe_open
+
+    from .data.prepare import tokens_key
+
+    path = vocab_dir(cfg.out) / "vocab.safetensors"
+    if not path.exists():
+        run_vocab(cfg, target)
+        return True
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError):
+        meta = {}
+    had = meta.get("draft_vocab_size")
+    want = min(cfg.vocab.draft_vocab_size, target.vocab_size)
+    why = []
+    if "vocab.draft_vocab_size" in getattr(cfg, "explicit", ()) and had != str(want):
+        why.append(f"vocab.draft_vocab_size {had} -> {want}")
+    if meta.get("tokens") not in (None, tokens_key(cfg.out)):
+        why.append("made from other tokens")
+    if not why:
+        return False
+    if "vocab.draft_vocab_size" not in getattr(cfg, "explicit", ()) and str(had).isdigit():
+        cfg = dataclasses.replace(cfg, vocab=dataclasses.replace(cfg.vocab, draft_vocab_size=int(had)))
+    log(f"vocab: choosing {path} again ({', '.join(why)})")
+    run_vocab(cfg, target)
+    return True
 
 
 def load_vocab(run_dir: str | Path, target=None) -> torch.Tensor:

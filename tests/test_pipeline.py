@@ -134,6 +134,8 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol):
         (["--set", "target.aux_layers=2,15,40"], "out of range"),
         (["--set", f"data.source={tmp_path / 'missing.json'}"], "not found"),
         (["--set", "eval.turns=-1"], "eval.turns must be"),
+        (["--set", "train.warmup_ratio=2"], "train.warmup_ratio must be between 0 and 1"),
+        (["--set", "data.val_ratio=0.6", "--set", "data.test_ratio=0.5"], "with a sum below 1"),
     ]
     for extra, msg in cases:
         r = eyas(tmp_path / "bad", *extra, timeout=300)

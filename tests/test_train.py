@@ -369,6 +369,57 @@ def test_finetune_from_saved_drafter_and_refuse_misfit(tiny_run, tiny, tmp_path)
     assert r.returncode == 2 and "does not fit target" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bad_train_settings_are_refused_before_any_work(tiny, tmp_path):
+    """Settings out of range stop `eyas train` with the key named, before anything is tokenized."""
+    for key, value, want in (("train.lr", -1.0, "above 0"), ("train.noise_std", -0.5, "0 or above"),
+                             ("train.warmup_ratio", 2.0, "between 0 and 1"), ("train.val_ratio", 1.5, "below 1"),
+                             ("train.epochs", 0, "at least 1")):
+        cfg = resolve(preset_name="tiny", overrides={"out": str(tmp_path / "r"), key: value})
+        with pytest.raises(EyasError, match=f"{key} must be .*{want}"):
+            run_train(cfg, tiny)
+        assert not (tmp_path / "r" / "data").exists()
+
+
+def test_standalone_train_checks_the_tokens_and_vocabulary_it_finds(tiny_run, tiny, tmp_path):
+    """`eyas train` reuses the run's tokens and vocabulary as they are, but refuses tokens split or cut with other
+    values of settings it was given, or made before the regenerated answers changed; it chooses the vocabulary
+    again for another explicit size, or at its own size when the tokens were made again; and a checkpoint of
+    other training data or another vocabulary is not resumed."""
+    from eyas.data.prepare import ensure_tokens, run_tokenize
+
+    run = clone_run(tiny_run, tmp_path / "r")
+    base = {"out": str(run), "train.max_steps": 1, "train.batch_tokens": 512, "train.max_seq_len": 256}
+    meta = run / "data" / "tokens" / "meta.json"
+    made = meta.read_text()
+    run_train(resolve(preset_name="tiny", overrides=base), tiny)  # the preset's data settings differ: not given
+    assert meta.read_text() == made and load_vocab(run).numel() == 2048
+    for key, value, said in (("train.val_ratio", 0.3, "train.val_ratio was 0.1, this command gives 0.3"),
+                             ("data.max_seq_len", 128, "data.max_seq_len was 256, this command gives 128")):
+        with pytest.raises(EyasError, match=f"cannot use: {said}.*eyas tokenize --out"):
+            run_train(resolve(preset_name="tiny", overrides={**base, key: value}), tiny)
+        assert meta.read_text() == made
+    # answers regenerated after the tokens were made
+    (run / "data" / "regen").mkdir()
+    (run / "data" / "regen" / "shard-00000.jsonl").write_text("")
+    with pytest.raises(EyasError, match="regenerated answers in .* changed since"):
+        ensure_tokens(resolve(preset_name="tiny", overrides=base), tiny)
+    (run / "data" / "regen" / "shard-00000.jsonl").unlink()
+    # another size, given: chosen again, and the checkpoint of the old one is not resumed
+    with pytest.raises(EyasError, match=r"different training run \(the draft vocabulary changed\)"):
+        run_train(resolve(preset_name="tiny", overrides={**base, "vocab.draft_vocab_size": 1024}), tiny)
+    assert load_vocab(run).numel() == 1024
+    # tokens made again with another split: the vocabulary follows at its own size; the checkpoint is refused
+    data = {"data.source": str(tiny_run.parent / "chats.jsonl"), "data.limit": 0, "data.test_ratio": 0.0}
+    run_tokenize(resolve(preset_name="tiny", overrides={**base, **data, "train.val_ratio": 0.3}), tiny)
+    with pytest.raises(EyasError, match=r"the training data \(.*tokens\) changed"):
+        run_train(resolve(preset_name="tiny", overrides=base), tiny)
+    assert load_vocab(run).numel() == 1024
+    # with the checkpoint gone it trains on the new split
+    shutil.rmtree(run / "ckpt")
+    res = run_train(resolve(preset_name="tiny", overrides=base), tiny)
+    assert res["steps"] == 1 and len(load_tokens(run, "val")) > len(load_tokens(tiny_run, "val"))
+
+
 def test_bf16_precision_on_cpu_trains_under_autocast(tiny_run, tiny, tmp_path):
     """train.precision=bf16 runs the drafter under bf16 autocast on the CPU: the losses move off the
     fp32 ones (so the setting is applied) but stay close and finite."""

@@ -3,7 +3,9 @@
 Layout of `<run>/data/tokens/` (safetensors, so files are data):
   train.safetensors, val.safetensors   input_ids (int32, all sequences concatenated),
                                        loss_mask (uint8), offsets (int64, len n+1)
-  meta.json                            ids per split, truncation count, source, config hash
+  meta.json                            ids per split, truncation count, source, and `inputs`: what the
+                                       tokens were made from (tokens_inputs), so that a later command
+                                       refuses tokens it cannot use (ensure_tokens)
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json
+from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json, sha256_json
 from .conversation import Conversation
 from .readers import read_dataset, select_split, split_of
 from .tokenize import Tokenized, check_mask, tokenize_conversation
@@ -221,10 +223,76 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
 TRAIN_VAL_SALT = "train.val:"
 
 
+def tokens_inputs(cfg: Config, target) -> dict:
+    """What the run's tokens are made from: the tokenizer (the target's identity less its aux layers, which the
+    tokens do not depend on), the data settings (less how many workers tokenize), train.val_ratio, and the
+    regenerated answers' files (name and size) when the run has any. JSON-normal, so it compares equal to
+    what meta.json recorded."""
+    import json
+
+    from ..config import to_dict
+
+    ident = {k: v for k, v in target.identity().items() if k != "aux_layers"}
+    data = {k: v for k, v in to_dict(cfg)["data"].items() if k != "tokenize_workers"}
+    rdir = regen_dir(Path(cfg.out))
+    files = sorted(rdir.glob("*.jsonl")) if rdir.exists() else []
+    regen = {f.name: f.stat().st_size for f in files}
+    return json.loads(json.dumps({"tokenizer": ident, "data": data, "train.val_ratio": cfg.train.val_ratio,
+                                  "regen_files": regen}))
+
+
+def ensure_tokens(cfg: Config, target) -> bool:
+    """Tokenize the run's training data when data/tokens has none; returns whether it tokenized. Tokens there
+    are reused as they are (a standalone command such as `eyas train` is not given the data settings they were
+    made with), but refused when they cannot be what this command means: made for another target, before the
+    regenerated answers last changed, or with another value of a setting this command was given explicitly
+    (e.g. `eyas train --val-ratio 0.1` on tokens split at 0.02). Tokens an eyas before this record wrote are
+    reused unchecked."""
+    d = tokens_dir(Path(cfg.out))
+    if not (d / "meta.json").exists():
+        run_tokenize(cfg, target)
+        return True
+    made = read_json(d / "meta.json").get("inputs")
+    if made is None:
+        return False
+    now = tokens_inputs(cfg, target)
+    why = []
+    if made.get("tokenizer") != now["tokenizer"]:
+        why.append(f"they are for target {made.get('tokenizer', {}).get('name')}, not {now['tokenizer'].get('name')}")
+    if made.get("regen_files") != now["regen_files"]:
+        why.append(f"the regenerated answers in {regen_dir(cfg.out)} changed since")
+    for key in sorted(getattr(cfg, "explicit", ())):  # the settings this command was given
+        sec, _, field = key.partition(".")
+        if sec == "data" and field in made.get("data", {}):
+            was, given = made["data"][field], now["data"][field]
+        elif key == "train.val_ratio" and key in made:
+            was, given = made[key], now[key]
+        else:
+            continue
+        if was != given:
+            why.append(f"{key} was {was!r}, this command gives {given!r}")
+    if why:
+        raise EyasError(f"{d} holds tokens this command cannot use: {'; '.join(why)}. Run `eyas tokenize --out "
+                        f"{cfg.out}` with the settings you want (it replaces them), or use another --out")
+    return False
+
+
+def tokens_key(run_dir: str | Path) -> str | None:
+    """A short hash of the run's tokens (their meta.json less its timings): what the vocabulary and a training
+    checkpoint were made from. None when the run has no tokens."""
+    meta_path = tokens_dir(Path(run_dir)) / "meta.json"
+    if not meta_path.exists():
+        return None
+    meta = read_json(meta_path)
+    return sha256_json({k: v for k, v in meta.items() if k != "seconds"})[:16]
+
+
 def run_tokenize(cfg: Config, target=None) -> dict:
     """Tokenize the training conversations and split off a validation set (train.val_ratio)."""
     from ..target import load_target
 
+    if not 0 <= cfg.train.val_ratio < 1:
+        raise EyasError(f"train.val_ratio must be at least 0 and below 1, got {cfg.train.val_ratio}")
     target = target or load_target(cfg.target)
     clock = PhaseClock(torch.device("cpu"))
     t0 = clock.start()
@@ -254,7 +322,8 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     # where the stage's time goes (the twentieth GPU session's took 103 s on the H200 host, of which its progress bar
     # showed 7 s of tokenizing; this project's 2-core CPU tokenizes as many conversations in about 25 s:
     # bench/bench_tokenize.py, BENCHMARKS.md)
-    meta = {"source": source, "target": target.identity(), **stats, "train_ids": [t.id for t in train],
+    meta = {"source": source, "target": target.identity(), "inputs": tokens_inputs(cfg, target), **stats,
+            "train_ids": [t.id for t in train],
             "val_ids": [t.id for t in val], "tokens": n_tok, "loss_tokens": n_masked, "seconds": seconds}
     atomic_write_json(d / "meta.json", meta)
     log(f"tokenize: {len(train)} train + {len(val)} val sequences, {n_tok:,} tokens ({n_masked:,} trained on), "
