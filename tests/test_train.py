@@ -404,6 +404,16 @@ def test_standalone_train_checks_the_tokens_and_vocabulary_it_finds(tiny_run, ti
     with pytest.raises(EyasError, match="regenerated answers in .* changed since"):
         ensure_tokens(resolve(preset_name="tiny", overrides=base), tiny)
     (run / "data" / "regen" / "shard-00000.jsonl").unlink()
+    # tokens of another model (the same one under another name would pass)
+    m = json.loads(made)
+    m["inputs"]["tokenizer"].update(name="other", sha256="0123456789abcdef")
+    meta.write_text(json.dumps(m))
+    with pytest.raises(EyasError, match=r"for target other \(0123456789ab\), not tiny"):
+        ensure_tokens(resolve(preset_name="tiny", overrides=base), tiny)
+    m["inputs"]["tokenizer"].update(name="renamed", sha256=json.loads(made)["inputs"]["tokenizer"]["sha256"])
+    meta.write_text(json.dumps(m))
+    assert ensure_tokens(resolve(preset_name="tiny", overrides=base), tiny) is False
+    meta.write_text(made)
     # another size, given: chosen again, and the checkpoint of the old one is not resumed
     with pytest.raises(EyasError, match=r"different training run \(the draft vocabulary changed\)"):
         run_train(resolve(preset_name="tiny", overrides={**base, "vocab.draft_vocab_size": 1024}), tiny)

@@ -257,8 +257,11 @@ def ensure_tokens(cfg: Config, target) -> bool:
         return False
     now = tokens_inputs(cfg, target)
     why = []
-    if made.get("tokenizer") != now["tokenizer"]:
-        why.append(f"they are for target {made.get('tokenizer', {}).get('name')}, not {now['tokenizer'].get('name')}")
+    same = ("sha256", "vocab_size")  # as load_vocab: the same model under another name (a preset, its GGUF path) is fine
+    if any(made.get("tokenizer", {}).get(k) != now["tokenizer"].get(k) for k in same):
+        was, cur = made.get("tokenizer", {}), now["tokenizer"]
+        why.append(f"they are for target {was.get('name')} ({str(was.get('sha256'))[:12]}), not {cur.get('name')} "
+                   f"({str(cur.get('sha256'))[:12]})")
     if made.get("regen_files") != now["regen_files"]:
         why.append(f"the regenerated answers in {regen_dir(cfg.out)} changed since")
     for key in sorted(getattr(cfg, "explicit", ())):  # the settings this command was given
