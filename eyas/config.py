@@ -48,7 +48,8 @@ class DataConfig:
     limit: int = opt(0, "read at most this many records (0 = all)")
     val_ratio: float = opt(0.02, "share of records in the validation split (by a hash of the record id)")
     test_ratio: float = opt(0.02, "share of records in the held-out test split used by eval")
-    max_seq_len: int = opt(2048, "truncate tokenized conversations to this many tokens")
+    max_seq_len: int = opt(2048, "truncate tokenized conversations to this many tokens, and regenerate answers to "
+                                 "prompts within it (0 = no limit: the target's context)")
     extra_original: int = opt(0, "besides the regenerated conversations, train on this many original ones of the train "
                               "split (their labels are still the target's own distribution; they cost a prefill, not a generation)")
     original_rest: bool = opt(False, "after a regenerated conversation's last answer, keep the data set's later turns "

@@ -163,9 +163,10 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     from .data import read_dataset
     from .target import load_target
 
-    for key, ok, want in (("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more"),
+    for key, ok, want in (("data.max_seq_len", cfg.data.max_seq_len >= 0, "0 (no limit) or more"),
+                          ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more"),
                           ("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1")):
-        if not ok:  # the eval stage would refuse it after the whole training
+        if not ok:  # the tokenize or eval stage would refuse it later, the eval after the whole training
             raise EyasError(f"{key} must be {want}, got {_get(cfg, key)}")
     from .train import check_train_settings
 

@@ -378,6 +378,9 @@ def test_bad_train_settings_are_refused_before_any_work(tiny, tmp_path):
         with pytest.raises(EyasError, match=f"{key} must be .*{want}"):
             run_train(cfg, tiny)
         assert not (tmp_path / "r" / "data").exists()
+    with pytest.raises(EyasError, match=r"data.max_seq_len must be 0 \(no limit\) or more, got -1"):
+        run_train(resolve(preset_name="tiny", overrides={"out": str(tmp_path / "r"), "data.max_seq_len": -1}), tiny)
+    assert not (tmp_path / "r" / "data" / "tokens").exists()
 
 
 def test_standalone_train_checks_the_tokens_and_vocabulary_it_finds(tiny_run, tiny, tmp_path):

@@ -296,6 +296,8 @@ def run_tokenize(cfg: Config, target=None) -> dict:
 
     if not 0 <= cfg.train.val_ratio < 1:
         raise EyasError(f"train.val_ratio must be at least 0 and below 1, got {cfg.train.val_ratio}")
+    if cfg.data.max_seq_len < 0:
+        raise EyasError(f"data.max_seq_len must be 0 (no limit) or more, got {cfg.data.max_seq_len}")
     target = target or load_target(cfg.target)
     clock = PhaseClock(torch.device("cpu"))
     t0 = clock.start()
