@@ -322,6 +322,21 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
                 raise EyasError(f"unknown config key '{key}' ('{part}' is not a section)")
 
 
+def get_key(cfg: Config, key: str) -> Any:
+    """The value of `section.field` (or a top-level field)."""
+    obj: Any = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_settings(cfg: Config, checks) -> None:
+    """Refuse the first (key, ok, want) of `checks` whose `ok` is false: "<key> must be <want>, got <value>"."""
+    for key, ok, want in checks:
+        if not ok:
+            raise EyasError(f"{key} must be {want}, got {get_key(cfg, key)}")
+
+
 def apply_dict(cfg: Config, data: dict, prefix: str = "", source: str = "") -> None:
     for k, v in data.items():
         key = f"{prefix}{k}"

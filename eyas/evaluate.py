@@ -552,15 +552,20 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
     return out_dir / "report.json"
 
 
+def check_eval_settings(cfg) -> None:
+    """Refuse eval settings out of range, naming the key."""
+    from .config import check_settings
+
+    check_settings(cfg, (("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1"),
+                         ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more")))
+
+
 def run_eval(cfg) -> dict:
     """The `eyas eval` stage."""
     from .target import load_target
 
     e = cfg.eval
-    if e.max_new_tokens < 1:
-        raise EyasError(f"eval.max_new_tokens must be at least 1, got {e.max_new_tokens}")
-    if e.turns < 0:
-        raise EyasError(f"eval.turns must be 0 (every turn) or more, got {e.turns}")
+    check_eval_settings(cfg)
     draft_path = Path(e.draft or os.path.join(cfg.out, "draft")).expanduser()
     tcfg = replace(cfg.target, dtype=e.dtype) if e.dtype else cfg.target
     target = load_target(tcfg)

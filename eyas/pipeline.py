@@ -67,15 +67,8 @@ SIZED_ONLY_IF = {"regen.samples": lambda cfg: cfg.regen.temperature > 0}
 SIZED_PRESETS = ("smollm2", "qwen-coder-0.5b")
 
 
-def _get(cfg, key):
-    obj = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _default(key):
-    return _get(C.Config(), key)
+    return C.get_key(C.Config(), key)
 
 
 def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> dict:
@@ -91,7 +84,7 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
     for key, value in table.items():
         if key in SIZED_ONLY_IF and not SIZED_ONLY_IF[key](cfg):
             continue
-        if key not in explicit and _get(cfg, key) == _default(key):
+        if key not in explicit and C.get_key(cfg, key) == _default(key):
             C.set_key(cfg, key, value)
             changed[key] = value
     return changed
@@ -163,14 +156,13 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     from .data import read_dataset
     from .target import load_target
 
-    for key, ok, want in (("data.max_seq_len", cfg.data.max_seq_len >= 0, "0 (no limit) or more"),
-                          ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more"),
-                          ("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1")):
-        if not ok:  # the tokenize or eval stage would refuse it later, the eval after the whole training
-            raise EyasError(f"{key} must be {want}, got {_get(cfg, key)}")
+    from .evaluate import check_eval_settings
     from .train import check_train_settings
 
-    check_train_settings(cfg)  # the train stage would refuse them after regen
+    # the stages' own checks (the train stage's include the tokenize stage's), which would refuse these settings
+    # only after regen, the eval's after the whole training
+    check_train_settings(cfg)
+    check_eval_settings(cfg)
     if not (cfg.data.val_ratio >= 0 and cfg.data.test_ratio >= 0 and cfg.data.val_ratio + cfg.data.test_ratio < 1):
         raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got "
                         f"{cfg.data.val_ratio} and {cfg.data.test_ratio}")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import KEYED_WHEN_CHANGED, Config
+from .config import KEYED_WHEN_CHANGED, Config, check_settings
 from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
@@ -638,27 +638,28 @@ LAG_STATS = True  # read a step's statistics one step later, so the host never w
 
 
 def check_train_settings(cfg: Config) -> None:
-    """Refuse train settings out of range, naming the key (before anything is tokenized or trained)."""
+    """Refuse train settings out of range, and the tokenize stage's (which `eyas train` runs when the run has no
+    tokens), naming the key, before anything is tokenized or trained."""
+    from .data.prepare import check_tokenize_settings
+
     tc = cfg.train
-    for key, ok, want in (
-            ("ttt_steps", tc.ttt_steps >= 1, "at least 1"),
-            ("epochs", tc.epochs >= 1, "at least 1"),
-            ("batch_tokens", tc.batch_tokens >= 16, "at least 16"),
-            ("grad_accum", tc.grad_accum >= 1, "at least 1"),
-            ("max_seq_len", tc.max_seq_len >= 2, "at least 2"),
-            ("label_temperature", tc.label_temperature > 0, "above 0"),
-            ("ttt_decay", tc.ttt_decay >= 0, "0 or above"),
-            ("lr", tc.lr > 0, "above 0"),
-            ("weight_decay", tc.weight_decay >= 0, "0 or above"),
-            ("noise_std", tc.noise_std >= 0, "0 or above"),
-            ("warmup_ratio", 0 <= tc.warmup_ratio <= 1, "between 0 and 1"),
-            ("val_ratio", 0 <= tc.val_ratio < 1, "at least 0 and below 1"),
-            ("grad_clip", tc.grad_clip >= 0, "0 (off) or above"),
-            ("max_steps", tc.max_steps >= 0, "0 (every epoch) or above"),
-            ("save_every", tc.save_every >= 0, "0 (each epoch end) or above"),
-            ("eval_every", tc.eval_every >= 0, "0 (each epoch end) or above")):
-        if not ok:
-            raise EyasError(f"train.{key} must be {want}, got {getattr(tc, key)}")
+    check_settings(cfg, (
+        ("train.ttt_steps", tc.ttt_steps >= 1, "at least 1"),
+        ("train.epochs", tc.epochs >= 1, "at least 1"),
+        ("train.batch_tokens", tc.batch_tokens >= 16, "at least 16"),
+        ("train.grad_accum", tc.grad_accum >= 1, "at least 1"),
+        ("train.max_seq_len", tc.max_seq_len >= 2, "at least 2"),
+        ("train.label_temperature", tc.label_temperature > 0, "above 0"),
+        ("train.ttt_decay", tc.ttt_decay >= 0, "0 or above"),
+        ("train.lr", tc.lr > 0, "above 0"),
+        ("train.weight_decay", tc.weight_decay >= 0, "0 or above"),
+        ("train.noise_std", tc.noise_std >= 0, "0 or above"),
+        ("train.warmup_ratio", 0 <= tc.warmup_ratio <= 1, "between 0 and 1"),
+        ("train.grad_clip", tc.grad_clip >= 0, "0 (off) or above"),
+        ("train.max_steps", tc.max_steps >= 0, "0 (every epoch) or above"),
+        ("train.save_every", tc.save_every >= 0, "0 (each epoch end) or above"),
+        ("train.eval_every", tc.eval_every >= 0, "0 (each epoch end) or above")))
+    check_tokenize_settings(cfg)
 
 
 def run_train(cfg: Config, target=None) -> dict:

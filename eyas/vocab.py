@@ -208,14 +208,15 @@ def ensure_vocab(cfg: Config, target) -> bool:
         meta = {}
     had = meta.get("draft_vocab_size")
     want = min(cfg.vocab.draft_vocab_size, target.vocab_size)
+    given = "vocab.draft_vocab_size" in getattr(cfg, "explicit", ())
     why = []
-    if "vocab.draft_vocab_size" in getattr(cfg, "explicit", ()) and had != str(want):
+    if given and had != str(want):
         why.append(f"vocab.draft_vocab_size {had} -> {want}")
     if meta.get("tokens") not in (None, tokens_key(cfg.out)):
         why.append("made from other tokens")
     if not why:
         return False
-    if "vocab.draft_vocab_size" not in getattr(cfg, "explicit", ()) and str(had).isdigit():
+    if not given and str(had).isdigit():
         cfg = dataclasses.replace(cfg, vocab=dataclasses.replace(cfg.vocab, draft_vocab_size=int(had)))
     log(f"vocab: choosing {path} again ({', '.join(why)})")
     run_vocab(cfg, target)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ..config import Config, check_settings
 from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json, sha256_json
 from .conversation import Conversation
 from .readers import read_dataset, select_split, split_of
@@ -290,14 +290,17 @@ def tokens_key(run_dir: str | Path) -> str | None:
     return sha256_json({k: v for k, v in meta.items() if k != "seconds"})[:16]
 
 
+def check_tokenize_settings(cfg: Config) -> None:
+    """Refuse the settings the tokenize stage reads out of range, naming the key."""
+    check_settings(cfg, (("train.val_ratio", 0 <= cfg.train.val_ratio < 1, "at least 0 and below 1"),
+                         ("data.max_seq_len", cfg.data.max_seq_len >= 0, "0 (no limit) or more")))
+
+
 def run_tokenize(cfg: Config, target=None) -> dict:
     """Tokenize the training conversations and split off a validation set (train.val_ratio)."""
     from ..target import load_target
 
-    if not 0 <= cfg.train.val_ratio < 1:
-        raise EyasError(f"train.val_ratio must be at least 0 and below 1, got {cfg.train.val_ratio}")
-    if cfg.data.max_seq_len < 0:
-        raise EyasError(f"data.max_seq_len must be 0 (no limit) or more, got {cfg.data.max_seq_len}")
+    check_tokenize_settings(cfg)
     target = target or load_target(cfg.target)
     clock = PhaseClock(torch.device("cpu"))
     t0 = clock.start()
