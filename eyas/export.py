@@ -292,7 +292,7 @@ def run_export(cfg) -> dict:
                            verifier_architectures=verifier_architectures(cfg.target))
         log(f"exported the drafter for {f}: {p}")
         out[f] = str(p)
-    return {"export": out, "aux_layers": list(drafter.config.aux_layers),
+    return {"formats": list(out), "export": out, "aux_layers": list(drafter.config.aux_layers),
             "engine_aux_ids": {f: engine_aux_ids(list(drafter.config.aux_layers), f,
                                                  drafter.config.target_num_layers) for f in formats}}
 

@@ -261,7 +261,7 @@ def _jsonable(obj):
 
 def one_line(name: str, r: dict) -> str:
     pick = {
-        "regen": ["records", "turns", "tokens_per_s"],
+        "regen": ["records", "assistant_turns", "errors_total", "tokens_per_s"],
         "tokenize": ["conversations", "tokens", "loss_tokens", "truncated"],
         "vocab": ["draft_vocab_size", "coverage"],
         "extract": ["tokens", "bytes", "tokens_per_s"],

@@ -77,7 +77,15 @@ def write_report(run: Path) -> dict:
         for k, v in regen.items():
             if not isinstance(v, (dict, list)):
                 lines.append(f"- regen {k.replace('_', ' ')}: {_fmt(v)}")
-            elif isinstance(v, dict) and k in ("errors", "token_stats", "lengths", "answer_tokens"):
+            elif k == "errors" and isinstance(v, dict) and v:
+                from .data.regen import ERROR_WORDS
+
+                lines.append("- regen conversations left out: "
+                             + ", ".join(f"{ERROR_WORDS.get(e, e)}: {n}" for e, n in sorted(v.items())))
+            elif k == "this_call" and isinstance(v, dict):
+                lines.append(f"- regen this call: {_fmt(v.get('generated_tokens'))} answer tokens generated in "
+                             f"{_fmt(v.get('seconds'))} s")
+            elif isinstance(v, dict) and k in ("token_stats", "lengths", "answer_tokens"):
                 lines.append(f"- regen {k.replace('_', ' ')}: {json.dumps(v)}")
         if tok:
             lines += [f"- tokenized from {tok.get('source')}: {tok.get('conversations')} conversations, "

@@ -18,7 +18,7 @@ from eyas.config import Config
 from eyas.data import Conversation, Turn, read_dataset
 from eyas.data.regen import ConvState, regen_dir, run_regen, validation_report
 from eyas.data.server import TurnResult, chat_url, split_reasoning
-from eyas.util import EyasError
+from eyas.util import EyasError, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -470,6 +470,26 @@ def test_embedded_tiny_kill9_resume(tmp_path, tiny, engine):
     a = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "killed")))[0]}
     b = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
     assert sorted(a) == sorted(b)
+
+
+def test_a_conversation_left_out_says_why(tmp_path, tiny, capsys):
+    """A first prompt too long for the context leaves its conversation out, and the errors file, the log and the
+    report say so in words; the report also gives what this call generated and how fast."""
+    src = write_jsonl(tmp_path / "d.jsonl", [["short question"], [" ".join(["word"] * 300)]])
+    cfg = tiny_cfg(tmp_path, src, max_new_tokens=8)
+    cfg.data.max_seq_len = 64
+    rep = run_regen(cfg, target=tiny)
+    assert rep["records"] == 1 and rep["errors"] == {"context": 1}
+    (err,) = read_json(next(regen_dir(cfg.out).glob("*.errors.json")))["errors"]
+    assert err["kind"] == "context" and "leaves no room for an answer" in err["message"]
+    assert int(err["message"].split("(")[1].split()[0]) >= 300  # the prompt's own length
+    out = capsys.readouterr().err
+    assert "1 left out (first prompt too long for the context: 1)" in out
+    made = rep["this_call"]
+    assert made["generated_tokens"] == rep["completion_tokens"]["total"]
+    assert 0 < made["generated_tokens"] <= 8 and made["tokens_per_s"] > 0 and rep["tokens_per_s"] > 0
+    again = run_regen(cfg, target=tiny)  # all done: nothing generated, so no rate
+    assert again["records"] == 1 and "this_call" not in again and "tokens_per_s" not in again
 
 
 def test_torchrun_two_processes_split_the_shards(tmp_path, tiny):
