@@ -11,10 +11,11 @@ import importlib
 import json
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from . import config as C
-from .util import EyasError, NotBuiltError
+from .util import EyasError, NotBuiltError, log
 
 # subcommand -> (help, config sections whose fields become flags, "module:function" of the stage)
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
@@ -141,7 +142,14 @@ def config_from_args(args: argparse.Namespace, mapping: dict[str, str]) -> C.Con
         overrides["target.name"] = args.target_name
     if args.out:
         overrides["out"] = args.out
-    return C.resolve(args.config, args.preset, overrides)
+    saved = Path(args.out or C.Config().out) / "eyas.toml"
+    if args.config or args.preset or not saved.is_file():
+        return C.resolve(args.config, args.preset, overrides)
+    command = getattr(args, "command", None)
+    log(f"settings: the run's own, from {saved}" + (" (its preset and what it was given; the rest sized to this "
+        "machine)" if command == "run" else "") + ", under this command's flags; a CONFIG file or --preset starts "
+        "afresh")
+    return C.resolve(None, None, overrides, run_config=saved, whole=command != "run")
 
 
 def stage_function(spec: str, command: str):

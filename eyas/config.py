@@ -370,9 +370,38 @@ def load_toml(path: str | Path) -> dict:
 
 
 def resolve(config_file: str | None = None, preset_name: str | None = None,
-            overrides: dict[str, Any] | None = None) -> Config:
-    """defaults < preset < TOML file < overrides (a dict of dotted keys)."""
+            overrides: dict[str, Any] | None = None, run_config: str | Path | None = None,
+            whole: bool = True) -> Config:
+    """defaults < preset < TOML file < overrides (a dict of dotted keys).
+
+    `run_config`, a run directory's saved `eyas.toml`, stands for the preset and file when neither is given: a
+    run remembers its settings. `whole` takes every setting saved there (a stage command on the run: the settings
+    the run was made with); otherwise only its preset and the keys the run was given (`eyas run` again: the rest
+    are sized to this machine anew). A file saved before runs recorded their keys is taken whole."""
+    if run_config and not config_file and not preset_name:
+        saved = load_toml(run_config)
+        given = saved.pop(SAVED_EXPLICIT, None)
+        name = saved.get("preset") or "smollm2"
+        cfg = preset(name)
+        keys = list(_flat_keys(saved)) if whole or given is None else [k for k in given if k != "out"]
+        for key in keys:
+            try:
+                set_key(cfg, key, get_key_from(saved, key))
+            except KeyError:  # listed as given, but not saved
+                pass
+            except EyasError as e:
+                if not str(e).startswith("unknown config key"):
+                    raise EyasError(f"{run_config}: {e}") from None
+                # a setting of another eyas version, unknown to this one: left out
+        before: set[str] = set() if whole else set(keys)
+        cfg.preset = name
+        cfg.out = str(Path(run_config).parent)
+        for k, v in (overrides or {}).items():
+            set_key(cfg, k, v)
+        cfg.explicit = before | set(overrides or {})
+        return cfg
     file_data = load_toml(config_file) if config_file else {}
+    file_data.pop(SAVED_EXPLICIT, None)  # a run's saved eyas.toml given as the file
     name = preset_name or file_data.get("preset") or "smollm2"
     cfg = preset(name)
     if file_data:
@@ -383,6 +412,16 @@ def resolve(config_file: str | None = None, preset_name: str | None = None,
     # keys the user gave (file or flags), even when equal to a default: machine sizing leaves them alone
     cfg.explicit = set(_flat_keys(file_data)) | set(overrides or {})
     return cfg
+
+
+# the key of a saved eyas.toml that lists the settings the run was given (not a config field)
+SAVED_EXPLICIT = "given"
+
+
+def get_key_from(d: dict, key: str) -> Any:
+    """`key` ("section.field" or a top-level field) of a TOML dict; KeyError when absent."""
+    sec, _, f = key.partition(".")
+    return d[sec][f] if f else d[sec]
 
 
 def _flat_keys(d: dict, prefix: str = ""):
@@ -415,6 +454,9 @@ def to_toml(cfg: Config) -> str:
     for k, v in d.items():
         if not isinstance(v, dict):
             lines.append(f"{k} = {_toml_value(v)}")
+    given = getattr(cfg, "explicit", None)
+    if given is not None:  # what the run was given (file and flags); `eyas run` on it again sizes the rest anew
+        lines.append(f"{SAVED_EXPLICIT} = {_toml_value(sorted(given))}")
     for k, v in d.items():
         if isinstance(v, dict):
             lines.append(f"\n[{k}]")

@@ -764,7 +764,9 @@ def run_train(cfg: Config, target=None) -> dict:
     torch.manual_seed(tc.seed)
     drafter = initial_drafter(cfg, target, draft_ids).to(d.device)
     drafter.float()
-    if not tc.finetune_from and tc.fc_init == "scaled":  # same batches on every rank (DDP also broadcasts)
+    resuming = (ckpt_dir(run) / "latest.json").exists()  # its weights replace any init
+    # same batches on every rank (DDP also broadcasts)
+    if not tc.finetune_from and tc.fc_init == "scaled" and not resuming:
         first = train.slot_bins(tc.seed, group)[0][:2]  # slot 0 (rank 0) owns these sequences
         rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in first])
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")

@@ -192,3 +192,45 @@ def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):
     lines = err.splitlines()
     assert "\r" not in err and len(lines) >= 2 and len(set(lines)) == len(lines)
     assert all(x.startswith("long:") for x in lines) and "6/6" in lines[-1] and "100%" in lines[-1]
+
+
+def test_a_run_directory_remembers_its_settings(tmp_path, capsys):
+    """A command on a run directory starts from its saved eyas.toml: a stage command takes every setting the run
+    was made with, `eyas run` again its preset and what it was given (sizing the rest to the machine anew); flags
+    still win, and a CONFIG file or --preset starts afresh."""
+    from eyas.pipeline import autosize
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = C.resolve(None, "smollm2", {"train.epochs": "6", "regen.samples": "3", "out": str(run)})
+    assert autosize(cfg, "cpu")["train.batch_tokens"] == 1024  # what the run was sized to
+    C.save(cfg, run)
+    parser, maps = build_parser()
+
+    def from_args(*argv):
+        args = parser.parse_args(list(argv))
+        return config_from_args(args, maps[args.command])
+
+    ev = from_args("eval", "--out", str(run), "--k", "5")
+    assert "settings: the run's own, from" in capsys.readouterr().err
+    assert ev.train.epochs == 6 and ev.train.batch_tokens == 1024 and ev.eval.k == 5
+    assert ev.explicit == {"out", "eval.k"}  # only this command's flags count as given (tokens are checked by them)
+    again = from_args("run", "--out", str(run))
+    assert again.train.epochs == 6 and again.regen.samples == 3 and again.train.batch_tokens == 8192
+    assert {"train.epochs", "regen.samples"} <= again.explicit
+    sized = autosize(again, "cuda")  # a GPU machine sizes what the run was not given, for a GPU
+    assert sized["regen.limit"] == 20000 and "train.epochs" not in sized and "regen.samples" not in sized
+    assert from_args("eval", "--out", str(run), "--preset", "tiny").target.name == "tiny"  # afresh
+    assert from_args("eval", "--out", str(run), "--preset", "smollm2").train.epochs == 2
+    moved = tmp_path / "moved"
+    run.rename(moved)
+    assert from_args("train", "--out", str(moved)).out == str(moved)
+    text = (moved / "eyas.toml").read_text()  # a file from an older eyas: no list of given keys, an unknown key
+    old = "\n".join(line for line in text.splitlines() if not line.startswith(C.SAVED_EXPLICIT + " ="))
+    (moved / "eyas.toml").write_text(old.replace("[train]\n", "[train]\ngone_setting = 1\n"))
+    for command in ("run", "train"):
+        got = from_args(command, "--out", str(moved))
+        assert got.train.epochs == 6 and got.train.batch_tokens == 1024
+    (moved / "eyas.toml").write_text(old.replace("epochs = 6", "epochs = 'six'"))
+    with pytest.raises(EyasError, match=r"eyas.toml: config key 'train.epochs': expected int"):
+        from_args("train", "--out", str(moved))

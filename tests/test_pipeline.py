@@ -62,10 +62,14 @@ def test_report_tau_and_lossless(full_run):
 
 
 def test_second_run_skips_every_stage(full_run):
+    """Run again with no settings at all: the run directory remembers the preset and settings it was given, sizes
+    the rest to this machine as before, and so finds every stage done."""
     out, _ = full_run
     before = {p: p.stat().st_mtime_ns for p in (out / "draft").iterdir()}
-    r = eyas(out, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "eyas", "run", "--out", str(out)], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "settings: the run's own" in r.stderr
     for stage in ("regen", "tokenize", "vocab", "extract", "train", "eval", "export"):
         assert f"[{stage}] unchanged, skipped" in r.stderr
     assert before == {p: p.stat().st_mtime_ns for p in (out / "draft").iterdir()}
