@@ -64,6 +64,8 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[st
                 kw["action"] = "append"
                 kw["metavar"] = "VALUE"
                 kw["help"] += "; repeat the flag or give a comma list"
+            elif choices:  # the usage line and help show them
+                kw["metavar"] = "{" + ",".join(c if c else "''" for c in choices) + "}"
             else:
                 kw["metavar"] = getattr(tp, "__name__", "VALUE").upper()
             g.add_argument(f"--{flag}", **kw)

@@ -97,10 +97,13 @@ def load_prompt_set(cfg) -> tuple[str, list]:
     limit = cfg.eval.limit
     if src == "sharegpt":
         source = cfg.data.source if cfg.data.source not in ("humaneval",) else "sharegpt"
-        convs, _ = read_dataset(source, strict=False)
-        convs = select_split(convs, "test", cfg.data.val_ratio, cfg.data.test_ratio)
+        every, _ = read_dataset(source, strict=False)
+        convs = select_split(every, "test", cfg.data.val_ratio, cfg.data.test_ratio)
         if not convs:
-            raise EyasError(f"the held-out test split of {source} is empty (data.test_ratio = {cfg.data.test_ratio})")
+            raise EyasError(f"the held-out test split of {source}, the eval's prompts, is empty: none of its "
+                            f"{len(every)} conversations falls in it at data.test_ratio {cfg.data.test_ratio} (a "
+                            f"hash of each record's id decides). Raise --set data.test_ratio, or give the eval "
+                            f"prompts of its own with --set eval.prompts=FILE (or humaneval)")
         name = "sharegpt-test" if source == "sharegpt" else f"{source}:test"
     elif src == "humaneval":
         convs, _ = read_dataset("humaneval")

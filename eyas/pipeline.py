@@ -156,7 +156,7 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     from .data import read_dataset
     from .target import load_target
 
-    from .evaluate import check_eval_settings
+    from .evaluate import check_eval_settings, load_prompt_set
     from .train import check_train_settings
 
     # the stages' own checks (the train stage's include the tokenize stage's), which would refuse these settings
@@ -170,6 +170,10 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
         convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
         if not convs:
             raise EyasError(f"data set {cfg.data.source} holds no usable conversations: {rep.summary()}")
+    if cfg.eval.prompts != "humaneval" and (cfg.eval.prompts, cfg.data.source) != ("sharegpt", "sharegpt"):
+        # the eval's prompts, a held-out split of the user's data or a file, exist (the ShareGPT package's
+        # test split holds thousands; reading it would take longer than the other checks together)
+        load_prompt_set(cfg)
     target = load_target(cfg.target)
     if not target.has_chat_template:
         raise EyasError(f"target '{cfg.target.name}' has no chat template; eyas needs one to build training data")

@@ -141,6 +141,13 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol):
         (["--set", "train.warmup_ratio=2"], "train.warmup_ratio must be between 0 and 1"),
         (["--set", "data.val_ratio=0.6", "--set", "data.test_ratio=0.5"], "with a sum below 1"),
     ]
+    few = tmp_path / "few.jsonl"  # a data set too small for a 2% held-out test split, the eval's prompts
+    few.write_text("".join(json.dumps({"id": f"a{i}", "messages": [{"role": "user", "content": f"question {i}"}]})
+                           + "\n" for i in range(5)))
+    from eyas.data.readers import split_of
+    assert all(split_of(f"a{i}", 0.02, 0.02) != "test" for i in range(5))
+    cases += [(["--set", f"data.source={few}"], "the held-out test split of"),
+              (["--set", f"eval.prompts={tmp_path / 'nope.jsonl'}"], "eval.prompts: file not found")]
     for extra, msg in cases:
         r = eyas(tmp_path / "bad", *extra, timeout=300)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
