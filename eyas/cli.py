@@ -38,18 +38,25 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
 }
 
 
-def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[str, str]:
-    """Add one flag per config field; returns dest -> dotted key. A name used by an earlier
-    section is prefixed with the section (--data-limit vs --limit)."""
+def add_config_flags(p: argparse.ArgumentParser, sections: list[str], own: str | None = None) -> dict[str, str]:
+    """Add one flag per config field; returns dest -> dotted key. A field name found in more than one of the
+    sections keeps the plain flag only in the command's `own` section (`eyas train --seed` is train.seed); the
+    others, and all of them where there is no own section (`eyas run`: --regen-seed, --train-seed), carry their
+    section's name, and the plain flag there stops with the choice instead of picking one silently."""
     mapping: dict[str, str] = {}
     taken = {"preset", "out", "set", "config", "help", "target"}
+    owners: dict[str, list[str]] = {}
+    for sec in sections:
+        for name, *_ in C.section_fields(sec):
+            if not (sec == "target" and name == "name"):
+                owners.setdefault(name, []).append(sec)
     for sec in sections:
         g = p.add_argument_group(f"[{sec}] settings")
         for name, tp, default, help_, choices in C.section_fields(sec):
             flag = name.replace("_", "-")
-            if flag in taken or (sec == "target" and name == "name"):
-                if sec == "target" and name == "name":
-                    continue  # --target
+            if sec == "target" and name == "name":
+                continue  # --target
+            if flag in taken or (len(owners[name]) > 1 and sec != own):
                 flag = f"{sec}-{flag}"
             taken.add(flag)
             dest = f"cfg__{sec}__{name}"
@@ -70,7 +77,23 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str]) -> dict[st
                 kw["metavar"] = getattr(tp, "__name__", "VALUE").upper()
             g.add_argument(f"--{flag}", **kw)
             mapping[dest] = f"{sec}.{name}"
+    for name, secs in owners.items():  # a plain flag no section owns here: say which ones there are
+        flag = name.replace("_", "-")
+        if len(secs) > 1 and own not in secs and flag not in taken:
+            p.add_argument(f"--{flag}", action=_Ambiguous, nargs="?", help=argparse.SUPPRESS,
+                           choices_of=[f"--{sec}-{flag}" for sec in secs])
     return mapping
+
+
+class _Ambiguous(argparse.Action):
+    """A flag that several sections' settings share in this command: stops, naming the section-prefixed ones."""
+
+    def __init__(self, *args, choices_of: list[str], **kw):
+        super().__init__(*args, **kw)
+        self.choices_of = choices_of
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is ambiguous here: say which setting, {' or '.join(self.choices_of)}")
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
@@ -84,15 +107,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     for name, (help_, sections, _) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         common(sp, run_dir_required=name in ("report",))
-        maps[name] = add_config_flags(sp, sections)
+        maps[name] = add_config_flags(sp, sections, own=sections[0] if name != "run" and sections else None)
     sp = sub.add_parser("target", help="show what eyas sees in a target", description="show what eyas sees in a target")
     common(sp)
-    maps["target"] = add_config_flags(sp, ["target"])
+    maps["target"] = add_config_flags(sp, ["target"], own="target")
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sp = sub.add_parser("data", help="show and check a data set (records, skips, splits, token lengths)",
                         description="show and check a data set, or report on regenerated output (--report)")
     common(sp)
-    maps["data"] = add_config_flags(sp, ["data", "target"])
+    maps["data"] = add_config_flags(sp, ["data", "target"], own="data")
     sp.add_argument("--report", metavar="DIR", default=None, help="validation report of regenerated output in DIR")
     sp.add_argument("--show", type=int, default=0, metavar="N", help="print the first N conversations rendered with "
                     "the chat template, trained-on text marked [[like this]]")
@@ -100,7 +123,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     sp = sub.add_parser("parity", help="compare a serving engine's acceptance with eyas' own on the same prompts",
                         description="compare a serving engine's acceptance with eyas' own on the same prompts")
     common(sp)
-    maps["parity"] = add_config_flags(sp, ["eval", "target", "data"])
+    maps["parity"] = add_config_flags(sp, ["eval", "target", "data"], own="eval")
     sp.add_argument("--endpoint", required=False, help="base URL of the running server")
     sp.add_argument("--engine", choices=("vllm", "sglang"), help="which engine serves the drafter")
     sp = sub.add_parser("compare", help="two drafters' τ on the same prompts, with a paired bootstrap interval",

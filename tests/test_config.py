@@ -8,6 +8,13 @@ from eyas.cli import build_parser, config_from_args, main
 from eyas.util import EyasError
 
 
+@pytest.fixture(autouse=True)
+def _elsewhere(tmp_path, monkeypatch):
+    """Commands given no --out use runs/default under the working directory; a run a developer made there would
+    otherwise lend these tests its settings."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_presets():
     assert C.preset("smollm2").target.name == "smollm2"
     assert C.preset("qwen-coder-0.5b").target.name == "qwen-coder-0.5b"
@@ -234,3 +241,33 @@ def test_a_run_directory_remembers_its_settings(tmp_path, capsys):
     (moved / "eyas.toml").write_text(old.replace("epochs = 6", "epochs = 'six'"))
     with pytest.raises(EyasError, match=r"eyas.toml: config key 'train.epochs': expected int"):
         from_args("train", "--out", str(moved))
+
+
+def test_a_flag_shared_by_two_settings_says_which(capsys):
+    """`eyas run` holds every section, so a name several settings share (seed: regen and train) carries its
+    section (--regen-seed, --train-seed), and the plain flag stops naming them instead of picking the first
+    section's; a stage command keeps the plain flag for its own section (`eyas train --seed` is train.seed)."""
+    parser, maps = build_parser()
+    args = parser.parse_args(["run", "--train-seed", "3", "--regen-seed", "4", "--train-batch-tokens", "2048",
+                              "--features-batch-tokens", "4096", "--data-val-ratio", "0.1", "--train-val-ratio", "0.2"])
+    cfg = config_from_args(args, maps["run"])
+    assert (cfg.train.seed, cfg.regen.seed, cfg.train.batch_tokens, cfg.features.batch_tokens) == (3, 4, 2048, 4096)
+    assert (cfg.data.val_ratio, cfg.train.val_ratio) == (0.1, 0.2)
+    for flag, named in (("--seed", "--regen-seed or --train-seed"), ("--val-ratio", "--data-val-ratio or "
+                        "--train-val-ratio"), ("--dtype", "--target-dtype or --features-dtype or --eval-dtype")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["run", flag, "1"])
+        assert f"{flag} is ambiguous here: say which setting, {named}" in capsys.readouterr().err
+    plain = {a.option_strings[0] for a in next(a for a in parser._actions if a.dest == "command").choices["run"]._actions
+             if a.option_strings and a.help != "==SUPPRESS=="}
+    owners: dict[str, set] = {}
+    for sec in C.SECTIONS:
+        for name, *_ in C.section_fields(sec):
+            owners.setdefault("--" + name.replace("_", "-"), set()).add(sec)
+    assert not {f for f in plain if len(owners.get(f, ())) > 1}  # no plain flag of run is shared
+    train = config_from_args(parser.parse_args(["train", "--seed", "5", "--batch-tokens", "512", "--val-ratio",
+                                                "0.3", "--features-dtype", "fp8"]), maps["train"])
+    assert (train.train.seed, train.train.batch_tokens, train.train.val_ratio) == (5, 512, 0.3)
+    assert train.features.dtype == "fp8" and train.target.dtype == "auto"
+    ext = config_from_args(parser.parse_args(["extract", "--dtype", "fp8", "--batch-tokens", "1024"]), maps["extract"])
+    assert ext.features.dtype == "fp8" and ext.features.batch_tokens == 1024
