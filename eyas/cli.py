@@ -120,6 +120,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     sp.add_argument("--show", type=int, default=0, metavar="N", help="print the first N conversations rendered with "
                     "the chat template, trained-on text marked [[like this]]")
     sp.add_argument("--tokens", action="store_true", help="also tokenize every record and print length statistics")
+    sp.add_argument("--json", action="store_true", help="with --report: print the report as JSON")
     sp = sub.add_parser("parity", help="compare a serving engine's acceptance with eyas' own on the same prompts",
                         description="compare a serving engine's acceptance with eyas' own on the same prompts")
     common(sp)
@@ -207,7 +208,7 @@ def cmd_target(cfg: C.Config, args) -> int:
 def cmd_data(cfg: C.Config, args) -> int:
     from .data.inspect import inspect_data
 
-    return inspect_data(cfg, report_dir=args.report, show=args.show, tokens=args.tokens)
+    return inspect_data(cfg, report_dir=args.report, show=args.show, tokens=args.tokens, as_json=args.json)
 
 
 def cmd_parity(cfg: C.Config, args) -> int:
@@ -258,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     except EyasError as e:
         print(f"eyas: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`eyas data --report R | head`): nothing more to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print("eyas: interrupted; finished work is kept, run the same command again to resume", file=sys.stderr)
         return 130

@@ -488,6 +488,14 @@ def test_a_conversation_left_out_says_why(tmp_path, tiny, capsys):
     made = rep["this_call"]
     assert made["generated_tokens"] == rep["completion_tokens"]["total"]
     assert 0 < made["generated_tokens"] <= 8 and made["tokens_per_s"] > 0 and rep["tokens_per_s"] > 0
+    from eyas.cli import main
+
+    assert main(["data", "--report", str(cfg.out)]) == 0  # the run directory's regen report, for people
+    shown = capsys.readouterr().out
+    assert "1 of 2 planned conversations" in shown and "left out: 1 (first prompt too long for the context: 1)" \
+        in shown and f"answer tokens: mean {rep['completion_tokens']['mean']}" in shown
+    assert main(["data", "--report", str(cfg.out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["errors"] == {"context": 1}
     again = run_regen(cfg, target=tiny)  # all done: nothing generated, so no rate
     assert again["records"] == 1 and "this_call" not in again and "tokens_per_s" not in again
 

@@ -18,13 +18,15 @@ def _stats(xs: list[int]) -> str:
             f"max {xs[-1]}")
 
 
-def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, tokens: bool = False) -> int:
+def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, tokens: bool = False,
+                 as_json: bool = False) -> int:
     if report_dir:
         try:
-            from .regen import validation_report
+            from .regen import report_lines, validation_report
         except ImportError:
             raise NotBuiltError("`eyas data --report` needs the regen stage, which is not built yet") from None
-        print(json.dumps(validation_report(report_dir), indent=2))
+        rep = validation_report(report_dir)
+        print(json.dumps(rep, indent=2) if as_json else "\n".join(report_lines(rep)))
         return 0
     convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=cfg.data.limit)
     print(rep.summary())

@@ -850,6 +850,39 @@ def run_regen(cfg: Config, target=None) -> dict:
             dist.destroy_process_group()
 
 
+def report_lines(r: dict) -> list[str]:
+    """A regen report (`validation_report`) for people: what was made, what was left out and why, the answers."""
+    def pct(x) -> str:
+        return f"{x:.0%}" if isinstance(x, (int, float)) else "?"
+
+    def stats(d) -> str:
+        return (f"mean {d.get('mean')}, median {d.get('median')}, p90 {d.get('p90')}, max {d.get('max')}"
+                if isinstance(d, dict) and d.get("count") else "none")
+
+    st = r.get("settings") or {}
+    gen = r.get("generator") or {}
+    left = ", ".join(f"{ERROR_WORDS.get(k, k)}: {n}" for k, n in sorted((r.get("errors") or {}).items()))
+    lines = [
+        f"regenerated data in {r.get('dir')}: {r.get('records')} of {r.get('planned')} planned conversations, "
+        f"{r.get('shards_done')} of {r.get('shards_total')} shards done"
+        + ("" if r.get("complete") else " (unfinished: run the same regen again to resume)")
+        + (f", {r.get('samples')} samples per conversation" if (r.get("samples") or 1) > 1 else ""),
+        f"left out: {r.get('errors_total', 0)}" + (f" ({left})" if left else ""),
+        f"answers: {r.get('assistant_turns')}, {r.get('truncated_turns')} cut at max_new_tokens "
+        f"({st.get('max_new_tokens', '?')}), {r.get('empty_answers')} empty, {r.get('looping_answers')} looping "
+        f"({pct(r.get('looping_answer_rate'))}), reasoning in {pct(r.get('reasoning_capture_rate'))}",
+        f"answer tokens: {stats(r.get('completion_tokens'))}",
+        f"prompt tokens: {stats(r.get('prompt_tokens'))}",
+        "sampled with " + ", ".join(f"{k} {v}" for k, v in st.items()),
+        f"generator: {gen.get('backend', '?')}, {gen.get('model', '?')}",
+    ]
+    if r.get("duplicates"):
+        lines.append(f"duplicates: {r['duplicates']} records written twice")
+    if r.get("retries"):
+        lines.append("retries: " + ", ".join(f"{k} {v}" for k, v in sorted(r["retries"].items())))
+    return lines
+
+
 def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenConfig, settings: dict,
            ident: dict, rank: int = 0, world: int = 1, sample: int | str = 1, samples: int = 1) -> None:
     size = plan["shard_size"]
