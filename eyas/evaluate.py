@@ -584,6 +584,16 @@ def run_eval(cfg) -> dict:
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},
               **{k: v for k, v in res.items() if k not in ("k", "temperature")}}
     path = write_report(report, Path(cfg.out) / "eval")
+    ci = report["acceptance_length_ci95"]
+    ci = f" (95% interval {ci[0]:.3f}-{ci[1]:.3f})" if ci else " (one conversation: no interval)"
+    loss, miss = report["lossless"], report.get("lossless_mismatches") or []
+    speed = (f"{report['tokens_per_s']:,.1f} against {report['baseline_tokens_per_s']:,.1f} tok/s plain "
+             f"({report['speedup']:.2f}x)" if report.get("speedup") else "speed not measured")
+    log(f"eval: τ {report['acceptance_length']:.3f}{ci} at K={e.k} over "
+        f"{res['prompts_answered']} answers; {speed}; lossless: "
+        + ("yes" if loss else "not checked (sampled decoding)" if loss is None else
+           f"NO, of {report['lossless_checked']} answers checked, first difference {miss[0] if miss else '?'}")
+        + f"; {path.parent / 'report.md'}")
     keys = ("acceptance_length", "acceptance_length_ci95", "tokens_per_s", "baseline_tokens_per_s", "speedup",
             "lossless")
     return {"report": str(path), **{k: report[k] for k in keys}}

@@ -20,7 +20,7 @@ def tiny_drafter(tiny, tmp_path_factory):
     return save_drafter(d, tmp_path_factory.mktemp("draft") / "draft")
 
 
-def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
+def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
                                      {"role": "assistant", "content": "ignored"},
@@ -69,6 +69,9 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path):
     for f in ("report.md", "per_position_acceptance.png", "accepted_length_histogram.png"):
         assert (tmp_path / "run" / "eval" / f).stat().st_size > 100, f
     assert "acceptance length" in (tmp_path / "run" / "eval" / "report.md").read_text()
+    said = capsys.readouterr().err  # and one line for people, with the figures of the report
+    assert (f"eval: τ {rep['acceptance_length']:.3f} (95% interval {lo:.3f}-{hi:.3f}) at K=2 over 3 answers; "
+            in said and f"({rep['speedup']:.2f}x); lossless: yes; {tmp_path / 'run' / 'eval' / 'report.md'}" in said)
 
 
 def test_eval_turns_answers_only_the_first_turns(tiny, tiny_drafter, tmp_path):
