@@ -1043,5 +1043,11 @@ def run_train(cfg: Config, target=None) -> dict:
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
     if d.main:
         atomic_write_json(run / "train" / "summary.json", summary)
+        by = best.get("by", "val_al")
+        pick = (f"the best, step {best['step']} by {by} {best[by]:.3f}" if best.get("step", -1) >= 0 and by in best
+                else f"the last, step {step} (no validation split)")
+        log(f"train: {step} steps in {wall:,.0f} s ({summary['tok_s']:,.0f} tok/s"
+            + (f", peak memory {summary['peak_memory']}" if peak else "") + f"); {run / 'draft'} holds {pick}"
+            + (f"; curves {run / 'train' / 'curves.png'}" if (run / "train" / "curves.png").exists() else ""))
     d.barrier()
     return summary

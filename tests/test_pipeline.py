@@ -56,6 +56,8 @@ def test_report_tau_and_lossless(full_run):
     assert (out / "eyas.toml").exists() and (out / "export" / "sglang" / "config.json").exists()
     for stage in ("regen", "train", "eval"):  # one line per stage as it finishes
         assert f"[{stage}] done" in r.stderr
+    by = best["by"]  # and training's own last line says which drafter it kept
+    assert f"{out / 'draft'} holds the best, step {best['step']} by {by} {best[by]:.3f}" in r.stderr
     lo, hi = rep["acceptance_length_ci95"]  # τ's interval over the eval's two conversations, on the page and the line
     assert lo <= rep["acceptance_length"] <= hi and f"({lo:.2f}-{hi:.2f}) | 3 |" in md
     assert f"acceptance_length_ci95={lo:.3g}-{hi:.3g}" in r.stderr
