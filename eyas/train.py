@@ -11,7 +11,8 @@ Run directory: `ckpt/step-NNNNNNN/` (model.safetensors, optim.safetensors, state
 `ckpt/latest.json` written atomically; `ckpt/best.json` + `draft/` (the drafter with the best
 validation simulated acceptance length, written with save_drafter); `train/metrics.jsonl`,
 `train/curves.png`, `train/tb/` (TensorBoard, when it is installed). A killed run started again
-with the same command continues from the last checkpoint and, on the CPU, repeats the same losses.
+with the same command continues from the last checkpoint and, on the CPU, repeats the same losses. On one
+process, Ctrl-C or SIGTERM lets the step under way finish and saves a checkpoint there before stopping.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import math
 import os
 import random
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -412,6 +415,37 @@ def save_checkpoint(run: Path, ts: TrainState, state: dict, keep: int = 1, main:
     for d in olds[: max(0, len(olds) - (keep - 1))]:
         shutil.rmtree(d, ignore_errors=True)
     return final
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) or SIGTERM (a job scheduler's notice) while one process trains: the step under way
+    finishes, a checkpoint is saved at it, and then the run stops as interrupted, so the work since the last
+    periodic checkpoint is kept; the same signal again stops at once. A signal the process was started ignoring
+    (a shell's background job ignores SIGINT) stays ignored. Several processes keep the default behaviour: each
+    would see the signal at a step of its own, and a checkpoint needs all of them at the same one."""
+
+    def __init__(self, active: bool):
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.requested: str | None = None
+        self.old: dict = {}
+
+    def __enter__(self) -> "StopRequest":
+        if self.active:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self.old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        log(f"train: {self.requested}: stopping after this step, with a checkpoint; send it again to stop at once")
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.old.items():
+            signal.signal(sig, handler)
+        self.old = {}
 
 
 def load_checkpoint(run: Path, ts: TrainState, fp: dict | None = None) -> dict | None:
@@ -943,83 +977,91 @@ def run_train(cfg: Config, target=None) -> dict:
 
     module.train()
     step_sleep = float(os.environ.get("EYAS_DEBUG_STEP_SLEEP", "0"))  # tests: make a run slow enough to kill
-    while step < total:
-        epoch, i = divmod(step, spe)
-        bins = [slot[i] for slot in train.slot_bins(tc.seed + epoch, group)]
-        counts = train.counts(bins, tc.ttt_steps)
-        denom = [max(1, c) for c in counts]
-        lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
-        if lr_t is not None:
-            lr_t.fill_(lr)
-        else:
-            for g in opt.param_groups:
-                g["lr"] = lr
-        if graphed:  # one process, one micro-batch: the whole step, a CUDA graph after its warm-up (stepgraph)
-            t_ph = clock.start()
-            batch = train.batch(bins[0], d.device, multiple)
-            clock.stop("features", t_ph)
-            if stepper is None:
-                stepper = StepGraph(graph_body, opt, batch, tc.ttt_steps, capture=d.device.type == "cuda")
-            t_ph = clock.start()
-            stats = stepper(batch, denom).clone()  # the graph's output is rewritten by the next replay
-            clock.stop("step", t_ph)
-        else:
-            mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
-            acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
-            for a, m in enumerate(mine):
+    stop = StopRequest(d.world == 1)
+    with stop:
+        while step < total:
+            epoch, i = divmod(step, spe)
+            bins = [slot[i] for slot in train.slot_bins(tc.seed + epoch, group)]
+            counts = train.counts(bins, tc.ttt_steps)
+            denom = [max(1, c) for c in counts]
+            lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
+            if lr_t is not None:
+                lr_t.fill_(lr)
+            else:
+                for g in opt.param_groups:
+                    g["lr"] = lr
+            if graphed:  # one process, one micro-batch: the whole step, a CUDA graph after its warm-up (stepgraph)
                 t_ph = clock.start()
-                batch = train.batch(bins[m], d.device, multiple)
+                batch = train.batch(bins[0], d.device, multiple)
                 clock.stop("features", t_ph)
+                if stepper is None:
+                    stepper = StepGraph(graph_body, opt, batch, tc.ttt_steps, capture=d.device.type == "cuda")
                 t_ph = clock.start()
-                gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
-                last = a == len(mine) - 1
-                if sharded:  # gradients reduce-scattered after the last micro-batch only
-                    model.set_requires_gradient_sync(last)
-                sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
-                with sync:
-                    loss, st = forward_loss(batch, denom, gen)
-                    clock.stop("forward", t_ph)
+                stats = stepper(batch, denom).clone()  # the graph's output is rewritten by the next replay
+                clock.stop("step", t_ph)
+            else:
+                mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
+                acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
+                for a, m in enumerate(mine):
                     t_ph = clock.start()
-                    (loss * d.world).backward()
-                    clock.stop("backward", t_ph)
-                acc_t[0] += loss.detach().double()
-                acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
-                acc_t[-1] += batch.n_real
-            t_ph = clock.start()
-            gnorm = clip_and_step()
-            opt.zero_grad(set_to_none=True)
-            clock.stop("optimizer", t_ph)
-            acc_t = d.all_sum(acc_t)
-            stats = torch.cat([acc_t, gnorm.detach().reshape(1).to(acc_t)])
-        step += 1
-        # the step's statistics leave the device without a wait (a copy queued behind the step, with an event):
-        # read one step later, so the host builds and queues the next step while the device runs this one
-        host, ev = stats, None
-        if stats.is_cuda:
-            host = stats.to("cpu", non_blocking=True)  # into pinned memory: the copy runs on the stream
-            ev = torch.cuda.Event()
-            ev.record()
-        rec = (step, epoch, lr, host, ev, denom, clock.take(), warm_steps > 0)
-        warm_steps = max(0, warm_steps - 1)
-        while pending:
-            finish(pending.pop(0))
-        evals, saves = evals_due(step) or step == total, saves_due(step) or step == total
-        # (a profiled run, with STEP_HOOK, lags as well: until the thirty-second session it read every step's
-        # statistics at once, a wait for the device a step that unprofiled runs do not have)
-        if LAG_STATS and not (evals or saves or step_sleep):
-            pending.append(rec)
-        else:
-            finish(rec)
-        if evals:
-            do_eval(step)
-        if saves:
-            do_save(step)
-        if evals or saves:
-            last_done[0] = time.perf_counter()  # the next step's time starts here, not at the last step's end
-        if STEP_HOOK is not None:
-            STEP_HOOK(step)
-        if step_sleep:
-            time.sleep(step_sleep)
+                    batch = train.batch(bins[m], d.device, multiple)
+                    clock.stop("features", t_ph)
+                    t_ph = clock.start()
+                    gen = step_generator(tc.seed, step, m, d.device) if tc.noise_std > 0 else None
+                    last = a == len(mine) - 1
+                    if sharded:  # gradients reduce-scattered after the last micro-batch only
+                        model.set_requires_gradient_sync(last)
+                    sync = contextlib.nullcontext() if (d.world == 1 or last or sharded) else model.no_sync()
+                    with sync:
+                        loss, st = forward_loss(batch, denom, gen)
+                        clock.stop("forward", t_ph)
+                        t_ph = clock.start()
+                        (loss * d.world).backward()
+                        clock.stop("backward", t_ph)
+                    acc_t[0] += loss.detach().double()
+                    acc_t[1:1 + tc.ttt_steps] += torch.stack(st.correct).double()
+                    acc_t[-1] += batch.n_real
+                t_ph = clock.start()
+                gnorm = clip_and_step()
+                opt.zero_grad(set_to_none=True)
+                clock.stop("optimizer", t_ph)
+                acc_t = d.all_sum(acc_t)
+                stats = torch.cat([acc_t, gnorm.detach().reshape(1).to(acc_t)])
+            step += 1
+            # the step's statistics leave the device without a wait (a copy queued behind the step, with an event):
+            # read one step later, so the host builds and queues the next step while the device runs this one
+            host, ev = stats, None
+            if stats.is_cuda:
+                host = stats.to("cpu", non_blocking=True)  # into pinned memory: the copy runs on the stream
+                ev = torch.cuda.Event()
+                ev.record()
+            rec = (step, epoch, lr, host, ev, denom, clock.take(), warm_steps > 0)
+            warm_steps = max(0, warm_steps - 1)
+            while pending:
+                finish(pending.pop(0))
+            stopping = stop.requested  # (read once: a signal after this line is seen at the next step)
+            evals, saves = evals_due(step) or step == total, saves_due(step) or step == total or bool(stopping)
+            # (a profiled run, with STEP_HOOK, lags as well: until the thirty-second session it read every step's
+            # statistics at once, a wait for the device a step that unprofiled runs do not have)
+            if LAG_STATS and not (evals or saves or step_sleep):
+                pending.append(rec)
+            else:
+                finish(rec)
+            if evals:
+                do_eval(step)
+            if saves:
+                do_save(step)
+            if evals or saves:
+                last_done[0] = time.perf_counter()  # the next step's time starts here, not at the last step's end
+            if STEP_HOOK is not None:
+                STEP_HOOK(step)
+            if stopping and step < total:
+                bar.close()
+                log(f"train: stopped by {stopping} at step {step} of {total}; the checkpoint there is saved: run the "
+                    f"same command again to go on")
+                raise KeyboardInterrupt
+            if step_sleep:
+                time.sleep(step_sleep)
     bar.close()
     t_end = time.perf_counter()
     wall = t_end - t0

@@ -212,6 +212,32 @@ def test_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
         1 + best["val_accept"][2])))  # the forecast from the greedy chain's per-position acceptance
 
 
+def test_sigterm_saves_the_step_under_way_and_resumes_the_same(tiny_run, tmp_path):
+    """SIGTERM (or Ctrl-C) while training: the step under way finishes and is saved as a checkpoint, though none
+    was due (--save-every 100), the command exits as interrupted, and the same command then goes on from that
+    step with the losses of a run never stopped."""
+    args = ["--epochs", "3", "--max-steps", "24", "--save-every", "100", "--eval-every", "8", "--noise-std", "0.05"]
+    full = clone_run(tiny_run, tmp_path / "full")
+    subprocess.run(cli(full, *args), env=env(), check=True, capture_output=True, timeout=300)
+    ref = losses(full)
+    cut = clone_run(tiny_run, tmp_path / "cut")
+    p = subprocess.Popen(cli(cut, *args), env=dict(env(), EYAS_DEBUG_STEP_SLEEP="0.2"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    metrics = cut / "train" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None and not (metrics.exists() and len(losses(cut)) >= 5):
+        time.sleep(0.05)
+    assert p.poll() is None, "the run finished before it could be stopped"
+    p.send_signal(signal.SIGTERM)
+    err = p.communicate(timeout=120)[1]
+    assert p.returncode == 130, err[-2000:]
+    stopped = json.loads((cut / "ckpt" / "latest.json").read_text())["step"]
+    assert 5 <= stopped < 24 and f"stopped by SIGTERM at step {stopped} of 24" in err and "Traceback" not in err
+    r = subprocess.run(cli(cut, *args), env=env(), check=True, capture_output=True, text=True, timeout=600)
+    assert f"resuming from step {stopped}" in r.stderr
+    assert losses(cut) == ref
+
+
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp", pytest.param("ddp-compiled", marks=pytest.mark.compiler)])
 def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path, parallel):
     """2 processes x 1 micro-batch and 1 process x 2 micro-batches see the same global batches, so
