@@ -1,4 +1,5 @@
 """Data readers: the real ShareGPT file, bad-record fixtures, strict mode, splits."""
+import json
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,23 @@ def test_strict_cli_exits_cleanly(capsys):
     assert main(["data", "--source", str(FIX / "bad_sharegpt.json"), "--strict"]) == 2
     err = capsys.readouterr().err
     assert "bad_sharegpt.json:3" in err and "Traceback" not in err
+
+
+def test_data_warns_of_an_empty_test_split(tmp_path, capsys, monkeypatch):
+    """`eyas data` on a set too small for its 2% test split says the eval would have no prompts, and not when the
+    ratio gives it some."""
+    from eyas.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no run directory's settings under runs/default
+    src = tmp_path / "few.jsonl"
+    src.write_text("".join(json.dumps({"id": f"a{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                           for i in range(5)))
+    assert not any(split_of(f"a{i}", 0.02, 0.02) == "test" for i in range(5))
+    assert main(["data", "--source", str(src)]) == 0
+    assert "test 0\n  no conversation falls in the test split at data.test_ratio 0.02" in capsys.readouterr().out
+    assert any(split_of(f"a{i}", 0.02, 0.9) == "test" for i in range(5))
+    assert main(["data", "--source", str(src), "--test-ratio", "0.9"]) == 0
+    assert "no conversation falls in the test split" not in capsys.readouterr().out
 
 
 def test_missing_and_unknown_files(tmp_path):

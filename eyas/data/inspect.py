@@ -36,6 +36,10 @@ def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, toke
     for c in convs:
         splits[split_of(c.id, cfg.data.val_ratio, cfg.data.test_ratio)] += 1
     print("splits:", ", ".join(f"{k} {v}" for k, v in splits.items()))
+    if convs and not splits["test"]:
+        print(f"  no conversation falls in the test split at data.test_ratio {cfg.data.test_ratio}: the eval, which "
+              f"takes its prompts from it, would have none (raise --test-ratio, or give the eval prompts of its own "
+              f"with --set eval.prompts=FILE)")
     print("turns per conversation:", _stats([len(c.turns) for c in convs]))
     print("assistant turns with reasoning:", sum(1 for c in convs for t in c.turns if t.reasoning))
     if tokens or show:
