@@ -345,7 +345,19 @@ def load_tokenizer(cfg: TargetConfig):
     from transformers import AutoTokenizer
 
     source, _ = resolve_source(cfg)
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _load_error(cfg, source, "tokenizer", e) from None
+
+
+def _load_error(cfg: TargetConfig, source: str, what: str, e: BaseException) -> EyasError:
+    """A target that transformers could not load, said in one message (the folder, what failed, its reason)."""
+    why = " ".join(str(e).split())
+    hint = (" (the folder needs tokenizer.json, or a slow tokenizer's files with sentencepiece installed)"
+            if what == "tokenizer" else "")
+    return EyasError(f"could not load the {what} of target '{cfg.name}' from {source}: {type(e).__name__}: "
+                     f"{why[:600]}{hint}")
 
 
 def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
@@ -427,13 +439,16 @@ def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Targ
     dtype = _pick_dtype(cfg.dtype, device)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _load_error(cfg, source, "tokenizer", e) from None
+    try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
                                                      **({"tp_plan": "auto"} if tp else {}))
     except OSError as e:
-        raise EyasError(f"could not load target '{cfg.name}' from {source}: {e}") from None
-    except (ValueError, RuntimeError, AssertionError) as e:
+        raise _load_error(cfg, source, "model", e) from None
+    except (ValueError, RuntimeError, AssertionError, KeyError, TypeError) as e:
         if not tp:
-            raise
+            raise _load_error(cfg, source, "model", e) from None
         raise EyasError(f"target '{cfg.name}' could not be split over {tp} processes with transformers' "
                         f"tensor-parallel plan ({type(e).__name__}: {e}); its attention heads must divide "
                         f"evenly by the process count") from None

@@ -72,6 +72,36 @@ def test_bad_targets(tmp_path):
         load_target(TargetConfig(name="no-such-thing"))
 
 
+def test_a_broken_model_folder_says_what_failed(tmp_path, tiny):
+    """A transformers folder that cannot be loaded stops with one message naming the folder and the part that
+    failed (the tokenizer, the weights, the architecture), not transformers' traceback."""
+    import shutil
+
+    from eyas.cli import main
+    from eyas.target import load_tokenizer
+
+    def broken(name: str, drop: str = "", model_type: str = ""):
+        d = tmp_path / name
+        shutil.copytree(tiny.source, d)
+        if drop:
+            for f in d.glob(drop):
+                f.unlink()
+        if model_type:
+            c = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps(c | {"model_type": model_type}))
+        return TargetConfig(name=str(d), device="cpu")
+
+    no_tok = broken("no_tok", drop="tokenizer*")
+    for load in (load_target, load_tokenizer):
+        with pytest.raises(EyasError, match=r"could not load the tokenizer of target .*no_tok.*tokenizer.json"):
+            load(no_tok)
+    with pytest.raises(EyasError, match=r"could not load the model of target .*no_weights.*OSError"):
+        load_target(broken("no_weights", drop="*.safetensors"))
+    with pytest.raises(EyasError, match=r"could not load the model of target .*ValueError.*nosuchmodel"):
+        load_target(broken("unknown_arch", model_type="nosuchmodel"))
+    assert main(["target", "--target", no_tok.name]) == 2  # and the command says it in one line
+
+
 def test_target_command_prints_facts(smol):
     r = subprocess.run([sys.executable, "-m", "eyas", "target", "--target", "smollm2", "--device", "cpu", "--json"],
                        capture_output=True, text=True, timeout=120)
