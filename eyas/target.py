@@ -290,8 +290,12 @@ def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise EyasError("reading a GGUF target needs the 'gguf' package: pip install gguf")
     log(f"dequantizing {gguf.name} once into {out} (later loads use this cache)")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
+        why = " ".join(str(e).split())
+        raise EyasError(f"could not read the GGUF file {gguf}: {type(e).__name__}: {why[:600]}") from None
     conf = model.config
     if hasattr(conf, "quantization_config"):
         del conf.quantization_config

@@ -70,6 +70,12 @@ def test_bad_targets(tmp_path):
         load_target(TargetConfig(name=str(tmp_path)))
     with pytest.raises(EyasError, match="not a preset"):
         load_target(TargetConfig(name="no-such-thing"))
+    junk = tmp_path / "junk.gguf"  # a file named .gguf that is not one: said in one message, nothing cached
+    junk.write_bytes(b"not a gguf file at all" * 100)
+    cache = tmp_path / "cache"
+    with pytest.raises(EyasError, match=r"could not read the GGUF file .*junk.gguf: ValueError: .*magic"):
+        load_target(TargetConfig(name=str(junk), cache_dir=str(cache)))
+    assert not [p for p in (cache / "hf").iterdir() if p.is_dir()]
 
 
 def test_a_broken_model_folder_says_what_failed(tmp_path, tiny):
