@@ -66,3 +66,27 @@ def test_original_rest_edge_cases():
     assert [t.content for t in got.turns] == ["s", "u1", "r1", "u2", "a2"]  # the unanswered u3 is dropped
     assert with_original_rest(one, None) is one
     assert with_original_rest(Conversation("a", [Turn("user", "u1")]), orig).n_assistant() == 0
+
+
+def test_nothing_to_train_on_says_why(tmp_path, tiny):
+    """Tokenize with no answer left to train on names the cause: prompts alone with regeneration off, or every
+    conversation cut at data.max_seq_len before its first answer."""
+    import pytest
+
+    from eyas.data.prepare import run_tokenize
+    from eyas.util import EyasError
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"Question number {i}?\n" for i in range(20)))
+    cfg = C.resolve(None, "tiny", {"out": str(tmp_path / "a"), "data.source": str(prompts), "regen.enabled": False})
+    with pytest.raises(EyasError, match=r"none of the \d+ conversations of .*p.txt has an assistant answer.*"
+                                        r"regen.enabled=false"):
+        run_tokenize(cfg, target=tiny)
+    chats = tmp_path / "c.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+        {"role": "user", "content": "a long question " * 40}, {"role": "assistant", "content": "an answer"}]}) + "\n"
+        for i in range(20)))
+    cfg = C.resolve(None, "tiny", {"out": str(tmp_path / "b"), "data.source": str(chats), "regen.enabled": False,
+                                   "data.max_seq_len": 32})
+    with pytest.raises(EyasError, match=r"lost its assistant tokens: \d+ of \d+ were cut at data.max_seq_len 32"):
+        run_tokenize(cfg, target=tiny)

@@ -313,7 +313,14 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     clock.stop("tokenize", t0)
     t0 = clock.start()
     if not items:
-        raise EyasError("every conversation lost its assistant tokens (check data.max_seq_len)")
+        answered = sum(1 for c in convs if any(t.role == "assistant" for t in c.turns))
+        if not answered:
+            raise EyasError(f"none of the {len(convs)} conversations of {source} has an assistant answer to train on"
+                            + (": regeneration is off (regen.enabled=false), so prompts alone are left; turn it on "
+                               "to have the target answer them" if not cfg.regen.enabled else ""))
+        raise EyasError(f"every conversation of {source} lost its assistant tokens: {stats['truncated']} of "
+                        f"{len(convs)} were cut at data.max_seq_len {cfg.data.max_seq_len} before their first answer; "
+                        f"raise it")
     # the training records are the data set's 'train' split already: the validation cut is salted
     is_val = [split_of(t.id, cfg.train.val_ratio, 0.0, salt=TRAIN_VAL_SALT) == "val" for t in items]
     val = [t for t, v in zip(items, is_val) if v]
