@@ -330,6 +330,9 @@ def test_server_down_stops_with_progress_kept(tmp_path, server):
     cfg2.out = str(tmp_path / "down")
     with pytest.raises(EyasError, match="cannot connect.*resume"):
         run_regen(cfg2)
+    cfg2.regen.model = ""  # nothing there to name the model either: said as such, not as a missing model
+    with pytest.raises(EyasError, match=r"cannot reach the server at http://127.0.0.1:9/v1/models .*is it running"):
+        run_regen(cfg2)
     cfg.regen.temperature = 0.1  # a finished folder refuses other settings instead of mixing them
     with pytest.raises(EyasError, match="different 'settings'"):
         run_regen(cfg)

@@ -121,6 +121,11 @@ class ServerBackend:
                                         timeout=self.rc.timeout) as r:
                 data = json.loads(r.read())
             return str(data["data"][0]["id"])
+        except urllib.error.URLError as e:
+            if not isinstance(e, urllib.error.HTTPError):  # nothing answered there at all
+                raise EyasError(f"cannot reach the server at {url} ({e.reason}): is it running, and is "
+                                f"--endpoint its address?") from None
+            raise EyasError(f"regen.model is not set and {url} answered HTTP {e.code}; pass --model NAME") from None
         except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
             raise EyasError(f"regen.model is not set and {url} did not name a model ({type(e).__name__}: {e}); "
                             f"pass --model NAME") from None
