@@ -185,6 +185,9 @@ def progress(iterable: Iterable | None = None, **kw):
         kw.setdefault("file", _Lines(sys.stderr))
         kw.setdefault("ncols", 100)
         kw.setdefault("mininterval", PROGRESS_LINE_S)
+        # tqdm's monitor thread redraws a bar that has not drawn for maxinterval (10 s by default): in a log that
+        # added a line 10-12 s after each minute's (seen in a CPU run's training, after an evaluation's pause)
+        kw.setdefault("maxinterval", PROGRESS_LINE_S)
         kw.setdefault("delay", PROGRESS_LINE_S)
     return tqdm(iterable, **kw)
 
