@@ -266,6 +266,14 @@ def verifier_architectures(target_cfg) -> list[str] | None:
     return None
 
 
+def check_export_settings(cfg) -> None:
+    """Refuse export formats eyas does not write (the pipeline checks this before its first stage)."""
+    if not cfg.export.formats:
+        raise EyasError("export.formats is empty: name at least one of sglang, vllm")
+    for f in cfg.export.formats:
+        _check_format(f)
+
+
 def run_export(cfg) -> dict:
     """`eyas export`: <run>/draft -> <run>/export/{sglang,vllm}/."""
     run = Path(cfg.out)
@@ -277,11 +285,8 @@ def run_export(cfg) -> dict:
 
         target = load_target(cfg.target)
     drafter = load_drafter(draft_dir, target=target)
+    check_export_settings(cfg)
     formats = list(cfg.export.formats)
-    if not formats:
-        raise EyasError("export.formats is empty: name at least one of sglang, vllm")
-    for f in formats:
-        _check_format(f)
     out = {}
     if drafter.config.num_hidden_layers > 1 and "sglang" in formats:  # the run's default asks for both formats
         log("export: skipping sglang, " + SGLANG_MULTI_LAYER.format(n=drafter.config.num_hidden_layers))

@@ -157,12 +157,14 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     from .target import load_target
 
     from .evaluate import check_eval_settings, load_prompt_set
+    from .export import check_export_settings
     from .train import check_train_settings
 
     # the stages' own checks (the train stage's include the tokenize stage's), which would refuse these settings
     # only after regen, the eval's after the whole training
     check_train_settings(cfg)
     check_eval_settings(cfg)
+    check_export_settings(cfg)
     if not (cfg.data.val_ratio >= 0 and cfg.data.test_ratio >= 0 and cfg.data.val_ratio + cfg.data.test_ratio < 1):
         raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got "
                         f"{cfg.data.val_ratio} and {cfg.data.test_ratio}")
@@ -180,6 +182,10 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     if cfg.vocab.draft_vocab_size > target.vocab_size:
         raise EyasError(f"vocab.draft_vocab_size {cfg.vocab.draft_vocab_size} is larger than the target's "
                         f"vocabulary ({target.vocab_size})")
+    if cfg.train.finetune_from:  # the drafter to start from is there and fits the target, before hours of regen
+        from .train import finetune_source
+
+        finetune_source(cfg, target)
     old = manifest.get("target")
     if old and (old.get("name"), old.get("sha256")) != (target.name, target.sha256):
         raise EyasError(f"run directory {run} was made with target '{old.get('name')}' ({str(old.get('sha256'))[:12]}), "

@@ -201,6 +201,29 @@ def lr_factor(step: int, total: int, scheduler: str, warmup_ratio: float) -> flo
 
 # --------------------------------------------------------------------------------- drafter
 
+def finetune_source(cfg: Config, target) -> tuple[Eagle3Drafter, Path]:
+    """The drafter --finetune-from names (eyas draft folder, run directory, checkpoint folder, or an
+    SGLang/EAGLE/vLLM-speculators folder via eyas.export) and its folder; refused, saying why, when it is not
+    there or does not fit `target` (the pipeline asks before its first stage)."""
+    p = Path(cfg.train.finetune_from).expanduser()
+    if not p.exists():
+        raise EyasError(f"train.finetune_from: {p} does not exist")
+    if (p / "draft" / "config.json").exists():
+        p = p / "draft"
+    if (p / "state.json").exists() and (p / "model.safetensors").exists():  # an eyas checkpoint folder
+        return _drafter_from_checkpoint(p, target), p
+    if (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("eyas_format") == 1:
+        return load_drafter(p, target), p
+    try:
+        from .export import import_drafter
+    except ImportError:
+        raise EyasError(f"train.finetune_from: {p} is not an eyas drafter, and importing other formats "
+                        f"needs eyas.export, which this version lacks") from None
+    d = import_drafter(p, target)
+    check_fits(d.config, target, str(p))
+    return d, p
+
+
 def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Drafter:
     """A fresh drafter, or the one --finetune-from names (eyas draft folder, run directory,
     checkpoint folder, or an SGLang/EAGLE/vLLM-speculators folder via eyas.export)."""
@@ -213,23 +236,7 @@ def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Draft
         if cfg.train.init_head:
             init_head_from_target(d, target)
         return d
-    p = Path(src).expanduser()
-    if not p.exists():
-        raise EyasError(f"train.finetune_from: {p} does not exist")
-    if (p / "draft" / "config.json").exists():
-        p = p / "draft"
-    if (p / "state.json").exists() and (p / "model.safetensors").exists():  # an eyas checkpoint folder
-        return _drafter_from_checkpoint(p, target)
-    if (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("eyas_format") == 1:
-        d = load_drafter(p, target)
-    else:
-        try:
-            from .export import import_drafter
-        except ImportError:
-            raise EyasError(f"train.finetune_from: {p} is not an eyas drafter, and importing other formats "
-                            f"needs eyas.export, which this version lacks") from None
-        d = import_drafter(p, target)
-        check_fits(d.config, target, str(p))
+    d, p = finetune_source(cfg, target)
     if d.config.draft_vocab_size != draft_ids.numel() or not torch.equal(d.draft_ids.cpu(), draft_ids.cpu()):
         log(f"finetune: keeping the draft vocabulary of {p} ({d.config.draft_vocab_size} tokens), "
             f"not the run's ({draft_ids.numel()})")

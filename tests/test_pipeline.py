@@ -134,7 +134,7 @@ def test_kill_during_training_then_rerun_gives_the_same_result(full_run, tmp_pat
     assert (copy / "draft" / "model.safetensors").read_bytes() == (out / "draft" / "model.safetensors").read_bytes()
 
 
-def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol):
+def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny):
     cases = [
         (["--set", "vocab.draft_vocab_size=60000"], "larger than the target's vocabulary"),
         (["--set", "target.aux_layers=2,15,40"], "out of range"),
@@ -143,12 +143,18 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol):
         (["--set", "train.warmup_ratio=2"], "train.warmup_ratio must be between 0 and 1"),
         (["--set", "data.val_ratio=0.6", "--set", "data.test_ratio=0.5"], "with a sum below 1"),
     ]
+    from eyas.draft import build_drafter, save_drafter
+
+    other = save_drafter(build_drafter(tiny, 1024), tmp_path / "tiny_drafter")  # another target's drafter
     few = tmp_path / "few.jsonl"  # a data set too small for a 2% held-out test split, the eval's prompts
     few.write_text("".join(json.dumps({"id": f"a{i}", "messages": [{"role": "user", "content": f"question {i}"}]})
                            + "\n" for i in range(5)))
     from eyas.data.readers import split_of
     assert all(split_of(f"a{i}", 0.02, 0.02) != "test" for i in range(5))
     cases += [(["--set", f"data.source={few}"], "the held-out test split of"),
+              (["--set", "export.formats=onnx"], "export format 'onnx' is not one of"),
+              (["--set", f"train.finetune_from={tmp_path / 'no_drafter'}"], "no_drafter does not exist"),
+              (["--set", f"train.finetune_from={other}"], "does not fit target 'smollm2': hidden size 64 != "),
               (["--set", f"eval.prompts={tmp_path / 'nope.jsonl'}"], "eval.prompts: file not found")]
     for extra, msg in cases:
         r = eyas(tmp_path / "bad", *extra, timeout=300)
