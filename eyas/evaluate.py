@@ -561,6 +561,8 @@ def check_eval_settings(cfg) -> None:
 
     check_settings(cfg, (("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1"),
                          ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more")))
+    if cfg.eval.draft and not (Path(cfg.eval.draft).expanduser() / "config.json").exists():
+        raise EyasError(f"eval.draft: {Path(cfg.eval.draft).expanduser()} is not a drafter folder (no config.json)")
 
 
 def run_eval(cfg) -> dict:

@@ -153,6 +153,7 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny):
     assert all(split_of(f"a{i}", 0.02, 0.02) != "test" for i in range(5))
     cases += [(["--set", f"data.source={few}"], "the held-out test split of"),
               (["--set", "export.formats=onnx"], "export format 'onnx' is not one of"),
+              (["--set", f"eval.draft={tmp_path / 'no_drafter'}"], "eval.draft: "),
               (["--set", f"train.finetune_from={tmp_path / 'no_drafter'}"], "no_drafter does not exist"),
               (["--set", f"train.finetune_from={other}"], "does not fit target 'smollm2': hidden size 64 != "),
               (["--set", f"eval.prompts={tmp_path / 'nope.jsonl'}"], "eval.prompts: file not found")]
