@@ -20,6 +20,14 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=why))
 
 
+@pytest.fixture(autouse=True)
+def _in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Each test runs in its own empty working directory: a command given no --out uses runs/default there, and a
+    run a developer made in the checkout (the README's first command writes runs/default) would otherwise lend
+    such a command its settings (a run directory remembers them)."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def smol():
     """SmolLM2-135M-Instruct in fp32 on the CPU."""

@@ -8,13 +8,6 @@ from eyas.cli import build_parser, config_from_args, main
 from eyas.util import EyasError
 
 
-@pytest.fixture(autouse=True)
-def _elsewhere(tmp_path, monkeypatch):
-    """Commands given no --out use runs/default under the working directory; a run a developer made there would
-    otherwise lend these tests its settings."""
-    monkeypatch.chdir(tmp_path)
-
-
 def test_presets():
     assert C.preset("smollm2").target.name == "smollm2"
     assert C.preset("qwen-coder-0.5b").target.name == "qwen-coder-0.5b"

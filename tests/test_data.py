@@ -70,12 +70,11 @@ def test_strict_cli_exits_cleanly(capsys):
     assert "bad_sharegpt.json:3" in err and "Traceback" not in err
 
 
-def test_data_warns_of_an_empty_test_split(tmp_path, capsys, monkeypatch):
+def test_data_warns_of_an_empty_test_split(tmp_path, capsys):
     """`eyas data` on a set too small for its 2% test split says the eval would have no prompts, and not when the
     ratio gives it some."""
     from eyas.cli import main
 
-    monkeypatch.chdir(tmp_path)  # no run directory's settings under runs/default
     src = tmp_path / "few.jsonl"
     src.write_text("".join(json.dumps({"id": f"a{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
                            for i in range(5)))
