@@ -256,7 +256,26 @@ def run_pipeline(cfg: C.Config) -> dict:
     if missing:
         raise NotBuiltError(f"eyas run stopped before: {', '.join(missing)} (not built yet); "
                             f"finished stages are kept in {run}")
+    log(closing_line(run))
     return {"run": str(run), "stages": summary, "report": str(run / "report.md")}
+
+
+def closing_line(run: Path) -> str:
+    """The run's result in one line: τ, speed against plain decoding, the lossless check, and where the report and
+    the exported drafter are (from the eval's report, so a run whose stages were all skipped says it too)."""
+    ev = read_json(run / "eval" / "report.json") if (run / "eval" / "report.json").exists() else {}
+    parts = [f"eyas run: {run}"]
+    if ev.get("acceptance_length") is not None:
+        loss = ev.get("lossless")
+        parts.append(f"τ {ev['acceptance_length']:.3f} at K={ev.get('k')}"
+                     + (f", {ev['speedup']:.2f}x plain decoding" if ev.get("speedup") else "")
+                     + (", lossless" if loss else ", NOT lossless" if loss is False else ""))
+    exports = sorted(p.name for p in (run / "export").iterdir() if (p / "config.json").exists()) \
+        if (run / "export").is_dir() else []
+    if exports:
+        parts.append(f"drafter for {' and '.join(exports)} in {run / 'export'}")
+    parts.append(f"report {run / 'report.md'}")
+    return "; ".join(parts)
 
 
 def _jsonable(obj):

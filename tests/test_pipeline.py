@@ -56,6 +56,8 @@ def test_report_tau_and_lossless(full_run):
     assert (out / "eyas.toml").exists() and (out / "export" / "sglang" / "config.json").exists()
     for stage in ("regen", "train", "eval"):  # one line per stage as it finishes
         assert f"[{stage}] done" in r.stderr
+    assert (f"eyas run: {out}; τ {rep['acceptance_length']:.3f} at K=3, {rep['speedup']:.2f}x plain decoding, "
+            f"lossless; drafter for sglang and vllm in {out / 'export'}; report {out / 'report.md'}") in r.stderr
     by = best["by"]  # and training's own last line says which drafter it kept
     assert f"{out / 'draft'} holds the best, step {best['step']} by {by} {best[by]:.3f}" in r.stderr
     lo, hi = rep["acceptance_length_ci95"]  # τ's interval over the eval's two conversations, on the page and the line
@@ -72,6 +74,7 @@ def test_second_run_skips_every_stage(full_run):
                        env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "settings: the run's own" in r.stderr
+    assert f"eyas run: {out}; τ " in r.stderr  # the closing line, from the eval's report, with every stage skipped
     for stage in ("regen", "tokenize", "vocab", "extract", "train", "eval", "export"):
         assert f"[{stage}] unchanged, skipped" in r.stderr
     assert before == {p: p.stat().st_mtime_ns for p in (out / "draft").iterdir()}
