@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "parity":
             return cmd_parity(cfg, args)
         fn = stage_function(COMMANDS[args.command][2], args.command)
+        if args.command not in ("run", "report"):
+            from .pipeline import mark_replaced
+
+            mark_replaced(Path(cfg.out), args.command)
         return _print_result(fn(cfg))
     except NotBuiltError as e:
         print(f"eyas: {e}", file=sys.stderr)

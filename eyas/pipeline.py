@@ -222,6 +222,10 @@ def run_pipeline(cfg: C.Config) -> dict:
                 summary[name] = "skipped"
                 continue
             log(f"[{name}] finished before, but {run / outputs[0]} is gone: running it again")
+        elif rec.get("key") == keys[name] and rec.get("status") == "replaced":
+            by = rec.get("by", name)
+            log(f"[{name}] " + (f"a standalone `eyas {by}` wrote over its outputs since" if by == name else
+                                f"a standalone `eyas {by}` remade what it reads since") + ": running it again")
         fn = _stage_fn(spec)
         if fn is None:
             missing.append(name)
@@ -276,6 +280,29 @@ def closing_line(run: Path) -> str:
         parts.append(f"drafter for {' and '.join(exports)} in {run / 'export'}")
     parts.append(f"report {run / 'report.md'}")
     return "; ".join(parts)
+
+
+def mark_replaced(run: Path, command: str) -> None:
+    """A stage command (`eyas eval --out R`, ...) is about to write over the outputs of run R's stage of the same
+    name, perhaps with other settings: that stage and the ones after it, which read its outputs, no longer hold
+    what the run made, so the next `eyas run` makes them again instead of skipping them (and the run report does
+    not show another command's eval as the run's)."""
+    mpath = run / "manifest.json"
+    names = [n for n, *_ in STAGES]
+    if command not in names or not mpath.exists():
+        return
+    manifest = read_json(mpath)
+    stages = manifest.get("stages", {})
+    if stages.get(command, {}).get("status") != "done":  # not part of what the run made (online features: extract)
+        return
+    changed = False
+    # the stage and the ones after it, which read its outputs (the export reads the drafter, not the eval)
+    for n in [command] if command == "eval" else names[names.index(command):]:
+        if stages.get(n, {}).get("status") == "done":
+            stages[n]["status"], stages[n]["by"] = "replaced", command
+            changed = True
+    if changed:
+        atomic_write_json(mpath, manifest)
 
 
 def _jsonable(obj):

@@ -87,6 +87,16 @@ def test_changed_stage_reruns_it_and_what_follows(full_run, tmp_path):
     r = eyas(copy, "--set", "eval.max_new_tokens=16", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[train] unchanged, skipped" in r.stderr and "[eval] done" in r.stderr and "[export] done" in r.stderr
+    # a standalone eval with other settings writes over the run's eval: the next run makes the run's own again
+    from eyas.cli import main
+
+    assert main(["eval", "--out", str(copy), "--max-new-tokens", "8"]) == 0
+    assert json.loads((copy / "eval" / "report.json").read_text())["max_new_tokens"] == 8
+    r = eyas(copy, "--set", "eval.max_new_tokens=16", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[eval] a standalone `eyas eval` wrote over its outputs since: running it again" in r.stderr
+    assert "[export] unchanged, skipped" in r.stderr  # the export reads the drafter, not the eval
+    assert json.loads((copy / "eval" / "report.json").read_text())["max_new_tokens"] == 16
 
 
 def test_deleted_output_reruns_its_stage(full_run, tmp_path):
