@@ -393,24 +393,22 @@ def resolve(config_file: str | None = None, preset_name: str | None = None,
                 if not str(e).startswith("unknown config key"):
                     raise EyasError(f"{run_config}: {e}") from None
                 # a setting of another eyas version, unknown to this one: left out
-        before: set[str] = set() if whole else set(keys)
-        cfg.preset = name
         cfg.out = str(Path(run_config).parent)
-        for k, v in (overrides or {}).items():
-            set_key(cfg, k, v)
-        cfg.explicit = before | set(overrides or {})
-        return cfg
-    file_data = load_toml(config_file) if config_file else {}
-    file_data.pop(SAVED_EXPLICIT, None)  # a run's saved eyas.toml given as the file
-    name = preset_name or file_data.get("preset") or "smollm2"
-    cfg = preset(name)
-    if file_data:
-        apply_dict(cfg, file_data, source=f"{config_file}: ")
+        before: set[str] = set() if whole else set(keys)
+    else:
+        file_data = load_toml(config_file) if config_file else {}
+        file_data.pop(SAVED_EXPLICIT, None)  # a run's saved eyas.toml given as the file
+        name = preset_name or file_data.get("preset") or "smollm2"
+        cfg = preset(name)
+        if file_data:
+            apply_dict(cfg, file_data, source=f"{config_file}: ")
+        before = set(_flat_keys(file_data))
     cfg.preset = name
     for k, v in (overrides or {}).items():
         set_key(cfg, k, v)
-    # keys the user gave (file or flags), even when equal to a default: machine sizing leaves them alone
-    cfg.explicit = set(_flat_keys(file_data)) | set(overrides or {})
+    # keys the user gave (file, flags, or the run's own), even when equal to a default: machine sizing leaves
+    # them alone
+    cfg.explicit = before | set(overrides or {})
     return cfg
 
 

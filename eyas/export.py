@@ -277,6 +277,7 @@ def check_export_settings(cfg) -> None:
 def run_export(cfg) -> dict:
     """`eyas export`: <run>/draft -> <run>/export/{sglang,vllm}/."""
     run = Path(cfg.out)
+    check_export_settings(cfg)
     draft_dir = run / "draft"
     check_checkpoint(draft_dir)
     target = None
@@ -285,7 +286,6 @@ def run_export(cfg) -> dict:
 
         target = load_target(cfg.target)
     drafter = load_drafter(draft_dir, target=target)
-    check_export_settings(cfg)
     formats = list(cfg.export.formats)
     out = {}
     if drafter.config.num_hidden_layers > 1 and "sglang" in formats:  # the run's default asks for both formats

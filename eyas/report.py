@@ -78,10 +78,9 @@ def write_report(run: Path) -> dict:
             if not isinstance(v, (dict, list)):
                 lines.append(f"- regen {k.replace('_', ' ')}: {_fmt(v)}")
             elif k == "errors" and isinstance(v, dict) and v:
-                from .data.regen import ERROR_WORDS
+                from .data.regen import left_out_words
 
-                lines.append("- regen conversations left out: "
-                             + ", ".join(f"{ERROR_WORDS.get(e, e)}: {n}" for e, n in sorted(v.items())))
+                lines.append(f"- regen conversations left out: {left_out_words(v)}")
             elif k == "this_call" and isinstance(v, dict):
                 lines.append(f"- regen this call: {_fmt(v.get('generated_tokens'))} answer tokens generated in "
                              f"{_fmt(v.get('seconds'))} s")

@@ -294,8 +294,7 @@ def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
-        why = " ".join(str(e).split())
-        raise EyasError(f"could not read the GGUF file {gguf}: {type(e).__name__}: {why[:600]}") from None
+        raise EyasError(f"could not read the GGUF file {gguf}: {_why(e)}") from None
     conf = model.config
     if hasattr(conf, "quantization_config"):
         del conf.quantization_config
@@ -346,22 +345,30 @@ def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
 
 def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer alone (no weights loaded): for counting and decoding tokens."""
+    source, _ = resolve_source(cfg)
+    return _tokenizer_from(cfg, source)
+
+
+def _tokenizer_from(cfg: TargetConfig, source: str):
+    """The tokenizer in `source`; one message naming the folder when transformers cannot load it."""
     from transformers import AutoTokenizer
 
-    source, _ = resolve_source(cfg)
     try:
         return AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise _load_error(cfg, source, "tokenizer", e) from None
 
 
+def _why(e: BaseException) -> str:
+    """An exception from transformers as one line: its type and (the first 600 characters of) its message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:600]}"
+
+
 def _load_error(cfg: TargetConfig, source: str, what: str, e: BaseException) -> EyasError:
     """A target that transformers could not load, said in one message (the folder, what failed, its reason)."""
-    why = " ".join(str(e).split())
     hint = (" (the folder needs tokenizer.json, or a slow tokenizer's files with sentencepiece installed)"
             if what == "tokenizer" else "")
-    return EyasError(f"could not load the {what} of target '{cfg.name}' from {source}: {type(e).__name__}: "
-                     f"{why[:600]}{hint}")
+    return EyasError(f"could not load the {what} of target '{cfg.name}' from {source}: {_why(e)}{hint}")
 
 
 def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
@@ -435,16 +442,13 @@ def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Targ
     torchrun, the process group already initialised) every process holds a slice of each layer."""
     cfg = cfg or TargetConfig()
     _quiet_transformers()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     tp = _tp_world(cfg, allow_tp)
     source, digest = resolve_source(cfg)
     device = _pick_device(cfg.device)
     dtype = _pick_dtype(cfg.dtype, device)
-    try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _load_error(cfg, source, "tokenizer", e) from None
+    tok = _tokenizer_from(cfg, source)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
                                                      **({"tp_plan": "auto"} if tp else {}))

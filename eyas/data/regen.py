@@ -75,6 +75,11 @@ ERROR_WORDS = {"context": "first prompt too long for the context", "empty_answer
                "bad_response": "the server's answers unreadable", "unreadable_record": "unreadable shard lines"}
 
 
+def left_out_words(errors: dict) -> str:
+    """A report's `errors` (kind -> count) in words: "first prompt too long for the context: 6, http_400: 1"."""
+    return ", ".join(f"{ERROR_WORDS.get(k, k)}: {n}" for k, n in sorted(errors.items()))
+
+
 def errors_path(d: Path, k: int, sample: int | str = 1) -> Path:
     return d / f"{_shard_stem(k, sample)}.errors.json"
 
@@ -823,20 +828,20 @@ def run_regen(cfg: Config, target=None) -> dict:
                 made[1] += secs
         finally:
             backend.close()
+        rate = made[0] / max(made[1], 1e-9)
         if made[0] and world > 1:
-            print(f"regen: rank {rank} generated {made[0]:,} answer tokens in {made[1]:.1f} s "
-                  f"({made[0] / max(made[1], 1e-9):,.0f} tok/s)", file=sys.stderr, flush=True)
+            print(f"regen: rank {rank} generated {made[0]:,} answer tokens in {made[1]:.1f} s ({rate:,.0f} tok/s)",
+                  file=sys.stderr, flush=True)
         dist_barrier()  # every rank's shards written
         if rank != 0:  # rank 0 reads every shard for the report; the others need not read them again
             return {"rank": rank, "world_size": world, "report": str(d / "report.json")}
         report = validation_report(d)
         if made[0] and world == 1:  # what this call generated (a resumed run generates only what was left)
             report["this_call"] = {"generated_tokens": made[0], "seconds": round(made[1], 2),
-                                   "tokens_per_s": round(made[0] / max(made[1], 1e-9), 1)}
+                                   "tokens_per_s": round(rate, 1)}
             report["tokens_per_s"] = report["this_call"]["tokens_per_s"]
         atomic_write_json(d / "report.json", report)
-        left = ", ".join(f"{ERROR_WORDS.get(k, k)}: {n}" for k, n in sorted(report["errors"].items()))
-        left = f"{report['errors_total']} left out ({left}), " if left else ""
+        left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
         log(f"regen: {report['records']} conversations in {d} ({left}"
             f"{report['truncated_turns']} truncated turns, reasoning in "
             f"{report['reasoning_capture_rate']:.0%} of turns, {report['looping_answer_rate']:.0%} of answers looping)"
@@ -861,7 +866,7 @@ def report_lines(r: dict) -> list[str]:
 
     st = r.get("settings") or {}
     gen = r.get("generator") or {}
-    left = ", ".join(f"{ERROR_WORDS.get(k, k)}: {n}" for k, n in sorted((r.get("errors") or {}).items()))
+    left = left_out_words(r.get("errors") or {})
     lines = [
         f"regenerated data in {r.get('dir')}: {r.get('records')} of {r.get('planned')} planned conversations, "
         f"{r.get('shards_done')} of {r.get('shards_total')} shards done"
