@@ -69,6 +69,9 @@ job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.ep
 NO_REGEN_TGZ=1 keep $run run$name
 # REGEN_BACK=1: the three samples' answers back as regenS123.partN.tgz (about 25 MB), for a later lease to carry
 [ -n "${REGEN_BACK:-}" ] && pieces regenS123 $run/data regen
+# NO_DECODE=1: stop after the run (and REGEN_BACK's pieces), so the poll in flight returns its eval at once when the
+# lease has no room for the decodes
+[ -n "${NO_DECODE:-}" ] && { touch $S/finished_$tag; exit 0; }
 decode_runs $name=$run
 if [ -n "$next" ]; then
   # SAMPLE_NEXT=4: sample 4 of every first answer, for a later lease to train on four (about 250 s, as samples 2
