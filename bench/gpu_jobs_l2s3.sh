@@ -52,7 +52,8 @@ machine_info
 # the feature budget counts the allocator's unused memory as free (thirty-sixth session: the regen engine's 30 GB)
 [ -n "${NO_TESTS:-}" ] || job test_budget timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_features.py -k budget
 L=${LAYERS:-2}  # LAYERS=3: a drafter of three decoder layers
-name=L${L}S3; [ "$ep" = 4 ] || name=L${L}S3e$ep
+N=${SAMPLES:-3}  # SAMPLES=2: two samples of every first answer (regen about 480 s instead of 723, an estimate)
+name=L${L}S$N; [ "$ep" = 4 ] || name=L${L}S${N}e$ep
 extra=()
 for kv in ${SETS:-}; do extra+=(--set "$kv"); name=${name}_$(echo "${kv#*.}" | tr -c 'A-Za-z0-9\n' '_'); done
 run=/tmp/rS3
@@ -65,7 +66,7 @@ next=${SAMPLE_NEXT:-}  # a later sample to regenerate after the run, in a run fo
 if [ -n "$next" ]; then  # its samples 1..next-1 untarred now: .carry is on the machine only in this call
   carried3 /tmp/rS$next
 fi
-job run_l2s3 python3 -m eyas run --out $run --set regen.samples=3 --set train.epochs=$ep --set train.draft_layers=$L "${extra[@]}"
+job run_l2s3 python3 -m eyas run --out $run --set regen.samples=$N --set train.epochs=$ep --set train.draft_layers=$L "${extra[@]}"
 NO_REGEN_TGZ=1 keep $run run$name
 # REGEN_BACK=1: the three samples' answers back as regenS123.partN.tgz (about 25 MB), for a later lease to carry
 [ -n "${REGEN_BACK:-}" ] && pieces regenS123 $run/data regen
