@@ -332,7 +332,8 @@ def one_line(name: str, r: dict) -> str:
             return f"{v[0]:.3g}-{v[1]:.3g}"
         return str(v)
 
-    parts = [f"{k}={fmt(r[k])}" for k in pick if k in r]
+    label = {"errors_total": "left_out"}  # regen's count of prompts it could not answer, named as its log names it
+    parts = [f"{label.get(k, k)}={fmt(r[k])}" for k in pick if k in r]
     return ", ".join(parts) or ", ".join(f"{k}={v}" for k, v in list(r.items())[:3] if not isinstance(v, (dict, list)))
 
 

@@ -178,3 +178,12 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny):
     (tmp_path / "other" / "manifest.json").write_text(json.dumps({"stages": {}, "target": {"name": "qwen", "sha256": "x"}}))
     r = eyas(tmp_path / "other", timeout=300)
     assert r.returncode == 2 and "made with target 'qwen'" in r.stderr
+
+
+def test_stage_lines_name_regen_left_out_as_its_log_does():
+    from eyas.pipeline import one_line
+
+    line = one_line("regen", {"records": 7, "assistant_turns": 17, "errors_total": 1, "tokens_per_s": 177.4})
+    assert line == "records=7, assistant_turns=17, left_out=1, tokens_per_s=177"
+    assert one_line("eval", {"acceptance_length": 2.5, "acceptance_length_ci95": [2.25, 2.75]}) == \
+        "acceptance_length=2.5, acceptance_length_ci95=2.25-2.75"
