@@ -44,6 +44,9 @@
 #   LAYERS=3 REGEN_BACK=1 NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 5" bash bench/gpu_queue.sh 560
 # about 1,580 s of job (regen 723, tokenize 29, warm-up 122, 21,960 steps at 34.6/s, eval 70; an estimate), staged in
 # 2 pieces (`--chunk-mib 61`); 6 epochs would be about 1,700 s of job, beyond the lease with its start and staging.
+# Measured (forty-fourth session, LAYERS=3 SAMPLES=2 NO_DECODE=1, 5 epochs, from nothing): the job 1,254 s (regen 490 s
+# at 21.1k tok/s, train 629 s: 17,320 steps at 34.9/s after a 61 s warm-up, eval 62 s): eval τ 3.180, the same as
+# L2S3e6's 3.183. Three layers on three samples from nothing: about 1,560 s of job at 5 epochs (an estimate).
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
