@@ -365,8 +365,27 @@ def load_toml(path: str | Path) -> dict:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EyasError(f"{path}: config file not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise EyasError(f"{path}: invalid TOML: {e}") from None
+    except IsADirectoryError:
+        raise EyasError(f"{path}: a folder, not a TOML config file{_not_a_config(path)}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{path}: invalid TOML: {e}{_not_a_config(path)}") from None
+
+
+def _not_a_config(path: Path) -> str:
+    """What a file that failed to parse as TOML was likely meant as, by its name: the positional CONFIG argument
+    takes a data set or a model file given where a flag was meant."""
+    name = path.name.lower()
+    if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz", ".txt", ".txt.gz")):
+        return (f". It looks like a data set: the positional argument is a TOML config file; give data as "
+                f"--source {path} (or --set data.source={path})")
+    if path.is_dir() and ((path / "eyas.toml").exists() or (path / "manifest.json").exists()):
+        return f". It is a run directory: give it as --out {path}"
+    if (path / "config.json").exists() and "eagle" in (path / "config.json").read_text(errors="replace").lower():
+        return (f". It looks like a drafter: the positional argument is a TOML config file; give a drafter as "
+                f"--draft {path} (eval) or --finetune-from {path} (train)")
+    if name.endswith((".gguf", ".safetensors")) or (path / "config.json").exists():
+        return f". It looks like a model: the positional argument is a TOML config file; give a target as --target {path}"
+    return ""
 
 
 def resolve(config_file: str | None = None, preset_name: str | None = None,

@@ -40,6 +40,23 @@ def test_bad_files_name_the_key(tmp_path, text, match):
         C.resolve(str(f))
 
 
+def test_a_file_given_where_the_config_goes_says_which_flag_it_needs(tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"conversations": [{"from": "human", "value": "Hi"}]}\n')
+    (tmp_path / "model.gguf").write_bytes(b"GGUF\x03\x00\x00\x00\xa7\xff")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "eyas.toml").write_text("")
+    drafter = tmp_path / "draft"
+    drafter.mkdir()
+    (drafter / "config.json").write_text('{"architecture": "Eagle3Drafter"}')
+    for path, hint in [(data, f"--source {data}"), (tmp_path / "model.gguf", "--target"), (run, f"--out {run}"),
+                       (drafter, f"--draft {drafter}"), (tmp_path, "a folder, not a TOML config file")]:
+        assert main(["data", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert hint in err and "Traceback" not in err, err
+
+
 def test_cli_flags_and_set():
     parser, maps = build_parser()
     args = parser.parse_args(["train", "--preset", "tiny", "--lr", "5e-4", "--no-online", "--set", "eval.k=5",
