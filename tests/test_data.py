@@ -1,4 +1,5 @@
 """Data readers: the real ShareGPT file, bad-record fixtures, strict mode, splits."""
+import gzip
 import json
 from pathlib import Path
 
@@ -92,14 +93,37 @@ def test_missing_and_unknown_files(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(EyasError, match="unknown data format"):
         read_dataset(str(tmp_path / "x.csv"))
-    (tmp_path / "obj.json").write_text('{"not": "a list"}')
-    with pytest.raises(EyasError, match="obj.json: line 1"):
+    (tmp_path / "obj.json").write_text('{\n  "data": [{"not": "a conversation"}]\n}\n')
+    with pytest.raises(EyasError, match="obj.json: line 1: one JSON object \\(keys 'data'\\)"):
         read_dataset(str(tmp_path / "obj.json"))
+    (tmp_path / "one.json").write_text('{"not": "a list"}\n')  # one record a line, a bad one: skipped and counted
+    convs, rep = read_dataset(str(tmp_path / "one.json"))
+    assert convs == [] and rep.examples == [f"{tmp_path / 'one.json'}:1: no 'messages' or 'conversations' list (keys 'not')"]
+
+
+def test_either_layout_in_either_file(tmp_path):
+    """ShareGPT records one a line (as SpecForge writes them), OpenAI messages in a JSON array, the two key sets
+    mixed within one record, and content as a list of text parts, all read the same conversation."""
+    sharegpt = {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+    openai = {"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "H"},
+                                                                   {"type": "text", "text": "i"}]},
+                                      {"role": "assistant", "content": "Hello"}]}
+    mixed = {"id": "a", "conversations": [{"role": "user", "value": "Hi"}, {"from": "assistant", "content": "Hello"}]}
+    files = {"sg.jsonl": json.dumps(sharegpt) + "\n", "oa.json": json.dumps([openai]), "mix.json.gz": json.dumps(mixed),
+             "sg_array.jsonl": json.dumps([sharegpt], indent=1)}
+    for name, text in files.items():
+        raw = text.encode()
+        (tmp_path / name).write_bytes(gzip.compress(raw) if name.endswith(".gz") else raw)
+        convs, rep = read_dataset(str(tmp_path / name))
+        assert rep.n_skipped == 0, (name, rep.examples)
+        assert [(t.role, t.content) for t in convs[0].turns] == [("user", "Hi"), ("assistant", "Hello")], name
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}
+    (tmp_path / "img.jsonl").write_text(json.dumps(bad) + "\n")
+    convs, rep = read_dataset(str(tmp_path / "img.jsonl"))
+    assert convs == [] and dict(rep.skipped) == {"non-string content": 1}
 
 
 def test_gzip_and_prompts(tmp_path):
-    import gzip
-
     src = (FIX / "bad_sharegpt.json").read_bytes()
     (tmp_path / "d.json.gz").write_bytes(gzip.compress(src))
     a, _ = read_dataset(str(tmp_path / "d.json.gz"))

