@@ -123,6 +123,19 @@ def test_either_layout_in_either_file(tmp_path):
     assert convs == [] and dict(rep.skipped) == {"non-string content": 1}
 
 
+def test_inline_reasoning_is_read_as_the_turns_reasoning(tmp_path):
+    rec = {"messages": [{"role": "user", "content": "Why?"},
+                        {"role": "assistant", "content": "<think>\nThe user asks why.\n</think>\n\nBecause."},
+                        {"role": "user", "content": "Say <think> once."},
+                        {"role": "assistant", "content": "Fine: <think>"}]}
+    (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
+    convs, _ = read_dataset(str(tmp_path / "r.jsonl"))
+    t = convs[0].turns
+    assert (t[1].content, t[1].reasoning) == ("Because.", "The user asks why.")
+    assert (t[2].content, t[2].reasoning) == ("Say <think> once.", None)  # a user's text is left as it is
+    assert (t[3].content, t[3].reasoning) == ("Fine: <think>", None)  # only an answer that opens with the marker
+
+
 def test_gzip_and_prompts(tmp_path):
     src = (FIX / "bad_sharegpt.json").read_bytes()
     (tmp_path / "d.json.gz").write_bytes(gzip.compress(src))

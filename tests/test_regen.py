@@ -17,7 +17,8 @@ import pytest
 from eyas.config import Config
 from eyas.data import Conversation, Turn, read_dataset
 from eyas.data.regen import ConvState, regen_dir, run_regen, validation_report
-from eyas.data.server import TurnResult, chat_url, split_reasoning
+from eyas.data.conversation import split_reasoning
+from eyas.data.server import TurnResult, chat_url
 from eyas.util import EyasError, read_json
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the markers of reasoning written inline
 
 
 @dataclass
@@ -45,3 +46,19 @@ class Conversation:
 
     def n_assistant(self) -> int:
         return sum(t.role == "assistant" for t in self.turns)
+
+
+def split_reasoning(text: str, open_tag: str = THINK_OPEN, close_tag: str = THINK_CLOSE) -> tuple[str, str | None]:
+    """(answer, reasoning) from text that may carry inline reasoning between think markers. The opening
+    marker may be missing (templates that put it in the generation prompt); an unclosed one means the
+    turn was cut short while thinking."""
+    if close_tag in text:
+        head, tail = text.split(close_tag, 1)
+        head = head.strip()
+        if head.startswith(open_tag):
+            head = head[len(open_tag):]
+        return tail.strip(), head.strip()
+    stripped = text.lstrip()
+    if stripped.startswith(open_tag):
+        return "", stripped[len(open_tag):].strip()
+    return text.strip(), None

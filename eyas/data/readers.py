@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..util import EyasError, installed_file, stable_hash, text_lines
-from .conversation import ROLES, Conversation, Turn
+from .conversation import ROLES, THINK_OPEN, Conversation, Turn, split_reasoning
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
                   "bing": "assistant", "assistant": "assistant", "system": "system"}
@@ -122,6 +122,10 @@ def _turn(m, i: int, role_key: str, content_key: str) -> Turn:
     reasoning = m.get("reasoning", m.get("reasoning_content"))
     if reasoning is not None and not isinstance(reasoning, str):
         raise BadRecord("non-string content", f"message {i}: reasoning is {type(reasoning).__name__}, not a string")
+    if role == "assistant" and reasoning is None and content.lstrip().startswith(THINK_OPEN):
+        # reasoning written inline (distilled reasoning sets): kept as the turn's reasoning, so --reasoning drop
+        # drops it and a template that renders reasoning_content gets it there
+        content, reasoning = split_reasoning(content)
     if not content.strip() and not (role == "assistant" and reasoning):
         raise BadRecord("empty content", f"message {i} ({role}) is empty")
     return Turn(role, content, reasoning or None)

@@ -41,10 +41,10 @@ from pathlib import Path
 from ..config import Config, RegenConfig
 from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrier, dist_env, human_bytes, log,
                     mem_available, progress, read_json, repeated_share, stable_hash, text_lines, to_device)
-from .conversation import Conversation, Turn
+from .conversation import Conversation, Turn, split_reasoning
 from .prepare import regen_dir
 from .readers import LATER_SUFFIX, SAMPLE_SUFFIX, read_dataset, select_split
-from .server import ServerBackend, TurnResult, split_reasoning
+from .server import ServerBackend, TurnResult
 
 PLAN_VERSION = 1
 

@@ -24,8 +24,8 @@ from http.client import HTTPException
 
 from ..config import RegenConfig
 from ..util import EyasError
+from .conversation import split_reasoning
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass
@@ -41,22 +41,6 @@ class TurnResult:
     message: str = ""                  # error detail
     fatal: bool = False                # the backend cannot go on (endpoints down)
     retries: Counter = field(default_factory=Counter)
-
-
-def split_reasoning(text: str, open_tag: str = THINK_OPEN, close_tag: str = THINK_CLOSE) -> tuple[str, str | None]:
-    """(answer, reasoning) from text that may carry inline reasoning between think markers. The opening
-    marker may be missing (templates that put it in the generation prompt); an unclosed one means the
-    turn was cut short while thinking."""
-    if close_tag in text:
-        head, tail = text.split(close_tag, 1)
-        head = head.strip()
-        if head.startswith(open_tag):
-            head = head[len(open_tag):]
-        return tail.strip(), head.strip()
-    stripped = text.lstrip()
-    if stripped.startswith(open_tag):
-        return "", stripped[len(open_tag):].strip()
-    return text.strip(), None
 
 
 def chat_url(endpoint: str) -> str:

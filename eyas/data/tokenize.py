@@ -16,9 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..util import EyasError
-from .conversation import Conversation
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+from .conversation import THINK_CLOSE, THINK_OPEN, Conversation
 
 
 @dataclass
