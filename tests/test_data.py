@@ -93,6 +93,9 @@ def test_missing_and_unknown_files(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(EyasError, match="unknown data format"):
         read_dataset(str(tmp_path / "x.csv"))
+    (tmp_path / "hf.parquet").write_bytes(b"PAR1")
+    with pytest.raises(EyasError, match="converts to JSONL with pandas"):
+        read_dataset(str(tmp_path / "hf.parquet"))
     (tmp_path / "obj.json").write_text('{\n  "data": [{"not": "a conversation"}]\n}\n')
     with pytest.raises(EyasError, match="obj.json: line 1: one JSON object \\(keys 'data'\\)"):
         read_dataset(str(tmp_path / "obj.json"))

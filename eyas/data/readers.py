@@ -372,7 +372,13 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
         return read_messages_jsonl(path, strict, limit)
     if name.endswith(".txt"):
         return read_prompts_txt(path, strict, limit)
-    raise EyasError(f"{path}: unknown data format (expected .json/.json.gz ShareGPT, .jsonl messages or .txt prompts)")
+    hint = ""
+    if name.endswith(".parquet"):
+        hint = (f"; a Parquet file (as Hugging Face datasets ship) converts to JSONL with pandas: python -c \"import "
+                f"pandas as pd; pd.read_parquet('{path}').to_json('{path.with_suffix('.jsonl')}', orient='records', "
+                f"lines=True)\"")
+    raise EyasError(f"{path}: unknown data format (expected conversations as .json or .jsonl, plain or .gz, or prompts "
+                    f"as .txt){hint}")
 
 
 # what regen appends to a source record's id for its copies (eyas.data.regen.sample_copy, later_copy)
