@@ -105,14 +105,15 @@ def test_missing_and_unknown_files(tmp_path):
 
 
 def test_either_layout_in_either_file(tmp_path):
-    """ShareGPT records one a line (as SpecForge writes them), OpenAI messages in a JSON array, the two key sets
-    mixed within one record, and content as a list of text parts, all read the same conversation."""
+    """ShareGPT records one a line, OpenAI messages in a JSON array, the two key sets mixed (SpecForge's JSONL:
+    "conversations" of "role"/"content"), and content as a list of text parts, all read the same conversation."""
     sharegpt = {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
     openai = {"id": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "H"},
                                                                    {"type": "text", "text": "i"}]},
                                       {"role": "assistant", "content": "Hello"}]}
     mixed = {"id": "a", "conversations": [{"role": "user", "value": "Hi"}, {"from": "assistant", "content": "Hello"}]}
-    files = {"sg.jsonl": json.dumps(sharegpt) + "\n", "oa.json": json.dumps([openai]), "mix.json.gz": json.dumps(mixed),
+    specforge = {"id": "a", "conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    files = {"sg.jsonl": json.dumps(sharegpt) + "\n", "specforge.jsonl": json.dumps(specforge) + "\n", "oa.json": json.dumps([openai]), "mix.json.gz": json.dumps(mixed),
              "sg_array.jsonl": json.dumps([sharegpt], indent=1)}
     for name, text in files.items():
         raw = text.encode()

