@@ -99,6 +99,10 @@ def test_missing_and_unknown_files(tmp_path):
     (tmp_path / "obj.json").write_text('{\n  "data": [{"not": "a conversation"}]\n}\n')
     with pytest.raises(EyasError, match="obj.json: line 1: one JSON object \\(keys 'data'\\)"):
         read_dataset(str(tmp_path / "obj.json"))
+    one = {"id": "p", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    (tmp_path / "pretty.json").write_text(json.dumps(one, indent=2))  # one conversation over many lines: one record
+    convs, rep = read_dataset(str(tmp_path / "pretty.json"))
+    assert [c.id for c in convs] == ["p"] and rep.n_skipped == 0
     (tmp_path / "one.json").write_text('{"not": "a list"}\n')  # one record a line, a bad one: skipped and counted
     convs, rep = read_dataset(str(tmp_path / "one.json"))
     assert convs == [] and rep.examples == [f"{tmp_path / 'one.json'}:1: no 'messages' or 'conversations' list (keys 'not')"]

@@ -313,27 +313,39 @@ def _first_char(path: Path) -> str | None:
     return chr(head[0]) if head[0] < 128 else None
 
 
-def _refuse_one_object(path: Path) -> None:
-    """A file that is one JSON object (not a conversation, as a pretty-printed {"data": [...]}) would read as one bad
-    record a line: say what it is instead."""
+def _one_object(path: Path, strict: bool):
+    """A file that is one JSON object spread over several lines would read as one bad record a line: a conversation
+    (a pretty-printed {"messages": [...]}) is read as the one record it is, anything else (a {"data": [...]}) stops,
+    naming its keys. None for a file whose first line is a JSON value of its own (one record a line) or that is
+    not one JSON object (the line reader then counts what it finds)."""
     try:
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
         with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
             first = next((ln for ln in f if ln.strip()), b"")
         json.loads(first)
-        return  # its first line is a JSON value of its own: one record a line
+        return None
     except (OSError, EOFError, ValueError):
         pass
     try:
         obj = json.loads(_open_text(path))
     except json.JSONDecodeError:
-        return  # one record a line, or broken: the line reader counts what it finds
-    if isinstance(obj, dict) and not any(k in obj for k in MESSAGE_LISTS):
+        return None
+    if not isinstance(obj, dict):
+        return None
+    if not any(k in obj for k in MESSAGE_LISTS):
         keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
         raise EyasError(f"{path}: line 1: one JSON object (keys {keys}), not conversations: a data file is a JSON "
                         f"array of conversations or one conversation a line, each with a 'messages' or "
                         f"'conversations' list")
+    rep = ReadReport(str(path))
+    try:
+        convs = [_conversation(obj, f"{path.stem}:0", "messages", "role", "content")]
+        rep.records = 1
+    except BadRecord as b:
+        convs = []
+        rep.skip(b.kind, f"{path}:1", str(b), strict)
+    return convs, rep
 
 
 def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
@@ -367,9 +379,8 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
         first = _first_char(path)
         if first == "[" or (first is None and name.endswith(".json")):
             return read_sharegpt(path, strict, limit)
-        if first == "{":
-            _refuse_one_object(path)
-        return read_messages_jsonl(path, strict, limit)
+        whole = _one_object(path, strict) if first == "{" else None
+        return whole if whole is not None else read_messages_jsonl(path, strict, limit)
     if name.endswith(".txt"):
         return read_prompts_txt(path, strict, limit)
     hint = ""
