@@ -131,6 +131,22 @@ def test_either_layout_in_either_file(tmp_path):
     assert convs == [] and dict(rep.skipped) == {"non-string content": 1}
 
 
+def test_one_prompt_records_read_as_conversations(tmp_path):
+    recs = [{"id": "c", "prompt": "Hi", "completion": "Hello"},
+            {"instruction": "Translate.", "input": "Bonjour", "output": "Hello"},
+            {"instruction": "Say hi.", "input": "", "output": ""},  # no answer: a prompt for regen only
+            {"task_id": "t/1", "prompt": "def f():"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "p.json").write_text(json.dumps(recs))
+    for name in ("p.jsonl", "p.json"):
+        convs, rep = read_dataset(str(tmp_path / name))
+        assert rep.n_skipped == 0, rep.examples
+        assert [[(t.role, t.content) for t in c.turns] for c in convs] == [
+            [("user", "Hi"), ("assistant", "Hello")], [("user", "Translate.\n\nBonjour"), ("assistant", "Hello")],
+            [("user", "Say hi.")], [("user", "def f():")]]
+        assert convs[0].id == "c" and convs[3].id == "t/1"
+
+
 def test_inline_reasoning_is_read_as_the_turns_reasoning(tmp_path):
     rec = {"messages": [{"role": "user", "content": "Why?"},
                         {"role": "assistant", "content": "<think>\nThe user asks why.\n</think>\n\nBecause."},

