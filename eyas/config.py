@@ -361,6 +361,9 @@ def preset(name: str) -> Config:
 
 def load_toml(path: str | Path) -> dict:
     path = Path(path)
+    if path.suffix.lower() != ".toml" and path.is_file() and (hint := _not_a_config(path)):
+        # a data set or model by its name: said before reading it (a large file, or an empty one that would parse)
+        raise EyasError(f"{path}: not a TOML config file{hint}")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -380,10 +383,14 @@ def _not_a_config(path: Path) -> str:
                 f"--source {path} (or --set data.source={path})")
     if path.is_dir() and ((path / "eyas.toml").exists() or (path / "manifest.json").exists()):
         return f". It is a run directory: give it as --out {path}"
-    if (path / "config.json").exists() and "eagle" in (path / "config.json").read_text(errors="replace").lower():
+    try:
+        drafter = "eagle" in (path / "config.json").read_text(errors="replace").lower()
+    except OSError:  # none there (or unreadable): not a drafter's folder
+        drafter = False
+    if drafter:
         return (f". It looks like a drafter: the positional argument is a TOML config file; give a drafter as "
                 f"--draft {path} (eval) or --finetune-from {path} (train)")
-    if name.endswith((".gguf", ".safetensors")) or (path / "config.json").exists():
+    if name.endswith((".gguf", ".safetensors")) or (path / "config.json").is_file():
         return f". It looks like a model: the positional argument is a TOML config file; give a target as --target {path}"
     return ""
 

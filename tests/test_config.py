@@ -50,7 +50,9 @@ def test_a_file_given_where_the_config_goes_says_which_flag_it_needs(tmp_path, c
     drafter = tmp_path / "draft"
     drafter.mkdir()
     (drafter / "config.json").write_text('{"architecture": "Eagle3Drafter"}')
-    for path, hint in [(data, f"--source {data}"), (tmp_path / "model.gguf", "--target"), (run, f"--out {run}"),
+    empty = tmp_path / "empty.jsonl"  # would parse as an empty TOML file: refused by its name first
+    empty.write_text("")
+    for path, hint in [(data, f"--source {data}"), (empty, f"--source {empty}"), (tmp_path / "model.gguf", "--target"), (run, f"--out {run}"),
                        (drafter, f"--draft {drafter}"), (tmp_path, "a folder, not a TOML config file")]:
         assert main(["data", str(path)]) == 2
         err = capsys.readouterr().err

@@ -135,7 +135,8 @@ def test_one_prompt_records_read_as_conversations(tmp_path):
     recs = [{"id": "c", "prompt": "Hi", "completion": "Hello"},
             {"instruction": "Translate.", "input": "Bonjour", "output": "Hello"},
             {"instruction": "Say hi.", "input": "", "output": ""},  # no answer: a prompt for regen only
-            {"task_id": "t/1", "prompt": "def f():"}]
+            {"task_id": "t/1", "prompt": "def f():"},
+            {"instruction": "Summarize.", "context": "A long text.", "response": "Short."}]  # Dolly's layout
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (tmp_path / "p.json").write_text(json.dumps(recs))
     for name in ("p.jsonl", "p.json"):
@@ -143,21 +144,47 @@ def test_one_prompt_records_read_as_conversations(tmp_path):
         assert rep.n_skipped == 0, rep.examples
         assert [[(t.role, t.content) for t in c.turns] for c in convs] == [
             [("user", "Hi"), ("assistant", "Hello")], [("user", "Translate.\n\nBonjour"), ("assistant", "Hello")],
-            [("user", "Say hi.")], [("user", "def f():")]]
+            [("user", "Say hi.")], [("user", "def f():")], [("user", "Summarize.\n\nA long text."), ("assistant", "Short.")]]
         assert convs[0].id == "c" and convs[3].id == "t/1"
+
+
+def test_awkward_files_read_or_stop_with_a_message(tmp_path, monkeypatch):
+    from eyas.data import readers
+
+    rec = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    for name in ("bom.jsonl", "bom.json"):  # a byte-order mark first
+        text = json.dumps(rec) + "\n" if name.endswith("l") else json.dumps([rec])
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        convs, rep = read_dataset(str(tmp_path / name))
+        assert len(convs) == 1 and rep.n_skipped == 0, (name, rep.examples)
+    broken = bytearray(gzip.compress((json.dumps(rec) + "\n").encode() * 50))
+    broken[20:60] = bytes(40)
+    (tmp_path / "broken.jsonl.gz").write_bytes(bytes(broken))
+    with pytest.raises(EyasError, match="broken.jsonl.gz: corrupt gzip data"):
+        read_dataset(str(tmp_path / "broken.jsonl.gz"))
+    (tmp_path / "mixed.jsonl").write_text(json.dumps([rec]) + "\n" + json.dumps(rec) + "\n")  # an array, then lines
+    convs, rep = read_dataset(str(tmp_path / "mixed.jsonl"))
+    assert len(convs) == 1 and "text after the array's closing ']'" in rep.examples[0]
+    (tmp_path / "pretty.json").write_text(json.dumps({"data": [rec]}, indent=2))
+    monkeypatch.setattr(readers, "ONE_OBJECT_MAX_BYTES", 16)  # a large file is not parsed whole to say so
+    with pytest.raises(EyasError, match="line 1 is not a whole JSON record"):
+        read_dataset(str(tmp_path / "pretty.json"))
 
 
 def test_inline_reasoning_is_read_as_the_turns_reasoning(tmp_path):
     rec = {"messages": [{"role": "user", "content": "Why?"},
                         {"role": "assistant", "content": "<think>\nThe user asks why.\n</think>\n\nBecause."},
                         {"role": "user", "content": "Say <think> once."},
-                        {"role": "assistant", "content": "Fine: <think>"}]}
+                        {"role": "assistant", "content": "Fine: <think>"},
+                        {"role": "user", "content": "What is <think>?"},
+                        {"role": "assistant", "content": "<think> opens a reasoning model's thoughts."}]}
     (tmp_path / "r.jsonl").write_text(json.dumps(rec) + "\n")
     convs, _ = read_dataset(str(tmp_path / "r.jsonl"))
     t = convs[0].turns
     assert (t[1].content, t[1].reasoning) == ("Because.", "The user asks why.")
     assert (t[2].content, t[2].reasoning) == ("Say <think> once.", None)  # a user's text is left as it is
     assert (t[3].content, t[3].reasoning) == ("Fine: <think>", None)  # only an answer that opens with the marker
+    assert (t[5].content, t[5].reasoning) == ("<think> opens a reasoning model's thoughts.", None)  # and closes it
 
 
 def test_gzip_and_prompts(tmp_path):

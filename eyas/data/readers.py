@@ -20,12 +20,13 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..util import EyasError, installed_file, stable_hash, text_lines
-from .conversation import ROLES, THINK_OPEN, Conversation, Turn, split_reasoning
+from .conversation import ROLES, THINK_CLOSE, THINK_OPEN, Conversation, Turn, split_reasoning
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
                   "bing": "assistant", "assistant": "assistant", "system": "system"}
@@ -78,10 +79,10 @@ def _open_text(path: Path) -> str:
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, zlib.error) as e:
             raise EyasError(f"{path}: corrupt gzip data ({e})") from None
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # a byte-order mark, as some Windows tools write, is not part of the data
     except UnicodeDecodeError as e:
         raise EyasError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
@@ -124,7 +125,7 @@ def _turn(m, i: int, role_key: str, content_key: str) -> Turn:
     reasoning = m.get("reasoning", m.get("reasoning_content"))
     if reasoning is not None and not isinstance(reasoning, str):
         raise BadRecord("non-string content", f"message {i}: reasoning is {type(reasoning).__name__}, not a string")
-    if role == "assistant" and reasoning is None and content.lstrip().startswith(THINK_OPEN):
+    if role == "assistant" and reasoning is None and content.lstrip().startswith(THINK_OPEN) and THINK_CLOSE in content:
         # reasoning written inline (distilled reasoning sets): kept as the turn's reasoning, so --reasoning drop
         # drops it and a template that renders reasoning_content gets it there
         content, reasoning = split_reasoning(content)
@@ -138,14 +139,14 @@ ANSWER_KEYS = ("response", "output", "completion", "answer")
 
 def _single_turn(rec):
     """A record of one prompt and, maybe, its answer as messages: {"prompt", "response"/"output"/"completion"/
-    "answer"?} (HumanEval's and most completion sets' layout) or Alpaca's {"instruction", "input"?, "output"?}.
-    Anything else is returned as it is."""
+    "answer"?} (HumanEval's and most completion sets' layout) or Alpaca's {"instruction", "input"?, "output"?}
+    (Dolly's {"instruction", "context"?, "response"?} too). Anything else is returned as it is."""
     if not isinstance(rec, dict) or any(k in rec for k in MESSAGE_LISTS):
         return rec
     if isinstance(rec.get("prompt"), str):
         prompt = rec["prompt"]
     elif isinstance(rec.get("instruction"), str):
-        extra = rec.get("input")
+        extra = rec.get("input", rec.get("context"))  # Alpaca's input, Dolly's context
         prompt = rec["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
     else:
         return rec
@@ -209,6 +210,9 @@ def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tup
             rep.skip("truncated file", f"{path}:{_line_of(text, n, lines)}", "file ends before the closing ']'", strict)
             break
         if text[i] == "]":
+            if text[i + 1:].strip():
+                rep.skip("invalid JSON", f"{path}:{_line_of(text, i, lines)}", "text after the array's closing ']' "
+                         "is not read (an array, then more records?)", strict)
             break
         line = _line_of(text, i, lines)
         try:
@@ -319,22 +323,30 @@ def read_humaneval(path: str | Path | None = None, strict: bool = False, limit: 
     return out, rep
 
 
+def _open_maybe_gzip(path: Path):
+    """`path` opened for reading bytes, through gzip when it starts with gzip's magic."""
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gz else open(path, "rb")
+
+
 def _first_char(path: Path) -> str | None:
-    """The first character of a (possibly gzipped) text file that is not white space; None for an empty or
-    unreadable one (the reader then says what is wrong)."""
+    """The first character of a (possibly gzipped) text file that is not white space or a byte-order mark; None
+    for an empty or unreadable one (the reader then says what is wrong)."""
     try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-            head = f.read(4096).lstrip()
+        with _open_maybe_gzip(path) as f:
+            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
             while not head:
                 chunk = f.read(4096)
                 if not chunk:
                     return None
                 head = chunk.lstrip()
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):
         return None
     return chr(head[0]) if head[0] < 128 else None
+
+
+ONE_OBJECT_MAX_BYTES = 64 << 20
 
 
 def _one_object(path: Path, strict: bool):
@@ -343,14 +355,16 @@ def _one_object(path: Path, strict: bool):
     naming its keys. None for a file whose first line is a JSON value of its own (one record a line) or that is
     not one JSON object (the line reader then counts what it finds)."""
     try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+        with _open_maybe_gzip(path) as f:
             first = next((ln for ln in f if ln.strip()), b"")
-        json.loads(first)
+        json.loads(first.removeprefix(b"\xef\xbb\xbf"))
         return None
-    except (OSError, EOFError, ValueError):
+    except (OSError, EOFError, ValueError, zlib.error):
         pass
+    if path.stat().st_size > ONE_OBJECT_MAX_BYTES:  # not parsed whole: what it would hold is not worth the memory
+        raise EyasError(f"{path}: line 1 is not a whole JSON record, so this is not one record a line; a data file is "
+                        f"a JSON array of conversations or one conversation a line (a file of one JSON object is "
+                        f"read only up to {ONE_OBJECT_MAX_BYTES >> 20} MiB)")
     try:
         obj = json.loads(_open_text(path))
     except json.JSONDecodeError:
