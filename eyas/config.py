@@ -370,13 +370,13 @@ def load_toml(path: str | Path) -> dict:
         raise EyasError(f"{path}: config file not found") from None
     except IsADirectoryError:
         raise EyasError(f"{path}: a folder, not a TOML config file{_not_a_config(path)}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{path}: invalid TOML: {e}{_not_a_config(path)}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # a file named as data or a model was refused above
+        raise EyasError(f"{path}: invalid TOML: {e}") from None
 
 
 def _not_a_config(path: Path) -> str:
-    """What a file that failed to parse as TOML was likely meant as, by its name: the positional CONFIG argument
-    takes a data set or a model file given where a flag was meant."""
+    """What a file or folder given as the TOML config was likely meant as, by its name and contents: the positional
+    CONFIG argument takes a data set, a model, a drafter or a run folder given where a flag was meant."""
     name = path.name.lower()
     if name.endswith((".json", ".jsonl", ".json.gz", ".jsonl.gz", ".txt", ".txt.gz")):
         return (f". It looks like a data set: the positional argument is a TOML config file; give data as "

@@ -28,7 +28,8 @@ from pathlib import Path
 from ..util import EyasError, installed_file, stable_hash, text_lines
 from .conversation import ROLES, THINK_CLOSE, THINK_OPEN, Conversation, Turn, split_reasoning
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+# role names as either layout writes them -> eyas' roles
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
                   "bing": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -114,7 +115,7 @@ def _turn(m, i: int, role_key: str, content_key: str) -> Turn:
     if role_key not in m:
         raise BadRecord("wrong nesting", f"message {i} has no '{role_key}' field")
     role = m[role_key]
-    role = SHAREGPT_ROLES.get(role) if isinstance(role, str) else None
+    role = ROLE_NAMES.get(role) if isinstance(role, str) else None
     if role not in ROLES:
         raise BadRecord("unknown role", f"message {i}: unknown role {m[role_key]!r}")
     raw = m.get(content_key)
@@ -158,14 +159,19 @@ def _single_turn(rec):
     return {"messages": msgs, **({"id": rid} if rid is not None else {})}
 
 
+def _keys(rec: dict) -> str:
+    """A record's first keys, for a message saying what it holds instead of conversations."""
+    return ", ".join(repr(k) for k in list(rec)[:6]) or "none"
+
+
 def _conversation(rec, default_id: str, msgs_key: str, role_key: str, content_key: str) -> Conversation:
+    rec = _single_turn(rec)
     if not isinstance(rec, dict):
         raise BadRecord("wrong nesting", f"record is a {type(rec).__name__}, not an object")
     msgs_key = _either(rec, MESSAGE_LISTS, msgs_key)
     msgs = rec.get(msgs_key)
     if msgs is None:
-        keys = ", ".join(repr(k) for k in list(rec)[:6]) or "none"
-        raise BadRecord("wrong nesting", f"no 'messages' or 'conversations' list (keys {keys})")
+        raise BadRecord("wrong nesting", f"no 'messages' or 'conversations' list (keys {_keys(rec)})")
     if not isinstance(msgs, list):
         raise BadRecord("wrong nesting", f"field '{msgs_key}' is a {type(msgs).__name__}, not a list")
     turns = [_turn(m, i, role_key, content_key) for i, m in enumerate(msgs)]
@@ -222,7 +228,7 @@ def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tup
                      f"the rest of the file is skipped)", strict)
             break
         try:
-            out.append(_conversation(_single_turn(rec), f"{path.stem}:{idx}", "conversations", "from", "value"))
+            out.append(_conversation(rec, f"{path.stem}:{idx}", "conversations", "from", "value"))
             rep.records += 1
         except BadRecord as b:
             rid = rec.get("id") if isinstance(rec, dict) else None
@@ -248,7 +254,6 @@ def read_messages_jsonl(path: str | Path, strict: bool = False, limit: int = 0) 
             rep.skip("invalid JSON", where, f"invalid JSON ({e.msg} at column {e.colno})", strict)
             continue
         try:
-            rec = _single_turn(rec)
             out.append(_conversation(rec, f"{path.stem}:{lineno}", "messages", "role", "content"))
             rep.records += 1
         except BadRecord as b:
@@ -373,8 +378,7 @@ def _one_object(path: Path, strict: bool):
         return None
     obj = _single_turn(obj)
     if not any(k in obj for k in MESSAGE_LISTS):
-        keys = ", ".join(repr(k) for k in list(obj)[:6]) or "none"
-        raise EyasError(f"{path}: line 1: one JSON object (keys {keys}), not conversations: a data file is a JSON "
+        raise EyasError(f"{path}: line 1: one JSON object (keys {_keys(obj)}), not conversations: a data file is a JSON "
                         f"array of conversations or one conversation a line, each with a 'messages' or "
                         f"'conversations' list")
     rep = ReadReport(str(path))
