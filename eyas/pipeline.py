@@ -1,13 +1,16 @@
 """`eyas run`: every stage over one run directory, skipping what is already done.
 
 Each stage has a key: the hash of the config sections it reads and of the keys of the stages
-before it. `manifest.json` records, per stage, its key, status, counts, timing and versions.
+before it, and of the content of the files a setting names (a data file, a prompts file, a drafter to
+fine-tune from), so that a file edited in place counts as changed. `manifest.json` records, per stage, its
+key, status, counts, timing and versions.
 A stage whose key matches a finished record is skipped; one that was cut short runs again (each
 stage resumes its own partial work); one whose key changed has its outputs cleared and reruns,
 and so, through the keys, does every stage after it.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import platform
@@ -17,7 +20,7 @@ from pathlib import Path
 
 from . import __version__
 from . import config as C
-from .util import EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, log, read_json, sha256_json
+from .util import EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json, sha256_file, sha256_json
 
 # name, "module:function", config keys it reads, output paths under the run dir (the first one is
 # what later stages read: a finished stage whose first output is gone runs again)
@@ -107,8 +110,56 @@ AUX_KEY = "target.aux_layers"
 AUX_READERS = ("extract", "train")
 
 
-def stage_keys(cfg: C.Config) -> dict[str, str]:
-    """A key per stage: a hash of the settings it reads (less EXECUTION_ONLY) and of the stage before it."""
+# settings that name files or folders: the stages that read them key the files' content, not only their names, so an
+# edited data file reruns regen and what follows. Named sets (sharegpt, humaneval) are keyed by name, as before
+FILE_INPUTS = ("data.source", "eval.prompts", "train.finetune_from")
+
+
+def _input_files(value: str) -> list[Path] | None:
+    """The files a setting's value names: the file, or every file directly in the folder; None when it names none."""
+    if not value:
+        return None
+    p = Path(value).expanduser()
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        return sorted(f for f in p.iterdir() if f.is_file())
+    return None
+
+
+def input_fingerprints(cfg: C.Config, known: dict | None = None) -> tuple[dict[str, str], dict[str, list]]:
+    """A hash of the content of the files each FILE_INPUTS setting names -> ({setting: hash}, {file: [size,
+    mtime_ns, sha256]}). `known` is the last run's file table: a file whose size and mtime are unchanged keeps its
+    recorded sha256 (not read again), so a large data set is hashed once, and a copied or touched file that kept its
+    content keeps its key."""
+    known = known or {}
+    fps, files = {}, {}
+    for key in FILE_INPUTS:
+        paths = _input_files(str(C.get_key(cfg, key) or ""))
+        if paths is None:
+            continue
+        h = hashlib.sha256()
+        for f in paths:
+            st = f.stat()
+            name = str(f.resolve())
+            rec = known.get(name)
+            if not (isinstance(rec, list) and rec[:2] == [st.st_size, st.st_mtime_ns]):
+                if st.st_size > 1 << 30:
+                    log(f"{key}: reading {f} ({human_bytes(st.st_size)}) to tell whether it changed since the last run")
+                rec = [st.st_size, st.st_mtime_ns, sha256_file(f)]
+            files[name] = rec
+            h.update(f"{f.name}\0{rec[2]}\0".encode())
+        fps[key] = h.hexdigest()[:16]
+    return fps, files
+
+
+def _reads(reads: list[str], key: str) -> bool:
+    return key in reads or key.partition(".")[0] in reads
+
+
+def stage_keys(cfg: C.Config, inputs: dict[str, str] | None = None) -> dict[str, str]:
+    """A key per stage: a hash of the settings it reads (less EXECUTION_ONLY), of the content of the files those
+    settings name (`inputs`, from input_fingerprints) and of the stage before it."""
     d = C.to_dict(cfg)
     for key in EXECUTION_ONLY:
         sec, _, field = key.partition(".")
@@ -128,6 +179,9 @@ def stage_keys(cfg: C.Config) -> dict[str, str]:
             part[r] = d[sec][field] if field else d[sec]
         if name in AUX_READERS and aux != aux_default:
             part[AUX_KEY] = aux
+        for key, fp in (inputs or {}).items():
+            if _reads(reads, key):
+                part[key + " content"] = fp
         if name == "extract" and cfg.train.online:
             part = {"skipped": "online"}
         prev = sha256_json({"stage": name, "config": part, "prev": prev})[:16]
@@ -206,8 +260,15 @@ def run_pipeline(cfg: C.Config) -> dict:
         log("sized for this machine (settings left at their defaults): " + ", ".join(f"{k}={v}" for k, v in auto.items()))
     target = preflight(cfg, run, manifest)
     C.save(cfg, run)
-    manifest.update({"target": target.identity(), "versions": versions(), "config_preset": cfg.preset})
-    keys = stage_keys(cfg)
+    inputs, files = input_fingerprints(cfg, manifest.get("input_files"))
+    for key, fp in inputs.items():
+        old = manifest.get("inputs", {}).get(key)
+        if old and old["value"] == C.get_key(cfg, key) and old["sha256"] != fp:
+            log(f"{key} {old['value']}: its content changed since the last run")
+    manifest.update({"target": target.identity(), "versions": versions(), "config_preset": cfg.preset,
+                     "inputs": {k: {"value": C.get_key(cfg, k), "sha256": fp} for k, fp in inputs.items()},
+                     "input_files": files})
+    keys = stage_keys(cfg, inputs)
     summary = {}
     missing = []
     for name, spec, _, outputs in STAGES:

@@ -190,6 +190,51 @@ def test_other_aux_layers_keep_the_regenerated_data():
             != base  # the preset's own layers named explicitly are still a change from [] (the target's default)
 
 
+def test_a_file_edited_in_place_changes_the_keys_of_the_stages_that_read_it(tmp_path):
+    """A data file, an eval prompts file or a drafter folder edited under the same name reruns the stage that reads
+    it and those after it (their keys hold the files' content), not the ones before; a file touched or copied with
+    its content unchanged keeps the keys; a file whose size and mtime match the last run's is not read again. The
+    named sets (sharegpt) key as they did before."""
+    import os
+
+    from eyas.pipeline import input_fingerprints, stage_keys
+
+    data, prompts, drafter = tmp_path / "chats.jsonl", tmp_path / "prompts.txt", tmp_path / "drafter"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    prompts.write_text("one\ntwo\n")
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    cfg = C.resolve(None, "smollm2", {"data.source": str(data), "eval.prompts": str(prompts),
+                                      "train.finetune_from": str(drafter)})
+    fps, files = input_fingerprints(cfg)
+    assert sorted(fps) == ["data.source", "eval.prompts", "train.finetune_from"] and len(files) == 3
+    base = stage_keys(cfg, fps)
+    names = ["regen", "tokenize", "vocab", "train", "eval", "export"]
+
+    def changed():
+        new = stage_keys(cfg, input_fingerprints(cfg)[0])
+        return [n for n in names if new[n] != base[n]]
+
+    os.utime(data, ns=(1, 1))  # touched: same content, same keys
+    assert changed() == []
+    data.write_text(data.read_text() + '{"messages": [{"role": "user", "content": "more"}]}\n')
+    assert changed() == names
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')  # back as it was
+    assert changed() == []
+    prompts.write_text("one\nthree\n")
+    assert changed() == ["eval", "export"]
+    prompts.write_text("one\ntwo\n")
+    (drafter / "model.safetensors").write_bytes(b"weights")
+    assert changed() == ["train", "eval", "export"]
+    # a file whose size and mtime are the ones recorded keeps its recorded hash (it is not read again)
+    st = data.stat()
+    known = {str(data.resolve()): [st.st_size, st.st_mtime_ns, "0" * 64]}
+    assert input_fingerprints(cfg, known)[1][str(data.resolve())][2] == "0" * 64
+    known[str(data.resolve())][1] += 1
+    assert input_fingerprints(cfg, known)[1][str(data.resolve())][2] != "0" * 64
+    assert input_fingerprints(C.resolve(None, "smollm2", {})) == ({}, {})  # sharegpt, no files named
+
+
 def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):
     """Without a terminal (a log file) a progress bar is quiet for short work and, for work longer than
     PROGRESS_LINE_S, writes its state as plain lines (no carriage returns), the last one at 100%."""
