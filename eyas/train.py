@@ -37,7 +37,7 @@ from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
 from .stepgraph import StepGraph, graph_unfit
-from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json,
+from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, share,
                    stable_hash, text_lines)
 
 # settings whose change makes a checkpoint belong to a different run
@@ -413,6 +413,8 @@ def save_checkpoint(run: Path, ts: TrainState, state: dict, keep: int = 1, main:
     save_file(tensors | rng, str(tmp / "optim.safetensors"))
     atomic_write_json(tmp / "state.json", {**state, "param_groups": groups, "draft_config": drafter.config.to_dict(),
                                            "python_random": repr(random.getstate())})
+    for f in ("model.safetensors", "optim.safetensors"):
+        share(tmp / f)
     final = root / name
     if final.exists():
         shutil.rmtree(final)

@@ -21,6 +21,23 @@ class NotBuiltError(EyasError):
     """A stage that this version of eyas does not provide yet."""
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# the permissions a plain open() gives a new file. mkstemp and safetensors' writer create files readable by their
+# owner alone (0600), which kept a serving engine run as another user from reading an exported drafter
+FILE_MODE = 0o666 & ~_umask()
+
+
+def share(path: str | os.PathLike) -> None:
+    """Give a file written through a private temporary the permissions a plain open() would have."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, FILE_MODE)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that a reader sees either the old file or the whole new one."""
     path = Path(path)
@@ -31,6 +48,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        share(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -55,6 +73,8 @@ def atomic_path(path: str | os.PathLike):
     tmp = path.with_name("." + path.name + f".{os.getpid()}.tmp")
     try:
         yield tmp
+        if tmp.is_file():
+            share(tmp)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
