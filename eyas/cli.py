@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import sys
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,10 @@ from typing import Any
 from . import config as C
 from .util import EyasError, NotBuiltError, log
 
+# a section, or "section:field,field" for the fields of it a command reads (the eval reads the data settings that
+# find its held-out prompts, not those of tokenizing; no stage but extract runs the target tensor-parallel)
+EVAL_DATA = "data:source,val_ratio,test_ratio,strict"
+EVAL_TARGET = "target:name,gguf_file,dtype,device,aux_layers,cache_dir,trust_remote_code"
 # subcommand -> (help, config sections whose fields become flags, "module:function" of the stage)
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "run": ("run the whole pipeline over one run directory (regen, tokenize, vocab, features, train, eval, export)",
@@ -32,7 +37,7 @@ COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "train": ("train the EAGLE-3 drafter with training-time test", ["train", "vocab", "features", "target"],
               "eyas.train:run_train"),
     "eval": ("speculative decoding with the drafter: acceptance length, speedup, lossless check",
-             ["eval", "target", "data"], "eyas.evaluate:run_eval"),
+             ["eval", EVAL_TARGET, EVAL_DATA], "eyas.evaluate:run_eval"),
     "export": ("export the drafter for SGLang and vLLM", ["export", "target"], "eyas.export:run_export"),
     "report": ("rebuild the run report (DIR/report.md) from a run directory", [], "eyas.pipeline:run_report"),
 }
@@ -46,13 +51,18 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str], own: str |
     mapping: dict[str, str] = {}
     taken = {"preset", "out", "set", "config", "help", "target"}
     owners: dict[str, list[str]] = {}
+    fields = {}
+    for spec in sections:
+        sec, _, only = spec.partition(":")
+        fields[sec] = [f for f in C.section_fields(sec) if not only or f[0] in only.split(",")]
+    sections = list(fields)
     for sec in sections:
-        for name, *_ in C.section_fields(sec):
+        for name, *_ in fields[sec]:
             if not (sec == "target" and name == "name"):
                 owners.setdefault(name, []).append(sec)
     for sec in sections:
         g = p.add_argument_group(f"[{sec}] settings")
-        for name, tp, default, help_, choices in C.section_fields(sec):
+        for name, tp, default, help_, choices in fields[sec]:
             flag = name.replace("_", "-")
             if sec == "target" and name == "name":
                 continue  # --target
@@ -61,8 +71,8 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str], own: str |
             taken.add(flag)
             dest = f"cfg__{sec}__{name}"
             # argparse %-formats help texts: a literal % must be doubled
-            kw: dict[str, Any] = {"dest": dest, "default": None,
-                                  "help": f"{help_} (default: {default!r})".replace("%", "%%")}
+            shown = help_ if "(default:" in help_ else f"{help_} (default: {default!r})"  # the help says it in words
+            kw: dict[str, Any] = {"dest": dest, "default": None, "help": shown.replace("%", "%%")}
             if choices:
                 kw["choices"] = choices
             if tp is bool:
@@ -106,7 +116,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     maps = {}
     for name, (help_, sections, _) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
-        common(sp, run_dir_required=name in ("report",))
+        if name == "report":  # reads a run directory and nothing else: no settings to take
+            sp.add_argument("run_dir", nargs="?", default=None, metavar="DIR", help="the run directory (as --out)")
+            sp.add_argument("--out", "--run", dest="out", default=None, help="the run directory (default: runs/default)")
+            continue
+        common(sp)
         maps[name] = add_config_flags(sp, sections, own=sections[0] if name != "run" and sections else None)
     sp = sub.add_parser("target", help="show what eyas sees in a target", description="show what eyas sees in a target")
     common(sp)
@@ -124,9 +138,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     sp = sub.add_parser("parity", help="compare a serving engine's acceptance with eyas' own on the same prompts",
                         description="compare a serving engine's acceptance with eyas' own on the same prompts")
     common(sp)
-    maps["parity"] = add_config_flags(sp, ["eval", "target", "data"], own="eval")
-    sp.add_argument("--endpoint", required=False, help="base URL of the running server")
-    sp.add_argument("--engine", choices=("vllm", "sglang"), help="which engine serves the drafter")
+    maps["parity"] = add_config_flags(sp, ["eval", EVAL_TARGET, EVAL_DATA], own="eval")
+    sp.add_argument("--endpoint", required=True, help="base URL of the running server, e.g. http://127.0.0.1:8000 "
+                    "(required)")
+    sp.add_argument("--engine", choices=("vllm", "sglang"), required=True,
+                    help="which engine serves the drafter (required)")
     sp = sub.add_parser("compare", help="two drafters' τ on the same prompts, with a paired bootstrap interval",
                         description="τ of report A minus τ of report B on the same prompts (greedy decoding writes "
                         "the same text whatever the drafter, so each prompt pairs with itself), with a paired "
@@ -140,7 +156,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, dict[str, str]]]:
     return p, maps
 
 
-def common(sp: argparse.ArgumentParser, run_dir_required: bool = False) -> None:
+def common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("config", nargs="?", default=None, help="TOML config file (optional)")
     sp.add_argument("--preset", default=None, help="start from a preset: " + ", ".join(C.PRESETS))
     sp.add_argument("--out", "--run", dest="out", default=None, help="run directory (default: runs/default)")
@@ -244,7 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "compare":  # reads two reports, no config
             return cmd_compare(args)
+        if args.command == "report":
+            from .pipeline import run_report
+
+            if args.run_dir and args.out and Path(args.run_dir) != Path(args.out):
+                raise EyasError(f"two run directories given, {args.run_dir} and --out {args.out}: give one")
+            return _print_result(run_report(C.Config(out=args.run_dir or args.out or C.Config().out)))
         cfg = config_from_args(args, maps.get(args.command, {}))
+        out = Path(cfg.out)
+        if args.command not in ("target", "data") and out.exists() and not out.is_dir():  # before any work
+            raise EyasError(f"--out {out} is a file, not a run directory; give a folder (made if missing)")
         if args.command == "target":
             return cmd_target(cfg, args)
         if args.command == "data":
@@ -252,11 +277,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "parity":
             return cmd_parity(cfg, args)
         fn = stage_function(COMMANDS[args.command][2], args.command)
-        if args.command not in ("run", "report"):
-            from .pipeline import mark_replaced
+        if args.command == "run":
+            return _print_result(fn(cfg))
+        from .pipeline import mark_replaced, unmark_if_untouched
 
-            mark_replaced(Path(cfg.out), args.command)
-        return _print_result(fn(cfg))
+        since = time.time()
+        before = mark_replaced(out, args.command)
+        try:
+            return _print_result(fn(cfg))
+        except BaseException:
+            unmark_if_untouched(out, args.command, before, since)
+            raise
     except NotBuiltError as e:
         print(f"eyas: {e}", file=sys.stderr)
         return 3

@@ -196,7 +196,7 @@ class EvalConfig:
     temperature: float = opt(0.0, "0 = greedy (lossless check); >0 = rejection sampling")
     top_p: float = opt(1.0, "nucleus sampling threshold when temperature > 0")
     max_new_tokens: int = opt(256, "tokens generated per answer")
-    limit: int = opt(20, "prompts evaluated (0 = all)")
+    limit: int = opt(20, "conversations evaluated (0 = all), each answered for its first eval.turns user turns")
     turns: int = opt(0, "answer at most the first N user turns of each conversation (0 = every turn; a later "
                         "turn's history holds eyas' own earlier answers)")
     draft: str = opt("", "drafter to evaluate (default: the run's trained drafter)")

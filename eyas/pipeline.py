@@ -343,27 +343,53 @@ def closing_line(run: Path) -> str:
     return "; ".join(parts)
 
 
-def mark_replaced(run: Path, command: str) -> None:
+def mark_replaced(run: Path, command: str) -> dict:
     """A stage command (`eyas eval --out R`, ...) is about to write over the outputs of run R's stage of the same
     name, perhaps with other settings: that stage and the ones after it, which read its outputs, no longer hold
     what the run made, so the next `eyas run` makes them again instead of skipping them (and the run report does
-    not show another command's eval as the run's)."""
+    not show another command's eval as the run's). -> the marked stages' records as they were."""
     mpath = run / "manifest.json"
     names = [n for n, *_ in STAGES]
     if command not in names or not mpath.exists():
-        return
+        return {}
     manifest = read_json(mpath)
     stages = manifest.get("stages", {})
     if stages.get(command, {}).get("status") != "done":  # not part of what the run made (online features: extract)
-        return
-    changed = False
+        return {}
+    before = {}
     # the stage and the ones after it, which read its outputs (the export reads the drafter, not the eval)
     for n in [command] if command == "eval" else names[names.index(command):]:
         if stages.get(n, {}).get("status") == "done":
+            before[n] = dict(stages[n])
             stages[n]["status"], stages[n]["by"] = "replaced", command
-            changed = True
-    if changed:
+    if before:
         atomic_write_json(mpath, manifest)
+    return before
+
+
+def unmark_if_untouched(run: Path, command: str, before: dict, since: float) -> None:
+    """`command` stopped (its settings refused, a checkpoint of other data, an error) before it wrote any of its
+    stage's outputs: the stages mark_replaced marked hold what the run made after all, so their records come back
+    (else the next `eyas run` would say a standalone command wrote over them, and remake them)."""
+    mpath = run / "manifest.json"
+    if not before or not mpath.exists():
+        return
+    outputs = next(o for n, _, _, o in STAGES if n == command)
+    cutoff = since - 2.0  # file systems whose mtimes are coarse
+    for o in outputs:
+        p = run / o
+        for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []):
+            try:
+                if f.stat().st_mtime >= cutoff:
+                    return
+            except OSError:
+                continue
+    manifest = read_json(mpath)
+    stages = manifest.get("stages", {})
+    for n, rec in before.items():
+        if stages.get(n, {}).get("status") == "replaced" and stages[n].get("by") == command:
+            stages[n] = rec
+    atomic_write_json(mpath, manifest)
 
 
 def _jsonable(obj):

@@ -6,14 +6,32 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .util import atomic_write_text, human_bytes
+from .util import EyasError, atomic_write_text, human_bytes, log
 
 
-def _load(path: Path):
+def _load(path: Path, unread: list | None = None):
+    """A run file's JSON; None when it is not there. One that is there but unreadable (cut short, edited) is also
+    None, and is named in `unread`, so the page says which section is missing and why instead of leaving it out."""
     try:
         return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if unread is not None:
+            unread.append(f"{path}: {e}")
+        return None
+
+
+def _prompts(p) -> str:
+    """The eval's prompts record ({"set", "count", "conversations"}) as words."""
+    if not isinstance(p, dict):
+        return str(p)
+    s = f"{p.get('set')}: {_fmt(p.get('count'))} prompts"
+    return s + (f" in {_fmt(p['conversations'])} conversations" if p.get("conversations") else "")
+
+
+STATUS_WORDS = {"running": "running, or cut short (`eyas run` again resumes it)",
+                "replaced": "replaced by a standalone `eyas {by}` (the next `eyas run` makes the run's own again)"}
 
 
 def _fmt(v) -> str:
@@ -31,9 +49,24 @@ def _img(lines: list[str], run: Path, rel: str, alt: str) -> None:
 
 def write_report(run: Path) -> dict:
     run = Path(run)
-    man = _load(run / "manifest.json") or {}
-    ev = _load(run / "eval" / "report.json")
+    if not run.is_dir():
+        raise EyasError(f"{run} is not a run directory" + (" (it is a file)" if run.exists() else " (there is none)")
+                        + "; give the --out of an `eyas run`")
+    if not (run / "manifest.json").exists():
+        raise EyasError(f"{run} holds no manifest.json, so it is not a run directory of `eyas run`; give the --out of "
+                        f"one")
+    unread: list[str] = []
+    man = _load(run / "manifest.json", unread) or {}
+    ev = _load(run / "eval" / "report.json", unread)
+    tok = _load(run / "data" / "tokens" / "meta.json", unread)
+    voc = _load(run / "vocab" / "coverage.json", unread)
+    feats = _load(run / "features" / "manifest.json", unread)
+    stages = man.get("stages", {})
     lines = [f"# eyas run report: `{run}`", ""]
+    if unread:
+        lines += ["Files that could not be read, whose sections are missing below: " + "; ".join(unread), ""]
+        for u in unread:
+            log(f"report: could not read {u}")
     tgt = man.get("target", {})
     if tgt:
         lines += [f"Target **{tgt.get('name')}** ({tgt.get('num_layers')} layers, hidden {tgt.get('hidden_size')}, "
@@ -41,13 +74,19 @@ def write_report(run: Path) -> dict:
     if ev:
         ci = ev.get("acceptance_length_ci95")  # a bootstrap over the eval's conversations (eyas.evaluate.tau_interval)
         ci = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-        lines += ["## Result", "",
+        lines += ["## Result", ""]
+        by = (stages.get("eval") or {}).get("by")
+        if (stages.get("eval") or {}).get("status") == "replaced":
+            lines += [f"This eval was written by a standalone `eyas {by or 'eval'}` after the run, perhaps with other "
+                      "settings than the run's (the stage table below keeps the run's own figures); the next `eyas run` "
+                      "makes the run's own eval again.", ""]
+        lines += [
                   f"| acceptance length τ{' (95% interval)' if ci else ''} | K | temperature | speedup vs plain decoding "
                   "| lossless | prompts | device |",
                   "| --- | --- | --- | --- | --- | --- | --- |",
                   f"| **{_fmt(ev.get('acceptance_length'))}**{ci} | {ev.get('k')} | {ev.get('temperature')} | "
                   f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
-                  f"{ev.get('lossless')} | {json.dumps(ev.get('prompts'))} | {ev.get('device')} |", ""]
+                  f"{ev.get('lossless')} | {_prompts(ev.get('prompts'))} | {ev.get('device')} |", ""]
         ppa = ev.get("per_position_acceptance")
         if ppa:
             lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]
@@ -61,17 +100,16 @@ def write_report(run: Path) -> dict:
         for png in sorted((run / "eval").glob("*.png")):
             lines.append(f"![{png.stem}](eval/{png.name})")
         lines.append("")
-    stages = man.get("stages", {})
     if stages:
         lines += ["## Stages", "", "| stage | status | seconds | summary |", "| --- | --- | --- | --- |"]
         total = 0.0
         for name, rec in stages.items():
             total += rec.get("seconds", 0) or 0
-            lines.append(f"| {name} | {rec.get('status')} | {_fmt(rec.get('seconds', ''))} | "
+            status = STATUS_WORDS.get(rec.get("status"), rec.get("status")).format(by=rec.get("by", name))
+            lines.append(f"| {name} | {status} | {_fmt(rec.get('seconds', ''))} | "
                          f"{rec.get('summary', rec.get('reason', ''))} |")
         lines += [f"| **total** | | {_fmt(total)} | |", ""]
     regen = (stages.get("regen") or {}).get("result") or {}
-    tok = _load(run / "data" / "tokens" / "meta.json")
     if regen or tok:
         lines += ["## Data", ""]
         for k, v in regen.items():
@@ -94,7 +132,6 @@ def write_report(run: Path) -> dict:
                       + ("; seconds " + ", ".join(f"{k} {v}" for k, v in tok["seconds"].items())
                          if isinstance(tok.get("seconds"), dict) else "")]
         lines.append("")
-    voc = _load(run / "vocab" / "coverage.json")
     if voc:
         lines += ["## Vocabulary", ""]
         for k, v in voc.items():
@@ -102,7 +139,6 @@ def write_report(run: Path) -> dict:
                 lines.append(f"- {k.replace('_', ' ')}: {_fmt(v)}")
         _img(lines, run, "vocab/coverage.png", "coverage")
         lines.append("")
-    feats = _load(run / "features" / "manifest.json")
     if feats:
         lines += ["## Features", "", f"- stored: {human_bytes(feats.get('bytes', 0))}, dtype {feats.get('dtype')}, "
                   f"{_fmt(feats.get('tokens', 0))} tokens", ""]

@@ -1,4 +1,5 @@
 """Config: presets, TOML files, CLI overrides, errors that name the key, the resolved eyas.toml."""
+import json
 import tomllib
 
 import pytest
@@ -233,6 +234,65 @@ def test_a_file_edited_in_place_changes_the_keys_of_the_stages_that_read_it(tmp_
     known[str(data.resolve())][1] += 1
     assert input_fingerprints(cfg, known)[1][str(data.resolve())][2] != "0" * 64
     assert input_fingerprints(C.resolve(None, "smollm2", {})) == ({}, {})  # sharegpt, no files named
+
+
+def test_report_and_out_mistakes_stop_before_any_work(tmp_path, capsys):
+    """`eyas report` of a folder that is not a run, or of a file, says so and writes nothing (it made the folder and
+    a one-line page before); a stage command whose --out is a file stops before it loads anything."""
+    from eyas.cli import main
+
+    assert main(["report", str(tmp_path / "none")]) == 2
+    assert "none is not a run directory (there is none)" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+    (tmp_path / "empty").mkdir()
+    assert main(["report", "--out", str(tmp_path / "empty")]) == 2
+    assert "holds no manifest.json, so it is not a run directory" in capsys.readouterr().err
+    assert not (tmp_path / "empty" / "report.md").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for command in ("eval", "export", "train", "parity", "run"):
+        assert main([command, "--preset", "tiny", "--out", str(afile)]) == 2
+        assert f"--out {afile} is a file, not a run directory" in capsys.readouterr().err
+
+
+def test_the_report_names_what_it_could_not_read(tmp_path):
+    """A run file cut short (an eval report.json, say) leaves its section out, and the page says which file and why
+    instead of leaving the section out silently; a killed stage reads as such, not as 'running'."""
+    from eyas.report import write_report
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"stages": {"regen": {"status": "running"}}}))
+    (run / "eval" / "report.json").write_text('{"acceptance_length": 2.5, "k"')
+    write_report(run)
+    md = (run / "report.md").read_text()
+    assert "Files that could not be read, whose sections are missing below: " + str(run / "eval" / "report.json") in md
+    assert "## Result" not in md
+    assert "| regen | running, or cut short (`eyas run` again resumes it) |" in md
+
+
+def test_written_files_get_the_permissions_of_a_plain_open(tmp_path):
+    """Files written through a private temporary (mkstemp, safetensors' writer: both 0600) end with the mode a plain
+    open() gives under the process's umask, so a serving engine run as another user can read an export."""
+    import os
+    import stat
+
+    import torch
+    from safetensors.torch import save_file
+
+    from eyas.util import atomic_path, atomic_write_json
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    atomic_write_json(tmp_path / "config.json", {"a": 1})
+    with atomic_path(tmp_path / "model.safetensors") as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp))
+    mode = stat.S_IMODE(plain.stat().st_mode)
+    assert mode == 0o666 & ~mask
+    for f in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((tmp_path / f).stat().st_mode) == mode, f
 
 
 def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):

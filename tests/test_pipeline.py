@@ -90,8 +90,17 @@ def test_changed_stage_reruns_it_and_what_follows(full_run, tmp_path):
     # a standalone eval with other settings writes over the run's eval: the next run makes the run's own again
     from eyas.cli import main
 
+    # a standalone command refused before it wrote anything leaves the run's stages as they were
+    assert main(["eval", "--out", str(copy), "--turns", "-1"]) == 2
+    assert main(["train", "--out", str(copy), "--seed", "7"]) == 2  # a checkpoint of another training run
+    statuses = {n: v["status"] for n, v in json.loads((copy / "manifest.json").read_text())["stages"].items()}
+    assert statuses["train"] == statuses["eval"] == statuses["export"] == "done"
     assert main(["eval", "--out", str(copy), "--max-new-tokens", "8"]) == 0
     assert json.loads((copy / "eval" / "report.json").read_text())["max_new_tokens"] == 8
+    assert main(["report", str(copy)]) == 0  # the page says whose eval it shows
+    md = (copy / "report.md").read_text()
+    assert "This eval was written by a standalone `eyas eval` after the run" in md
+    assert "| eval | replaced by a standalone `eyas eval` (the next `eyas run` makes the run's own again) |" in md
     r = eyas(copy, "--set", "eval.max_new_tokens=16", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "[eval] a standalone `eyas eval` wrote over its outputs since: running it again" in r.stderr
