@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as C
-from .util import EyasError, NotBuiltError, log
+from .util import EyasError, NotBuiltError, log, run_lock
 
 # a section, or "section:field,field" for the fields of it a command reads (the eval reads the data settings that
 # find its held-out prompts, not those of tokenizing; no stage but extract runs the target tensor-parallel)
@@ -274,20 +274,21 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_target(cfg, args)
         if args.command == "data":
             return cmd_data(cfg, args)
-        if args.command == "parity":
-            return cmd_parity(cfg, args)
-        fn = stage_function(COMMANDS[args.command][2], args.command)
-        if args.command == "run":
-            return _print_result(fn(cfg))
-        from .pipeline import mark_replaced, unmark_if_untouched
+        with run_lock(out, args.command):
+            if args.command == "parity":
+                return cmd_parity(cfg, args)
+            fn = stage_function(COMMANDS[args.command][2], args.command)
+            if args.command == "run":
+                return _print_result(fn(cfg))
+            from .pipeline import mark_replaced, unmark_if_untouched
 
-        since = time.time()
-        before = mark_replaced(out, args.command)
-        try:
-            return _print_result(fn(cfg))
-        except BaseException:
-            unmark_if_untouched(out, args.command, before, since)
-            raise
+            since = time.time()
+            before = mark_replaced(out, args.command)
+            try:
+                return _print_result(fn(cfg))
+            except BaseException:
+                unmark_if_untouched(out, args.command, before, since)
+                raise
     except NotBuiltError as e:
         print(f"eyas: {e}", file=sys.stderr)
         return 3

@@ -147,6 +147,52 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+RUN_LOCK = ".eyas.lock"
+
+
+@contextlib.contextmanager
+def run_lock(run: str | os.PathLike, command: str):
+    """Hold the run directory for one command: a second eyas command on the same --out while this one works stops at
+    once, naming the one at work (two trainings in one folder interleaved their checkpoints and metrics, two
+    `eyas run`s regenerated the same answers into one journal). Only the first process of a torchrun job takes it;
+    its other ranks work in the folder with it. The lock goes with the process (fcntl), so a killed command leaves
+    nothing to clear. A folder the command made and left empty is removed again."""
+    run = Path(run)
+    if dist_env()[0] != 0:
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: unlocked
+        yield
+        return
+    made = not run.exists()
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / RUN_LOCK
+    f = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            who = f.read().strip() or "another eyas command"
+            raise EyasError(f"{run} is in use by {who}; wait for it to finish, or use another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"`eyas {command}` (process {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.seek(0)
+            f.truncate()
+            if made and [q.name for q in run.iterdir()] == [RUN_LOCK]:
+                path.unlink()
+                run.rmdir()
+    finally:
+        f.close()
+
+
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -295,6 +295,27 @@ def test_written_files_get_the_permissions_of_a_plain_open(tmp_path):
         assert stat.S_IMODE((tmp_path / f).stat().st_mode) == mode, f
 
 
+def test_a_second_command_on_a_run_in_use_stops_at_once(tmp_path, capsys, monkeypatch):
+    """While one command holds a run directory, another on the same --out stops before any work, naming the one at
+    work; the other ranks of a torchrun job do not take the lock; a folder the command made and left empty goes."""
+    from eyas.util import run_lock
+
+    run = tmp_path / "run"
+    with run_lock(run, "train"):
+        assert main(["eval", "--preset", "tiny", "--out", str(run)]) == 2
+        err = capsys.readouterr().err
+        assert f"{run} is in use by `eyas train` (process " in err and "wait for it to finish" in err
+        assert main(["run", "--preset", "tiny", "--out", str(run), "--set", "train.epochs=0"]) == 2
+        assert "is in use by `eyas train`" in capsys.readouterr().err
+        monkeypatch.setenv("RANK", "1")
+        with run_lock(run, "train"):  # a second rank of the same job
+            pass
+        monkeypatch.delenv("RANK")
+    assert not run.exists()  # made by the lock, left empty
+    assert main(["run", "--preset", "tiny", "--out", str(run), "--set", "train.epochs=0"]) == 2  # refused settings
+    assert "train.epochs" in capsys.readouterr().err and not run.exists()
+
+
 def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):
     """Without a terminal (a log file) a progress bar is quiet for short work and, for work longer than
     PROGRESS_LINE_S, writes its state as plain lines (no carriage returns), the last one at 100%."""
