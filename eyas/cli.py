@@ -241,7 +241,9 @@ def cmd_compare(args) -> int:
     lo, hi = r["interval"]
     print(f"τ A {r['tau_a']:.3f} ({r['read'][0]}), τ B {r['tau_b']:.3f} ({r['read'][1]})")
     print(f"A - B: {r['difference']:+.3f} ({r['level']:.0%} paired interval {lo:+.3f} to {hi:+.3f}) over "
-          f"{r['pairs']} prompts both reached" + (f"; same text {r['same_text']}" if "same_text" in r else ""))
+          f"{r['pairs']} {r.get('unit', 'prompts')} both reached" + (f", paired by {r['paired_by']}" if r.get("paired_by")
+                                                                      else "")
+          + (f"; same text {r['same_text']}" if "same_text" in r else ""))
     return 0
 
 

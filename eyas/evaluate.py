@@ -93,10 +93,11 @@ def load_prompt_set(cfg) -> tuple[str, list]:
     """(set name, conversations) for cfg.eval.prompts: held-out ShareGPT test split, humaneval, or a file."""
     from .data import read_dataset, select_split
 
+    check_prompt_settings(cfg)
     src = cfg.eval.prompts
     limit = cfg.eval.limit
     if src == "sharegpt":
-        source = cfg.data.source if cfg.data.source not in ("humaneval",) else "sharegpt"
+        source = heldout_source(cfg)
         every, _ = read_dataset(source, strict=False)
         convs = select_split(every, "test", cfg.data.val_ratio, cfg.data.test_ratio)
         if not convs:
@@ -117,6 +118,69 @@ def load_prompt_set(cfg) -> tuple[str, list]:
             raise EyasError(f"eval.prompts: {p} holds no usable prompts ({rep.summary()})")
         name = p.name
     return name, (convs[:limit] if limit else convs)
+
+
+def heldout_source(cfg) -> str:
+    """The data set whose held-out test split eval.prompts=sharegpt reads."""
+    return cfg.data.source if cfg.data.source not in ("humaneval",) else "sharegpt"
+
+
+def check_prompt_settings(cfg) -> None:
+    """Refuse the settings that choose the eval's prompts out of range, naming the key (`eyas parity` reads them
+    too, without the rest of the eval's checks)."""
+    from .config import check_settings
+
+    check_settings(cfg, (("eval.limit", cfg.eval.limit >= 0, "0 (every conversation) or more"),))
+    d = cfg.data
+    if not (d.val_ratio >= 0 and d.test_ratio >= 0 and d.val_ratio + d.test_ratio < 1):
+        raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got "
+                        f"{d.val_ratio} and {d.test_ratio}")
+
+
+def check_heldout_split(cfg, run_dir: str | Path) -> None:
+    """Refuse a data.test_ratio other than the one the training data of `run_dir` (the drafter's run) were split
+    at, when the eval reads the held-out test split of the same data set. The split is a hash of each record's id
+    below data.test_ratio: at a larger ratio it takes in conversations outside the run's held-out ones, which the
+    drafter may have trained on, at a smaller one only part of them. (data.val_ratio does not move the test split:
+    a record is in it by its hash alone.) A run whose tokens record no settings, or another data set, is not
+    checked."""
+    from .data.prepare import tokens_dir
+
+    if cfg.eval.prompts != "sharegpt":
+        return
+    meta = tokens_dir(Path(run_dir)) / "meta.json"
+    try:
+        made = json.loads(meta.read_text())["inputs"]["data"]
+        made_ratio, made_source = float(made["test_ratio"]), str(made["source"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return
+    if not _same_source(made_source, heldout_source(cfg)) or made_ratio == float(cfg.data.test_ratio):
+        return
+    raise EyasError(f"data.test_ratio is {cfg.data.test_ratio}, but the training data of {run_dir} were split at "
+                    f"{made_ratio} ({meta}): the eval's prompts, the held-out test split of {made_source}, would not "
+                    f"be the conversations the run held out (a larger ratio takes in ones the drafter may have "
+                    f"trained on, a smaller one only part of them). Leave data.test_ratio at {made_ratio} (drop "
+                    f"--test-ratio), or give the eval prompts of its own with --set eval.prompts=FILE")
+
+
+def _same_source(a: str, b: str) -> bool:
+    """Whether two data.source values name the same data: the same string, or paths to the same file."""
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def check_out_dir(out: str | Path) -> None:
+    """Refuse a run directory that cannot hold <run>/eval/ (it, or a folder above it, is a file), before anything
+    is decoded: the report would fail to be written only at the end."""
+    p = Path(out) / "eval"
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise EyasError(f"--out {out}: {q} is a file, not a folder; give a run directory (a new one is "
+                                f"made where none is)")
+            return
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,11 +269,23 @@ def round_sums(accepted: list[int]) -> tuple[int, int]:
     return sum(a + 1 for a in accepted), len(accepted)
 
 
-def report_groups(path: str | Path, method: str | None = None) -> tuple[list[tuple[int, int]], list | None, str]:
-    """A report's groups (Σ (accepted + 1), rounds) in prompt order, its texts where kept, and what was read: an
-    `eyas eval` report (each conversation's rounds; a run directory reads its eval/report.json) or a
-    `bench/bench_decode.py` report (each prompt's accepted drafts of `method`, by default its first speculative
-    method; its texts are the method's own or plain decoding's, which bench_decode checks the method against)."""
+def _whole(x) -> bool:
+    """A count a report holds: a whole number, 0 or more (JSON has no integer type of its own)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 and x == int(x)
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def report_groups(path: str | Path, method: str | None = None) -> dict:
+    """What `eyas compare` pairs in a report: an `eyas eval` report (each conversation's rounds, with the
+    conversations' ids where it keeps them; a run directory reads its eval/report.json) or a `bench/bench_decode.py`
+    report (each prompt's accepted drafts of `method`, by default its first speculative method; its texts are the
+    method's own or plain decoding's, which bench_decode checks the method against). Returns `groups` (Σ (accepted +
+    1), rounds) in prompt order, `ids` (or None), `texts` (or None), `read` (what was read), `unit` (conversations
+    or prompts) and `settings`: what decides the text of each group (prompts, target, K, ...), as far as the report
+    records it."""
     p = Path(path)
     if p.is_dir():
         p = p / "eval" / "report.json"
@@ -220,13 +296,39 @@ def report_groups(path: str | Path, method: str | None = None) -> tuple[list[tup
                         f"JSON)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{p}: cannot read a JSON report ({e})") from None
+    if not isinstance(rep, dict):
+        raise EyasError(f"{p}: holds {_JSON_KINDS.get(type(rep), 'a JSON value')}, not a report (give an eval "
+                        f"report.json, a run directory or a bench_decode JSON)")
+    prompts = rep.get("prompts") if isinstance(rep.get("prompts"), dict) else {}
+    ident = rep.get("target_identity") if isinstance(rep.get("target_identity"), dict) else {}
+    settings = {"prompts": prompts.get("set"), "target": rep.get("target"), "target_sha256": ident.get("sha256"),
+                "dtype": rep.get("dtype"), "max_new_tokens": rep.get("max_new_tokens")}
     if "rounds_by_conversation" in rep:
-        return [tuple(g) for g in rep["rounds_by_conversation"]], None, "eval conversations"
+        if method is not None:
+            raise EyasError(f"{p}: an eval report, which holds one decoder's rounds; --method picks a method of a "
+                            f"bench_decode report: leave it out")
+        rounds = rep["rounds_by_conversation"]
+        if not isinstance(rounds, list):
+            raise EyasError(f"{p}: rounds_by_conversation is {_JSON_KINDS.get(type(rounds), 'an object')}, not a "
+                            f"list of (tokens, verify rounds) pairs")
+        for i, g in enumerate(rounds):
+            if not (isinstance(g, list) and len(g) == 2 and all(_whole(x) for x in g)):
+                raise EyasError(f"{p}: rounds_by_conversation[{i}] is {json.dumps(g)}, not a pair of whole numbers "
+                                f"(tokens, verify rounds)")
+        ids = rep.get("conversation_ids")
+        if ids is not None and not (isinstance(ids, list) and len(ids) == len(rounds)):
+            raise EyasError(f"{p}: conversation_ids does not hold one id for each of the {len(rounds)} conversations "
+                            f"of rounds_by_conversation")
+        settings.update(k=rep.get("k"), temperature=rep.get("temperature"), turns=rep.get("turns"))
+        if rep.get("temperature"):  # top-p shapes sampled text only
+            settings["top_p"] = rep.get("top_p")
+        return {"groups": [(g[0], g[1]) for g in rounds], "ids": ids, "texts": None, "read": "eval conversations",
+                "unit": "conversations", "settings": {k: v for k, v in settings.items() if v is not None}}
     methods = rep.get("methods")
     if not isinstance(methods, dict):
-        raise EyasError(f"{p}: neither an eval report with rounds_by_conversation (eyas eval writes it since the "
-                        f"thirty-eighth session; rerun the eval for it) nor a bench_decode report with methods")
-    spec = [m for m, v in methods.items() if "accepted_by_prompt" in v]
+        raise EyasError(f"{p}: neither an eval report with rounds_by_conversation (one from an older eyas lacks it: "
+                        f"rerun `eyas eval`) nor a bench_decode report with methods")
+    spec = [m for m, v in methods.items() if isinstance(v, dict) and "accepted_by_prompt" in v]
     if method is None:
         if not spec:
             raise EyasError(f"{p}: no speculative method with accepted_by_prompt")
@@ -234,28 +336,81 @@ def report_groups(path: str | Path, method: str | None = None) -> tuple[list[tup
     if method not in spec:
         raise EyasError(f"{p}: no method {method!r} with accepted_by_prompt (there: {', '.join(spec) or 'none'})")
     m = methods[method]
-    texts = m.get("outputs") or methods.get("eyas_plain", {}).get("outputs")
+    accepted = m["accepted_by_prompt"]
+    if not isinstance(accepted, list):
+        raise EyasError(f"{p}: methods.{method}.accepted_by_prompt is not a list (one list of accepted drafts per "
+                        f"prompt)")
+    for i, a in enumerate(accepted):
+        if not (isinstance(a, list) and all(_whole(x) for x in a)):
+            raise EyasError(f"{p}: methods.{method}.accepted_by_prompt[{i}] is {json.dumps(a)[:80]}, not a list of "
+                            f"accepted-draft counts (whole numbers)")
+    plain = methods.get("eyas_plain") if isinstance(methods.get("eyas_plain"), dict) else {}
+    texts = m.get("outputs") or plain.get("outputs")
     what = method + (f" (same as plain: {m['same_as_plain']})" if "same_as_plain" in m else "")
-    return [round_sums(a) for a in m["accepted_by_prompt"]], texts, what
+    if isinstance(m.get("per_position_acceptance"), list):
+        settings["k"] = len(m["per_position_acceptance"])
+    return {"groups": [round_sums(a) for a in accepted], "ids": None,
+            "texts": texts if isinstance(texts, list) else None, "read": what, "unit": "prompts",
+            "settings": {k: v for k, v in settings.items() if v is not None}}
+
+
+def _occurrences(ids: list) -> list[tuple[str, int]]:
+    """Each id with how many times it came before: a key that is unique even where a prompt file repeats an id."""
+    seen: dict[str, int] = {}
+    out = []
+    for x in ids:
+        x = str(x)
+        out.append((x, seen.get(x, 0)))
+        seen[x] = seen.get(x, 0) + 1
+    return out
 
 
 def compare_reports(a: str | Path, b: str | Path, method: str | None = None, level: float = 0.95) -> dict:
-    """`eyas compare`: τ of report A minus τ of report B on the prompts both reached, with a paired bootstrap
-    interval (`tau_difference`). Greedy decoding writes the target's own text whatever the drafter, so prompt i of
-    A and of B differ only in their rounds; where both reports keep the texts, how many agree is given too (all of
-    them at temperature 0 on one engine and dtype)."""
+    """`eyas compare`: τ of report A minus τ of report B on the prompts or conversations both reached, with a paired
+    bootstrap interval (`tau_difference`). Greedy decoding writes the target's own text whatever the drafter, so
+    conversation i of A and of B differ only in their rounds, provided both were decoded alike: reports whose
+    prompts, target, dtype, K, max_new_tokens, temperature or turns differ are refused, naming the setting. Eval
+    reports that keep their conversations' ids pair by id, others by position; where both reports keep the texts,
+    how many agree is given too (all of them at temperature 0 on one engine and dtype)."""
     if not 0 < level < 1:
         raise EyasError(f"--level must be between 0 and 1, got {level}")
-    ga, ta, ra = report_groups(a, method)
-    gb, tb, rb = report_groups(b, method)
-    n = min(len(ga), len(gb))
-    res = tau_difference(ga[:n], gb[:n], level=level)
+    ra, rb = report_groups(a, method), report_groups(b, method)
+    kinds = {"conversations": "an eval report (τ by conversation)", "prompts": "a bench_decode report (τ by prompt)"}
+    if ra["unit"] != rb["unit"]:
+        raise EyasError(f"{a} is {kinds[ra['unit']]}, {b} {kinds[rb['unit']]}: their groups do not pair; compare "
+                        f"two reports of one kind")
+    unit = ra["unit"]
+    sa, sb = ra["settings"], rb["settings"]
+    fields = [f for f in sa if f in sb and f != "target_sha256"]
+    if "target_sha256" in sa and "target_sha256" in sb:  # one model under two names (a preset, its GGUF) is fine
+        fields = [f if f != "target" else "target_sha256" for f in fields]
+    differ = [f for f in fields if sa[f] != sb[f]]
+    if differ:
+        def shown(s, f):
+            return f"{s['target']} ({s[f]})" if f == "target_sha256" else json.dumps(s[f])
+
+        raise EyasError(f"{a} and {b} were not decoded alike, so their {unit} do not pair: "
+                        + "; ".join(f"{'target' if f == 'target_sha256' else f}: A {shown(sa, f)}, B {shown(sb, f)}"
+                                    for f in differ)
+                        + ". Compare reports of the same prompts and settings")
+    ga, gb = ra["groups"], rb["groups"]
+    if ra["ids"] is not None and rb["ids"] is not None:
+        where = {key: j for j, key in enumerate(_occurrences(rb["ids"]))}
+        idx = [(i, where[key]) for i, key in enumerate(_occurrences(ra["ids"])) if key in where]
+        paired_by = "conversation id"
+    else:
+        idx = [(i, i) for i in range(min(len(ga), len(gb)))]
+        paired_by = "position"
+    res = tau_difference([ga[i] for i, _ in idx], [gb[j] for _, j in idx], level=level)
     if res is None:
-        raise EyasError(f"fewer than two prompts with rounds in both reports ({len(ga)} and {len(gb)} prompts)")
-    out = {"a": str(a), "b": str(b), "read": [ra, rb], "prompts_a": len(ga), "prompts_b": len(gb), **res}
+        raise EyasError(f"fewer than two {unit} with rounds in both reports ({len(ga)} and {len(gb)} {unit}"
+                        + (f", {len(idx)} of them in both by id" if paired_by != "position" else "") + ")")
+    out = {"a": str(a), "b": str(b), "read": [ra["read"], rb["read"]], "unit": unit, "paired_by": paired_by,
+           f"{unit}_a": len(ga), f"{unit}_b": len(gb), **res}
+    ta, tb = ra["texts"], rb["texts"]
     if ta is not None and tb is not None:  # over the compared prompts that have a text in both
-        k = min(n, len(ta), len(tb))
-        out["same_text"] = f"{sum(x == y for x, y in zip(ta[:k], tb[:k]))}/{k}"
+        both = [(i, j) for i, j in idx if i < len(ta) and j < len(tb)]
+        out["same_text"] = f"{sum(ta[i] == tb[j] for i, j in both)}/{len(both)}"
     return out
 
 
@@ -368,7 +523,8 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     t = Tally(k)
     turns: dict[str, Tally] = {}  # by turn_bucket
     repeats: dict[str, Tally] = {}  # by repeat_bucket
-    n_prompts = skipped = 0
+    n_prompts = skipped = 0  # answers decoded; user turns left out, too long for the context
+    too_long: list[int] = []  # the prompt length of each conversation's first turn left out
     groups = []  # each conversation's (Σ (accepted + 1), rounds), for the interval
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
@@ -386,7 +542,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
             history: list[dict] = []
             answered = 0
             conv_sum = conv_rounds = 0
-            for turn in conv.turns:
+            for i, turn in enumerate(conv.turns):
                 if turn.role == "system":
                     history.append({"role": "system", "content": turn.content})
                     continue
@@ -397,8 +553,11 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                 msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
                 ids = prompt_ids(tok, msgs)
                 if len(ids) + max_new_tokens + k + 2 > max_len:
-                    skipped += 1
-                    break  # later turns would be longer still
+                    # this turn and the later ones, longer still (up to max_turns), are left out
+                    left = sum(x.role == "user" for x in conv.turns[i:])
+                    skipped += min(left, max_turns - answered) if max_turns else left
+                    too_long.append(len(ids))
+                    break
                 g = dec.generate(ids, max_new_tokens, stop, speculative=True)
                 t.add_rounds(g.accepted)
                 answered += 1
@@ -436,14 +595,32 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         bar.close()
     finally:
         dec.close()
+    if too_long:
+        why = (f"a prompt of {min(too_long)}{'' if min(too_long) == max(too_long) else f' to {max(too_long)}'} "
+               f"tokens + max_new_tokens {max_new_tokens} + {k + 2} (K + 2) is over the {max_len}-token context the "
+               f"eval decodes in")
+        log(f"eval: {skipped} user turns of {len(too_long)} conversations left out: {why} (a conversation's later "
+            f"turns, longer still, are left out with its first one too long)")
+    if not n_prompts:
+        if not too_long:
+            raise EyasError(f"no answer decoded: the {len(convs)} conversations hold no user turn to answer")
+        # the most new tokens that let every first turn in, or else the shortest one
+        room_all, room_one = max_len - max(too_long) - k - 2, max_len - min(too_long) - k - 2
+        room = room_all if room_all >= 1 else room_one
+        fix = (f"lower eval.max_new_tokens (--max-new-tokens) to {room} or less" if room >= 1 else
+               f"give prompts shorter than {max_len - k - 3} tokens (eval.prompts)")
+        raise EyasError(f"no answer decoded: every conversation's first turn is too long ({why}); {fix}. Nothing "
+                        f"was written")
     tps = t.spec_tokens / t.spec_s if t.spec_s else 0.0
     base = t.plain_tokens / t.plain_s if t.plain_s else None
     return {
         "k": k, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-        "prompts_answered": n_prompts, "conversations": len(convs), "turns_skipped_too_long": skipped,
+        "turns": max_turns, "prompts_answered": n_prompts, "conversations": len(convs),
+        "turns_skipped_too_long": skipped, "context": max_len,
         "acceptance_length": t.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
-        # each conversation's (Σ (accepted + 1), rounds), in order: two drafters' evals pair by it (tau_difference)
-        "rounds_by_conversation": [list(g) for g in groups],
+        # each conversation's (Σ (accepted + 1), rounds), in order, and its id: two drafters' evals pair by them
+        # (tau_difference)
+        "rounds_by_conversation": [list(g) for g in groups], "conversation_ids": [str(c.id) for c in convs],
         "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
         "by_turn": by_turn(turns), "by_repetition": by_repetition(repeats),
@@ -526,6 +703,8 @@ def report_markdown(r: dict) -> str:
         f"| plain decoding tokens/s (same engine) | {f(r['baseline_tokens_per_s'], '{:.1f}')} |",
         f"| speedup | {f(r['speedup'])}× |",
         f"| lossless (greedy output = plain greedy) | {r['lossless']} ({r['lossless_checked']} checked) |",
+        *([f"| user turns left out, too long for the {r.get('context')}-token context | "
+           f"{r['turns_skipped_too_long']} |"] if r.get("turns_skipped_too_long") else []),
         f"| draft / verify / prefill / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['prefill_s']:.2f} / {ts['other_s']:.2f} |",
         f"| peak memory | {r['peak_memory_bytes'] / 1e6:.0f} MB |", "",
         "Per-position acceptance (draft i accepted given drafts 1..i-1 were): " +
@@ -552,6 +731,11 @@ def write_report(report: dict, out_dir: str | Path) -> Path:
     report["plots"] = write_plots(report, out_dir)
     atomic_write_json(out_dir / "report.json", report)
     atomic_write_text(out_dir / "report.md", report_markdown(report))
+    stale = out_dir / "parity.json"  # `eyas parity`'s comparison with the report just replaced
+    if stale.exists():
+        stale.unlink()
+        log(f"eval: removed {stale}, an engine's parity check against the eval this one replaces (run `eyas "
+            f"parity` again to check against this one)")
     return out_dir / "report.json"
 
 
@@ -561,6 +745,7 @@ def check_eval_settings(cfg) -> None:
 
     check_settings(cfg, (("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1"),
                          ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more")))
+    check_prompt_settings(cfg)
     if cfg.eval.draft and not (Path(cfg.eval.draft).expanduser() / "config.json").exists():
         raise EyasError(f"eval.draft: {Path(cfg.eval.draft).expanduser()} is not a drafter folder (no config.json)")
 
@@ -571,7 +756,9 @@ def run_eval(cfg) -> dict:
 
     e = cfg.eval
     check_eval_settings(cfg)
+    check_out_dir(cfg.out)
     draft_path = Path(e.draft or os.path.join(cfg.out, "draft")).expanduser()
+    check_heldout_split(cfg, draft_path.parent)  # the run the drafter was trained in
     tcfg = replace(cfg.target, dtype=e.dtype) if e.dtype else cfg.target
     target = load_target(tcfg)
     adopt_drafter_aux_layers(target, draft_path, explicit=bool(cfg.target.aux_layers))
@@ -591,9 +778,10 @@ def run_eval(cfg) -> dict:
     loss, miss = report["lossless"], report.get("lossless_mismatches") or []
     speed = (f"{report['tokens_per_s']:,.1f} against {report['baseline_tokens_per_s']:,.1f} tok/s plain "
              f"({report['speedup']:.2f}x)" if report.get("speedup") else "speed not measured")
+    unchecked = "not checked" + (" (sampled decoding)" if e.temperature > 0 else "")
     log(f"eval: τ {report['acceptance_length']:.3f}{ci} at K={e.k} over "
         f"{res['prompts_answered']} answers; {speed}; lossless: "
-        + ("yes" if loss else "not checked (sampled decoding)" if loss is None else
+        + ("yes" if loss else unchecked if loss is None else
            f"NO, of {report['lossless_checked']} answers checked, first difference {miss[0] if miss else '?'}")
         + f"; {path.parent / 'report.md'}")
     keys = ("acceptance_length", "acceptance_length_ci95", "tokens_per_s", "baseline_tokens_per_s", "speedup",

@@ -20,12 +20,16 @@ import json
 import math
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from .util import EyasError, atomic_write_json, progress
 
 GAP_LIMIT = 0.15
+CONTACT_TIMEOUT = 15.0  # seconds for the first request, which a live server answers at once
+REQUEST_TIMEOUT = 600.0  # seconds for a generation (and the metrics around them), which may queue behind other traffic
+ENGINES = ("vllm", "sglang")
 VLLM_COUNTERS = {
     "num_drafts": "vllm:spec_decode_num_drafts",
     "num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
@@ -39,7 +43,15 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 # ----------------------------------------------------------------------------- HTTP
 
-def _http(url: str, payload: dict | None = None, timeout: float = 600.0) -> bytes:
+class _Status(EyasError):
+    """The server answered with an HTTP error."""
+
+
+class _NoAnswer(EyasError):
+    """The server took the request but did not answer within the timeout."""
+
+
+def _http(url: str, payload: dict | None = None, timeout: float = REQUEST_TIMEOUT) -> bytes:
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     try:
@@ -47,9 +59,52 @@ def _http(url: str, payload: dict | None = None, timeout: float = 600.0) -> byte
             return r.read()
     except urllib.error.HTTPError as e:
         body = e.read()[:300].decode("utf-8", "replace")
-        raise EyasError(f"{url}: HTTP {e.code}: {body}") from None
+        raise _Status(f"{url}: HTTP {e.code}: {body}") from None
     except (urllib.error.URLError, OSError) as e:
-        raise EyasError(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+        reason = getattr(e, "reason", e)
+        if isinstance(e, TimeoutError) or isinstance(reason, TimeoutError):
+            raise _NoAnswer(f"{url}: no answer within {timeout:g} s") from None
+        raise EyasError(f"cannot reach {url}: {reason}") from None
+
+
+def check_endpoint(endpoint: str | None) -> str:
+    """The server's base URL, refused (naming --endpoint) unless it is an http(s) URL with a host; a trailing
+    slash or /v1 is dropped (the engines' paths are added to the base)."""
+    if not endpoint:
+        raise EyasError("--endpoint is required (the base URL of the running server, e.g. http://127.0.0.1:8000)")
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+        parts.port  # a port that is not a number raises here
+    except ValueError as e:
+        raise EyasError(f"--endpoint {endpoint!r} is not a valid URL ({e}); give the server's base URL, e.g. "
+                        f"http://127.0.0.1:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = f": give http://{endpoint}" if "://" not in endpoint else ""
+        raise EyasError(f"--endpoint {endpoint!r} is not an http:// or https:// URL with a host{hint} (the server's "
+                        f"base URL, e.g. http://127.0.0.1:8000)")
+    endpoint = endpoint.rstrip("/")
+    return endpoint[:-3] if endpoint.endswith("/v1") else endpoint
+
+
+def first_contact(endpoint: str) -> dict | None:
+    """GET /v1/models (both engines serve it) with a short timeout, before any long request: a server that accepts
+    the connection but never answers (a port held by something else, a server still loading or stuck) is told
+    apart from a slow generation. The model list, or None where the server answers that path with an HTTP error
+    (it answers, which is all this asks)."""
+    url = endpoint + "/v1/models"
+    try:
+        raw = _http(url, timeout=CONTACT_TIMEOUT)
+    except _Status:
+        return None
+    except _NoAnswer:
+        raise EyasError(f"{endpoint}: the server accepted the connection but did not answer GET /v1/models within "
+                        f"{CONTACT_TIMEOUT:g} s: is the engine still loading, or is another program listening on "
+                        f"that port?") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _json(url: str, payload: dict | None = None) -> dict:
@@ -167,23 +222,47 @@ def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dic
 # ----------------------------------------------------------------------------- prompts and report
 
 def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
-    """The evaluation prompts as chat messages (system/user turns before the first answer), from the
-    same prompt set `eyas eval` uses (cfg.eval.prompts and cfg.eval.limit)."""
-    from .evaluate import load_prompt_set
+    """The evaluation prompts as chat messages, from the same prompt set `eyas eval` uses (cfg.eval.prompts and
+    cfg.eval.limit): each conversation's first user turn with the system turns before it, the prompt of its first
+    answer in `eyas eval`, whose τ over those answers (report.json's by_turn["1"]) is what the engine's is compared
+    with."""
+    from .evaluate import check_heldout_split, load_prompt_set
 
+    check_heldout_split(cfg, cfg.out)
     name, convs = load_prompt_set(cfg)
     prompts = []
     for c in convs:
         msgs = []
         for t in c.turns:
-            if t.role == "assistant":
+            if t.role == "system":
+                msgs.append({"role": t.role, "content": t.content})
+            elif t.role == "user":
+                prompts.append(msgs + [{"role": t.role, "content": t.content}])
                 break
-            msgs.append({"role": t.role, "content": t.content})
-        if any(m["role"] == "user" for m in msgs):
-            prompts.append(msgs)
     if not prompts:
         raise EyasError(f"eval.prompts {cfg.eval.prompts!r} gave no prompts")
     return prompts, name
+
+
+def eyas_first_answers(report: dict) -> dict:
+    """eyas' acceptance over the answers parity asks the engine for, each conversation's first: report.json's
+    by_turn["1"]. A report without by_turn gives its τ over every answer, which is the same only where each
+    conversation was answered once; `compared` says which figure it is, `note` what to mind."""
+    first = (report.get("by_turn") or {}).get("1") if isinstance(report.get("by_turn"), dict) else None
+    if isinstance(first, dict) and first.get("acceptance_length") is not None:
+        return {"tau": first["acceptance_length"], "per_position": first.get("per_position_acceptance"),
+                "answers": first.get("answers"),
+                "compared": f"by_turn[\"1\"]: eyas' τ over the first answers of its conversations "
+                            f"({first.get('answers')} answers), the prompts parity sends", "note": None}
+    rp = report.get("prompts") if isinstance(report.get("prompts"), dict) else {}
+    once = rp.get("count") is not None and rp.get("count") == rp.get("conversations")
+    return {"tau": report.get("acceptance_length"), "per_position": report.get("per_position_acceptance"),
+            "answers": rp.get("count"),
+            "compared": "acceptance_length: eyas' τ over every answer of its eval" + (
+                " (one answer per conversation, the prompts parity sends)" if once else ""),
+            "note": None if once else "eyas' report has no by_turn, so its τ over every answer it decoded (later "
+                                      "turns included) is compared with the engine's over first turns alone; rerun "
+                                      "`eyas eval` for a report with by_turn"}
 
 
 def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT) -> dict:
@@ -195,21 +274,26 @@ def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT)
 
 
 def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prompts=None, tokenizer=None) -> dict:
-    """Send the eval prompts to `endpoint`, read `engine`'s acceptance counters, compare with
-    <run>/eval/report.json and write <run>/eval/parity.json."""
-    if not endpoint:
-        raise EyasError("--endpoint is required (the base URL of the running server, e.g. http://127.0.0.1:8000)")
-    if engine not in ("vllm", "sglang"):
-        raise EyasError(f"--engine must be vllm or sglang, got {engine!r}")
-    endpoint = endpoint.rstrip("/")
-    if endpoint.endswith("/v1"):
-        endpoint = endpoint[:-3]
+    """Send the eval prompts (each conversation's first turn) to `endpoint`, read `engine`'s acceptance counters,
+    compare with eyas' τ over the same answers in <run>/eval/report.json and write <run>/eval/parity.json."""
+    from .evaluate import check_out_dir
+
+    if engine is None:
+        raise EyasError(f"--engine is required: which engine serves the drafter ({' or '.join(ENGINES)})")
+    if engine not in ENGINES:
+        raise EyasError(f"--engine must be {' or '.join(ENGINES)}, got {engine!r}")
+    endpoint = check_endpoint(endpoint)
+    check_out_dir(cfg.out)
     if prompts is None:
         prompts, source = eval_prompts(cfg)
     else:
         source = "given"
+    models = first_contact(endpoint)
     if engine == "vllm":
-        model = getattr(getattr(cfg, "regen", None), "model", "") or _vllm_model(endpoint)
+        model = getattr(getattr(cfg, "regen", None), "model", "")
+        if not model:  # the served model's name, from the first contact's list (asked again to say what is wrong)
+            listed = (models or {}).get("data") or [None]
+            model = (listed[0].get("id") if isinstance(listed[0], dict) else None) or _vllm_model(endpoint)
         res = _vllm_run(endpoint, prompts, cfg, model)
     else:
         from .target import load_tokenizer
@@ -221,35 +305,45 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
     notes = []
     eyas_tau = None
     report = None
+    mine = {"tau": None, "per_position": None, "compared": None}
     if report_path.exists():
         try:
             report = json.loads(report_path.read_text())
         except json.JSONDecodeError as e:
             notes.append(f"{report_path}: line {e.lineno}: invalid JSON, eyas' own acceptance length unknown")
+        else:
+            if not isinstance(report, dict):
+                notes.append(f"{report_path} is not an eval report, eyas' own acceptance length unknown")
+                report = None
     else:
         notes.append(f"no eyas evaluation at {report_path}: run `eyas eval` with the same prompts and settings "
                      f"first; only the engine's acceptance length is reported")
     if report is not None:
-        eyas_tau = report.get("acceptance_length")
+        mine = eyas_first_answers(report)
+        eyas_tau = mine["tau"]
         if eyas_tau is None:
             notes.append(f"{report_path} has no acceptance_length")
-        if report.get("temperature") is not None and float(report["temperature"]) != float(cfg.eval.temperature):
-            notes.append(f"eyas' report used temperature {report['temperature']}, parity used {cfg.eval.temperature}")
+        if mine["note"]:
+            notes.append(mine["note"])
+        for key, what in (("temperature", "temperature"), ("top_p", "top-p"), ("max_new_tokens", "max_new_tokens")):
+            if report.get(key) is not None and float(report[key]) != float(getattr(cfg.eval, key)):
+                notes.append(f"eyas' report used {what} {report[key]}, parity used {getattr(cfg.eval, key)}")
         k_engine = res.get("k")
         if report.get("k") is not None and k_engine and int(report["k"]) != int(k_engine):
             notes.append(f"eyas' report used k={report['k']}, the server drafts {k_engine} tokens")
-        rp = report.get("prompts")
-        if isinstance(rp, dict) and rp.get("count") is not None and int(rp["count"]) != len(prompts):
-            notes.append(f"eyas' report covered {rp['count']} prompts, parity sent {len(prompts)}")
+        if mine["answers"] is not None and int(mine["answers"]) != len(prompts):
+            notes.append(f"eyas' figure covers {mine['answers']} first answers, parity sent {len(prompts)} prompts "
+                         f"(another prompt set or limit, or first turns too long for the eval's context)")
     cmp = compare(res["acceptance_length"], eyas_tau)
+    ours = f"eyas' {eyas_tau:.3f} ({mine['compared']})" if eyas_tau is not None else ""
     if cmp["flagged"]:
         direction = "below" if cmp["gap"] > 0 else "above"
         verdict = (f"FLAGGED: {engine}'s acceptance length {res['acceptance_length']:.3f} is "
-                   f"{abs(cmp['gap']) * 100:.1f}% {direction} eyas' {eyas_tau:.3f} (limit {GAP_LIMIT * 100:.0f}%): "
+                   f"{abs(cmp['gap']) * 100:.1f}% {direction} {ours} (limit {GAP_LIMIT * 100:.0f}%): "
                    f"likely an integration fault (aux-layer ids, norm flags, vocabulary map, chat template)")
     elif cmp["flagged"] is False:
         verdict = (f"ok: {engine}'s acceptance length {res['acceptance_length']:.3f} is within "
-                   f"{GAP_LIMIT * 100:.0f}% of eyas' {eyas_tau:.3f}")
+                   f"{GAP_LIMIT * 100:.0f}% of {ours}")
     else:
         verdict = f"incomplete: {engine}'s acceptance length is {res['acceptance_length']:.3f}; eyas' own is unknown"
     out = {
@@ -260,7 +354,8 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         "engine_k": res.get("k"), "engine_counters": res["counters"],
         "completion_tokens": res.get("completion_tokens"),
         "eyas_acceptance_length": eyas_tau,
-        "eyas_per_position_acceptance": (report or {}).get("per_position_acceptance"),
+        "eyas_compared": mine["compared"],  # which of the report's figures: the answers to the prompts sent
+        "eyas_per_position_acceptance": mine["per_position"],
         "gap": cmp["gap"], "gap_limit": GAP_LIMIT, "flagged": cmp["flagged"], "verdict": verdict, "notes": notes,
     }
     atomic_write_json(run / "eval" / "parity.json", out)

@@ -195,7 +195,7 @@ def test_eyas_compare_pairs_two_reports_by_prompt(tmp_path, capsys):
     assert res["interval"][0] <= res["difference"] <= res["interval"][1]
     assert main(["compare", a, b, "--level", "0.8"]) == 0
     out = capsys.readouterr().out
-    assert "A - B: +0.550 (80% paired interval" in out and "over 4 prompts both reached; same text 3/4" in out
+    assert "A - B: +0.550 (80% paired interval" in out and "over 4 prompts both reached, paired by position; same text 3/4" in out
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)
     (run / "eval" / "report.json").write_text(json.dumps({"rounds_by_conversation": [[8, 2], [3, 3], [8, 2]]}))
@@ -210,3 +210,151 @@ def test_eyas_compare_pairs_two_reports_by_prompt(tmp_path, capsys):
         assert main(["compare", *args]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_eval_counts_turns_too_long_and_refuses_when_none_is_decoded(tiny, tiny_drafter, tmp_path, capsys):
+    """A turn whose prompt + max_new_tokens + K + 2 is over the context is left out with its conversation's later
+    turns, and the eval says how many and why; with every first turn too long nothing is decoded, and the eval
+    stops saying what to lower instead of writing a τ of 0 over the run's own eval."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"}]},
+            {"id": "b", "messages": [{"role": "user", "content": "word " * 4085},  # 4,116 tokens: over 4,096
+                                     {"role": "assistant", "content": "ignored"},
+                                     {"role": "user", "content": "And again?"}]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    over = {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 2, "eval.max_new_tokens": 6,
+            "eval.draft": str(tiny_drafter), "target.device": "cpu"}
+    run_eval(resolve(None, "tiny", over))
+    report = tmp_path / "run" / "eval" / "report.json"
+    rep = json.loads(report.read_text())
+    assert rep["prompts"] == {"set": "p.jsonl", "count": 1, "conversations": 2}
+    assert rep["turns_skipped_too_long"] == 2 and rep["context"] == 4096  # b's first turn and its second
+    said = capsys.readouterr().err
+    assert ("eval: 2 user turns of 1 conversations left out: a prompt of 4116 tokens + max_new_tokens 6 + 4 (K + 2) "
+            "is over the 4096-token context" in said)
+    assert "| user turns left out, too long for the 4096-token context | 2 |" in report.with_suffix(".md").read_text()
+    kept = report.read_bytes()
+    with pytest.raises(EyasError, match=r"no answer decoded: every conversation's first turn is too long \(a prompt "
+                       r"of 32 to 4116 tokens \+ max_new_tokens 100000 \+ 4 \(K \+ 2\) is over the 4096-token "
+                       r"context .*\); lower eval.max_new_tokens \(--max-new-tokens\) to 4060 or less"):
+        run_eval(resolve(None, "tiny", {**over, "eval.max_new_tokens": 100000}))  # a: 32 tokens + 4060 + 4 = 4096
+    assert report.read_bytes() == kept  # the eval before it is left as it was
+
+
+def test_eval_refuses_another_test_ratio_than_the_runs_data(tiny, tiny_drafter, tmp_path):
+    """The held-out split is a hash of each record's id below data.test_ratio: at another ratio than the run's
+    training data were split at it is not the conversations the run held out (at 0.6 it takes in c0, c5, ..., which
+    the run trained on at 0.3)."""
+    import shutil
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"Say {i}."}]}) + "\n"
+                            for i in range(20)))
+    run = tmp_path / "run"
+    (run / "data" / "tokens").mkdir(parents=True)
+    (run / "data" / "tokens" / "meta.json").write_text(json.dumps(  # what the run's tokenize stage recorded
+        {"inputs": {"data": {"source": str(data), "val_ratio": 0.02, "test_ratio": 0.3}}}))
+    shutil.copytree(tiny_drafter, run / "draft")
+    over = {"out": str(run), "eval.prompts": "sharegpt", "data.source": str(data), "data.test_ratio": 0.6,
+            "eval.k": 2, "eval.max_new_tokens": 4, "eval.limit": 1, "target.device": "cpu"}
+    with pytest.raises(EyasError, match=r"data.test_ratio is 0.6, but the training data of .*run were split at 0.3 "
+                       r"\(.*meta.json\).*held-out test split of .*chats.jsonl.*Leave data.test_ratio at 0.3"):
+        run_eval(resolve(None, "tiny", over))
+    assert not (run / "eval").exists()
+    # the run's own ratio is evaluated; data.val_ratio does not move the test split, so another one is not refused
+    run_eval(resolve(None, "tiny", {**over, "data.test_ratio": 0.3, "data.val_ratio": 0.1}))
+    assert json.loads((run / "eval" / "report.json").read_text())["conversation_ids"] == ["c3"]
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("eval.limit", -1, "eval.limit must be 0 (every conversation) or more, got -1"),
+    ("data.test_ratio", 0.99, "data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got 0.02 and 0.99"),
+    ("data.val_ratio", -0.1, "data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got -0.1 and 0.02"),
+])
+def test_eval_refuses_prompt_settings_out_of_range(tmp_path, key, value, msg):
+    """`eval.limit -1` took every conversation but the last (convs[:-1]); the split ratios are checked as the
+    pipeline's preflight checks them, before the target loads."""
+    cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "target.device": "cpu", key: value})
+    with pytest.raises(EyasError) as e:
+        run_eval(cfg)
+    assert str(e.value) == msg
+
+
+def test_eval_refuses_a_run_directory_that_cannot_hold_its_report(tiny_drafter, tmp_path):
+    """A file where the run directory or its eval/ folder would be is refused before the target loads, not after
+    every answer is decoded."""
+    (tmp_path / "F").write_text("")
+    (tmp_path / "G").mkdir()
+    (tmp_path / "G" / "eval").write_text("")
+    for out, where in (("F", "F"), ("F/run", "F"), ("G", "G/eval")):
+        cfg = resolve(None, "tiny", {"out": str(tmp_path / out), "eval.draft": str(tiny_drafter),
+                                     "target.device": "cpu"})
+        with pytest.raises(EyasError, match=f"--out .*{out}: .*{where} is a file, not a folder"):
+            run_eval(cfg)
+
+
+def test_eval_removes_the_parity_check_of_the_eval_it_replaces(tiny, tiny_drafter, tmp_path):
+    """eval/parity.json compares an engine with the eval beside it: a new eval makes it stale."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\n")
+    (tmp_path / "run" / "eval").mkdir(parents=True)
+    (tmp_path / "run" / "eval" / "parity.json").write_text(json.dumps({"eyas_acceptance_length": 2.5}))
+    run_eval(resolve(None, "tiny", {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 2,
+                                    "eval.max_new_tokens": 4, "eval.draft": str(tiny_drafter),
+                                    "target.device": "cpu"}))
+    assert (tmp_path / "run" / "eval" / "report.json").exists()
+    assert not (tmp_path / "run" / "eval" / "parity.json").exists()
+
+
+def test_eyas_compare_pairs_evals_by_id_and_refuses_what_does_not_pair(tmp_path, capsys):
+    """Two evals pair conversation by conversation only when decoded alike: other prompts, K, max_new_tokens,
+    target or temperature are refused, naming the setting and both values; conversations pair by id (B holds A's
+    three in another order, and one more), not by position; reports that are no report, or whose rounds are not
+    numbers, and --method on an eval report are one line each, exit 2."""
+    from eyas.cli import main
+
+    def report(name, ids, rounds, **settings):
+        rep = {"target": "tiny", "target_identity": {"sha256": "tiny-llama-v1"}, "dtype": "float32", "k": 3,
+               "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 16, "turns": 0,
+               "prompts": {"set": "p.jsonl", "count": 9, "conversations": len(ids)},
+               "rounds_by_conversation": rounds, "conversation_ids": ids}
+        for key, v in settings.items():
+            rep[key] = {**rep[key], **v} if isinstance(v, dict) else v
+        (tmp_path / name).write_text(json.dumps(rep))
+        return str(tmp_path / name)
+
+    a = report("a.json", ["x", "y", "z"], [[8, 2], [3, 3], [8, 2]])
+    b = report("b.json", ["z", "w", "x", "y"], [[8, 2], [1, 1], [8, 2], [3, 3]], target="/models/tiny.gguf")
+    assert main(["compare", a, b, "--json"]) == 0  # the same model under another name
+    res = json.loads(capsys.readouterr().out)
+    assert res["paired_by"] == "conversation id" and res["unit"] == "conversations"
+    assert res["pairs"] == 3 and res["conversations_a"] == 3 and res["conversations_b"] == 4
+    assert res["difference"] == 0.0 and res["interval"] == [0.0, 0.0]  # by position it would pair y with w
+    for name, settings, msg in (
+            ("c.json", {"prompts": {"set": "sharegpt-test"}}, 'prompts: A "p.jsonl", B "sharegpt-test"'),
+            ("c.json", {"k": 5}, "k: A 3, B 5"),
+            ("c.json", {"max_new_tokens": 64, "temperature": 0.8}, "max_new_tokens: A 16, B 64; temperature: A 0.0, B 0.8"),
+            ("c.json", {"target": "smollm2", "target_identity": {"sha256": "abc"}},
+             "target: A tiny (tiny-llama-v1), B smollm2 (abc)")):
+        c = report(name, ["x", "y", "z"], [[8, 2], [3, 3], [8, 2]], **settings)
+        assert main(["compare", a, c]) == 2
+        err = capsys.readouterr().err
+        assert "were not decoded alike, so their conversations do not pair: " + msg in err, err
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"methods": {"eyas_spec_k3": {"accepted_by_prompt": [[3], [1]]}}}))
+    (tmp_path / "array.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text(json.dumps({"rounds_by_conversation": [[1, 2], ["a"]]}))
+    (tmp_path / "neither.json").write_text("{}")
+    one = report("one.json", ["q", "x"], [[8, 2], [3, 3]])
+    for args, msg in (([str(tmp_path / "array.json"), a], "array.json: holds an array, not a report"),
+                      ([a, str(tmp_path / "bad.json")], 'bad.json: rounds_by_conversation[1] is ["a"], not a pair of '
+                                                         'whole numbers'),
+                      ([a, b, "--method", "foo"], "a.json: an eval report, which holds one decoder's rounds; --method"),
+                      ([a, str(bench)], "a.json is an eval report (τ by conversation), " + str(bench) + " a bench_decode"),
+                      ([a, one], "fewer than two conversations with rounds in both reports (3 and 2 conversations, 1 "
+                                 "of them in both by id)"),
+                      ([str(tmp_path / "neither.json"), a], "neither.json: neither an eval report")):
+        assert main(["compare", *args]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and err.count("\n") == 1, err
+        assert "session" not in err  # what the report lacks, not when eyas began to write it

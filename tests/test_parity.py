@@ -104,11 +104,13 @@ def _cfg(tmp_path, tau=None):
     cfg = Config()
     cfg.out, cfg.target.name = str(tmp_path / "run"), "tiny"
     cfg.eval.prompts, cfg.eval.limit, cfg.eval.max_new_tokens, cfg.eval.k = str(prompts), 0, 16, 3
-    if tau is not None:
+    if tau is not None:  # as `eyas eval` writes it: one answer to each of the three one-turn conversations
         (tmp_path / "run" / "eval").mkdir(parents=True)
         (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps({
-            "target": "tiny", "k": 3, "temperature": 0.0, "prompts": {"set": str(prompts), "count": 3},
-            "acceptance_length": tau, "per_position_acceptance": [0.8, 0.5, 0.2]}))
+            "target": "tiny", "k": 3, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 16,
+            "prompts": {"set": prompts.name, "count": 3, "conversations": 3},
+            "acceptance_length": tau, "per_position_acceptance": [0.8, 0.5, 0.2],
+            "by_turn": {"1": {"answers": 3, "acceptance_length": tau, "per_position_acceptance": [0.8, 0.5, 0.2]}}}))
     return cfg
 
 
@@ -190,3 +192,90 @@ def test_prometheus_parsing():
     assert parse_prometheus('m{a="x,y",b="q\\"z"} 3')[0][1] == {"a": "x,y", "b": 'q\\"z'}
     assert compare(2.0, 2.5)["flagged"] is True and compare(2.2, 2.5)["flagged"] is False
     assert compare(3.0, 2.5)["flagged"] is True  # far above is as suspicious as far below
+
+
+def test_parity_compares_eyas_first_answers(tmp_path, tiny):
+    """Parity sends each conversation's first user turn (with the system turns before it), the prompt of its first
+    answer in `eyas eval`, so the engine's τ is compared with eyas' over those answers (by_turn["1"]), not with its
+    τ over every answer (later turns, which parity does not send, repeat more and accept more here)."""
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
+                                     {"role": "assistant", "content": "ignored"},
+                                     {"role": "user", "content": "And again?"}]},
+            {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Name a fruit."}]}]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = _cfg(tmp_path)
+    cfg.eval.prompts = str(prompts)
+    (tmp_path / "run" / "eval").mkdir(parents=True)
+    rep = {"target": "tiny", "k": 3, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 16,
+           "prompts": {"set": "p.jsonl", "count": 3, "conversations": 2}, "acceptance_length": 3.2,
+           "per_position_acceptance": [0.9, 0.8, 0.7],
+           "by_turn": {"1": {"answers": 2, "acceptance_length": 2.4, "per_position_acceptance": [0.8, 0.5, 0.2]},
+                       "2": {"answers": 1, "acceptance_length": 3.9, "per_position_acceptance": [1.0, 1.0, 0.9]}}}
+    (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps(rep))
+    with FakeEngine("vllm", *GOOD) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine="vllm")
+    assert [b["messages"] for _, b in srv.requests] == [[{"role": "user", "content": "Hello there"}],
+                                                        [{"role": "system", "content": "Be brief."},
+                                                         {"role": "user", "content": "Name a fruit."}]]
+    assert res["eyas_acceptance_length"] == 2.4 and res["flagged"] is False and not res["notes"]
+    assert res["eyas_per_position_acceptance"] == [0.8, 0.5, 0.2]
+    assert res["eyas_compared"].startswith('by_turn["1"]: eyas\' τ over the first answers') and "2 answers" in \
+        res["eyas_compared"]
+    assert "(by_turn[\"1\"]" in res["verdict"]
+    # a report without by_turn: its τ over every answer, said to be so
+    (tmp_path / "run" / "eval" / "report.json").write_text(json.dumps({k: v for k, v in rep.items() if k != "by_turn"}))
+    with FakeEngine("vllm", *GOOD) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine="vllm")
+    assert res["eyas_acceptance_length"] == 3.2 and res["eyas_compared"].startswith("acceptance_length")
+    assert any("has no by_turn" in n for n in res["notes"])
+
+
+def test_parity_first_contact_times_out(tmp_path, monkeypatch):
+    """A port that accepts connections but never answers is reported after a short wait (CONTACT_TIMEOUT), not the
+    generations' long timeout."""
+    import socket
+
+    import eyas.parity as parity
+
+    monkeypatch.setattr(parity, "CONTACT_TIMEOUT", 0.5)
+    cfg = _cfg(tmp_path, tau=2.0)
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # the kernel completes connections; nothing ever reads them
+    url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+    got = []
+
+    def call():
+        try:
+            run_parity(cfg, endpoint=url, engine="vllm")
+        except EyasError as e:
+            got.append(str(e))
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(10)
+    mute.close()  # lets a call still waiting fail, so the test ends either way
+    assert not t.is_alive() and got, "parity waited on the mute port"
+    assert got[0] == (f"{url}: the server accepted the connection but did not answer GET /v1/models within 0.5 s: "
+                      f"is the engine still loading, or is another program listening on that port?")
+
+
+def test_parity_refuses_bad_endpoints_engines_and_run_directories(tmp_path):
+    cfg = _cfg(tmp_path, tau=2.0)
+    for endpoint, engine, msg in (
+            ("127.0.0.1:9", "vllm", "--endpoint '127.0.0.1:9' is not an http:// or https:// URL with a host: give "
+                                    "http://127.0.0.1:9"),
+            ("http://[bad", "vllm", "--endpoint 'http://[bad' is not a valid URL"),
+            ("http://127.0.0.1:9", None, "--engine is required: which engine serves the drafter (vllm or sglang)"),
+            ("http://127.0.0.1:9", "tgi", "--engine must be vllm or sglang, got 'tgi'")):
+        with pytest.raises(EyasError) as e:
+            run_parity(cfg, endpoint=endpoint, engine=engine)
+        assert str(e.value).startswith(msg), str(e.value)
+    (tmp_path / "F").write_text("")
+    cfg.out = str(tmp_path / "F")
+    with FakeEngine("vllm", *GOOD) as srv:  # refused before any prompt is sent
+        with pytest.raises(EyasError, match="--out .*F: .*F is a file, not a folder"):
+            run_parity(cfg, endpoint=srv.url, engine="vllm")
+    assert srv.requests == []
