@@ -287,3 +287,55 @@ def test_jsonl_records_holding_unicode_line_separators_stay_whole(tmp_path):
     assert rep.n_skipped == 0 and [c.id for c in convs] == ["x1", "x2"]
     assert convs[0].turns[1].content == text
     assert validation_report(tmp_path)["records"] == 2
+
+
+def test_one_prompt_records_with_a_field_that_is_not_text_are_counted(tmp_path):
+    """A one-prompt record whose prompt, answer or Alpaca input is not a string is a bad record saying which field
+    (not a record without messages, nor a prompt whose answer is dropped); a null answer is no answer, a number is
+    the answer's text (a math set's). A pretty-printed one of them is counted too, not a traceback."""
+    recs = [{"id": "a", "prompt": 5}, {"id": "b", "prompt": "p", "answer": 3}, {"id": "c", "prompt": "q", "output": None},
+            {"id": "d", "instruction": "i", "input": ["x"]}, {"id": "e", "prompt": "r", "response": "s"},
+            {"id": "f", "prompt": "t", "answer": True}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    convs, rep = read_dataset(str(tmp_path / "p.jsonl"))
+    assert [c.id for c in convs] == ["b", "c", "e"] and [len(c.turns) for c in convs] == [2, 1, 2]
+    assert convs[0].turns[1].content == "3"
+    assert dict(rep.skipped) == {"non-string content": 3}
+    assert [e.split(":", 2)[-1] for e in rep.examples] == [" field 'prompt' is int, not a string",
+                                                           " field 'input' is list, not a string",
+                                                           " field 'answer' is bool, not a string"]
+    (tmp_path / "one.json").write_text(json.dumps({"prompt": "p", "completion": {"text": "x"}}, indent=2))
+    convs, rep = read_dataset(str(tmp_path / "one.json"))
+    assert convs == [] and rep.examples == [f"{tmp_path / 'one.json'}:1: field 'completion' is dict, not a string"]
+
+
+def test_an_empty_data_file_says_so(tmp_path, capsys):
+    from eyas.cli import main
+
+    files = {"e.json": b"", "blank.json": b" \n\n", "e.jsonl": b"", "e.txt": b"\n\n", "e.jsonl.gz": gzip.compress(b""),
+             "e.json.gz": gzip.compress(b"\n")}
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(EyasError, match=rf"{name}: empty file: no records to read"):
+            read_dataset(str(tmp_path / name))
+    (tmp_path / "a.json").write_text("[ ]\n")
+    with pytest.raises(EyasError, match=r"a.json: an empty JSON array: no records to read"):
+        read_dataset(str(tmp_path / "a.json"))
+    assert main(["data", "--source", str(tmp_path / "e.jsonl")]) == 2
+    assert "e.jsonl: empty file: no records to read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--limit", "-1"], "data.limit must be 0 (all records) or more, got -1"),
+    (["--show", "-1"], "--show must be 0 (none) or a number of conversations to print, got -1"),
+    (["--val-ratio", "1"], "data.val_ratio must be at least 0 and below 1, got 1.0"),
+    (["--test-ratio", "-0.5"], "data.test_ratio must be at least 0 and below 1, got -0.5")])
+def test_data_refuses_settings_out_of_range(tmp_path, capsys, flags, said):
+    from eyas.cli import main
+
+    src = tmp_path / "few.jsonl"
+    src.write_text("".join(json.dumps({"id": f"a{i}", "messages": [{"role": "user", "content": f"q {i}"}]}) + "\n"
+                           for i in range(3)))
+    assert main(["data", "--source", str(src), *flags]) == 2
+    captured = capsys.readouterr()
+    assert said in captured.err and "records read" not in captured.out

@@ -823,3 +823,48 @@ def test_engine_choice(tiny, monkeypatch):
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), GenerateEngine)
     with pytest.raises(EyasError, match="static regen engine cannot run this target: NewArch.*--engine generate"):
         make_embedded(tiny, RegenConfig(batch_size=2, engine="static"), "keep", 64)
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--batch-size", "-1"], "regen.batch_size must be 0 (auto) or more, got -1"),
+    (["--limit", "-1"], "regen.limit must be 0 (all) or more, got -1"),
+    (["--turns", "-1"], "regen.turns must be 0 (all) or more, got -1"),
+    (["--data-limit", "-1"], "data.limit must be 0 (all records) or more, got -1"),
+    (["--val-ratio", "1"], "data.val_ratio must be at least 0 and below 1, got 1.0"),
+    (["--no-enabled"], "this command was given regen.enabled=false, which makes `eyas run` leave regeneration out; "
+                       "`eyas regen` stops here and regenerates nothing. To regenerate, give --enabled")])
+def test_regen_refuses_settings_naming_the_key(tmp_path, capsys, flags, said):
+    """Each setting out of range is refused by its key and value before anything is read or generated (a negative
+    batch size said the KV cache did not fit); regen.enabled=false stops `eyas regen` instead of being ignored."""
+    from eyas.cli import main
+
+    src = write_jsonl(tmp_path / "d.jsonl", [["question"]])
+    out = tmp_path / "run"
+    assert main(["regen", "--target", "tiny", "--device", "cpu", "--source", str(src), "--split", "all",
+                 "--max-new-tokens", "4", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and not regen_dir(out).exists()
+
+
+def test_plan_records_the_data_settings_that_chose_its_conversations(tmp_path, tiny):
+    """plan.json records data.limit, data.val_ratio and data.test_ratio (the ratios where a split is taken),
+    following settings that choose the same conversations on a resume, so that tokenizing the answers refuses
+    other values given to it."""
+    from eyas import config as C
+    from eyas.data.prepare import training_conversations
+
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}"] for i in range(3)])
+    cfg = tiny_cfg(tmp_path, src, max_new_tokens=4, split="train")  # all three are in the train split
+    run_regen(cfg, target=tiny)
+    plan = regen_dir(cfg.out) / "plan.json"
+    assert len(read_json(plan)["ids"]) == 3
+    assert read_json(plan)["data"] == {"limit": 0, "val_ratio": 0.02, "test_ratio": 0.02}
+    cfg.data.limit = 10  # the same three conversations
+    run_regen(cfg, target=tiny)
+    assert read_json(plan)["data"]["limit"] == 10
+    with pytest.raises(EyasError, match="chosen at data.limit=10: training on them would ignore data.limit=2"):
+        training_conversations(C.resolve(None, "tiny", {"out": cfg.out, "data.source": str(src), "data.limit": 2}))
+    cfg = tiny_cfg(tmp_path, src, max_new_tokens=4)
+    cfg.out = str(tmp_path / "every")
+    run_regen(cfg, target=tiny)
+    assert read_json(regen_dir(cfg.out) / "plan.json")["data"] == {"limit": 0}  # regen.split all: no ratio chose

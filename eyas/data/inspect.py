@@ -5,7 +5,8 @@ import json
 import statistics
 
 from ..config import Config
-from ..util import NotBuiltError
+from ..util import EyasError, NotBuiltError
+from .prepare import check_data_settings
 from .readers import read_dataset, split_of
 from .tokenize import tokenize_conversation
 
@@ -28,6 +29,9 @@ def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, toke
         rep = validation_report(report_dir)
         print(json.dumps(rep, indent=2) if as_json else "\n".join(report_lines(rep)))
         return 0
+    check_data_settings(cfg)
+    if show < 0:
+        raise EyasError(f"--show must be 0 (none) or a number of conversations to print, got {show}")
     convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=cfg.data.limit)
     print(rep.summary())
     for e in rep.examples[5:20]:

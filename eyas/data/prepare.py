@@ -10,13 +10,14 @@ Layout of `<run>/data/tokens/` (safetensors, so files are data):
 from __future__ import annotations
 
 import os
+import shlex
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import Config, check_settings
+from ..config import Config, check_settings, get_key
 from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json, sha256_json
 from .conversation import Conversation
 from .readers import read_dataset, select_split, split_of
@@ -68,14 +69,17 @@ class TokenSet:
                        "offsets": self.offsets.contiguous()}, str(tmp))
 
     @classmethod
-    def load(cls, path: Path, ids: list[str]) -> "TokenSet":
+    def load(cls, path: Path, ids: list[str], remedy: str = "delete it to make it again") -> "TokenSet":
+        """`remedy`: what the user does to have the file again, said when it is missing or unreadable."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
             t = load_file(str(path))
+        except FileNotFoundError:
+            raise EyasError(f"{path}: token file missing; {remedy}") from None
         except (SafetensorError, OSError) as e:
-            raise EyasError(f"{path}: unreadable token file ({e}); delete it to re-tokenize") from None
+            raise EyasError(f"{path}: unreadable token file ({e}); {remedy}") from None
         return cls(ids, t["input_ids"], t["loss_mask"], t["offsets"])
 
 
@@ -87,13 +91,20 @@ def tokens_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "data" / "tokens"
 
 
+# the regenerated answers as the tokens' meta.json names them: relative to the run, so that the tokens (and through
+# tokens_key the vocabulary and checkpoints made from them) do not depend on how --out was spelled or where the run
+# directory has been copied or moved to
+REGEN_SOURCE = f"regenerated ({regen_dir('').as_posix()})"
+
+
 def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     """Regenerated conversations of the run if there are any, else the data set's train split
     (cfg.data.limit records at most). Returns (conversations, source description)."""
     rdir = regen_dir(Path(cfg.out))
     if rdir.exists() and any(rdir.glob("*.jsonl")):
+        check_regen_matches(cfg, rdir)
         convs, rep = read_dataset(str(rdir), strict=cfg.data.strict)
-        source = f"regenerated ({rdir})"
+        source = REGEN_SOURCE
         originals = _original_train(cfg) if (cfg.data.extra_original or cfg.data.original_rest) else []
         if cfg.data.original_rest:
             by_id = {c.id: c for c in originals}
@@ -110,6 +121,51 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     if cfg.data.limit:
         convs = convs[: cfg.data.limit]
     return convs, cfg.data.source
+
+
+# the data settings that chose which conversations the regen answered (recorded in its plan.json, "data"): given
+# explicitly to a command that trains on the regenerated answers, they must be the regen's, since they do not
+# choose anything there
+REGEN_CHOSE = ("data.limit", "data.val_ratio", "data.test_ratio")
+
+
+def same_source(a: str, b: str) -> bool:
+    """Whether two data.source values name the same data: equal, or paths to the same file or folder."""
+    if a == b:
+        return True
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve() and Path(a).expanduser().exists()
+    except (OSError, RuntimeError):
+        return False
+
+
+def check_regen_matches(cfg: Config, rdir: Path) -> None:
+    """Refuse a data.source, data.limit, data.val_ratio or data.test_ratio this command was given explicitly that the
+    run's regenerated answers were not made with: training on them would ignore it, while the tokens recorded it as
+    their inputs. Answers whose plan.json does not record a setting (a regen before the record) are not checked for it."""
+    given = getattr(cfg, "explicit", ())
+    plan_file = rdir / "plan.json"
+    if not plan_file.exists() or not any(k in given for k in ("data.source", *REGEN_CHOSE)):
+        return
+    plan = read_json(plan_file)
+    out = shlex.quote(str(cfg.out))
+    made_from = plan.get("source")
+    if "data.source" in given and made_from is not None and not same_source(cfg.data.source, made_from):
+        given_src = cfg.data.source
+        raise EyasError(f"{rdir} holds answers regenerated from {made_from}: training on them would ignore data.source "
+                        f"{given_src} that this command was given. To train on those answers, leave data.source out; "
+                        f"to train on {given_src}, use another --out, or delete {rdir} and run `eyas regen --out {out} "
+                        f"--source {shlex.quote(given_src)}` to have the target answer its prompts (if it is "
+                        f"{made_from} under another name, give it as the regen did: {made_from})")
+    chose = plan.get("data", {})
+    for key in REGEN_CHOSE:
+        field = key.partition(".")[2]
+        if key in given and field in chose and get_key(cfg, key) != chose[field]:
+            was, now = chose[field], get_key(cfg, key)
+            raise EyasError(f"{rdir} holds answers regenerated from the conversations chosen at {key}={was}: "
+                            f"training on them would ignore {key}={now} that this command was given. To train on those "
+                            f"answers, leave {key} out; for the conversations {key}={now} chooses, use another --out, "
+                            f"or delete {rdir} and run `eyas regen --out {out} --set {key}={now}`")
 
 
 def with_original_rest(regen: Conversation, original: Conversation | None) -> Conversation:
@@ -246,25 +302,35 @@ def ensure_tokens(cfg: Config, target) -> bool:
     are reused as they are (a standalone command such as `eyas train` is not given the data settings they were
     made with), but refused when they cannot be what this command means: made for another target, before the
     regenerated answers last changed, or with another value of a setting this command was given explicitly
-    (e.g. `eyas train --val-ratio 0.1` on tokens split at 0.02). Tokens an eyas before this record wrote are
-    reused unchecked."""
+    (e.g. `eyas train --val-ratio 0.1` on tokens split at 0.02): the message gives the `eyas tokenize` command that
+    makes the tokens meant. A data setting the run's regenerated answers ignore is refused as such first
+    (check_regen_matches). Tokens an eyas before this record wrote are reused unchecked."""
     d = tokens_dir(Path(cfg.out))
     if not (d / "meta.json").exists():
         run_tokenize(cfg, target)
         return True
+    rdir = regen_dir(cfg.out)
+    if rdir.exists() and any(rdir.glob("*.jsonl")):  # a setting the answers ignore: said as such, before the tokens
+        check_regen_matches(cfg, rdir)
     made = read_json(d / "meta.json").get("inputs")
     if made is None:
         return False
     now = tokens_inputs(cfg, target)
+    explicit = getattr(cfg, "explicit", ())  # the settings this command was given
     why = []
     same = ("sha256", "vocab_size")  # as load_vocab: the same model under another name (a preset, its GGUF path) is fine
-    if any(made.get("tokenizer", {}).get(k) != now["tokenizer"].get(k) for k in same):
+    tok_differs = any(made.get("tokenizer", {}).get(k) != now["tokenizer"].get(k) for k in same)
+    if tok_differs:
         was, cur = made.get("tokenizer", {}), now["tokenizer"]
         why.append(f"they are for target {was.get('name')} ({str(was.get('sha256'))[:12]}), not {cur.get('name')} "
                    f"({str(cur.get('sha256'))[:12]})")
     if made.get("regen_files") != now["regen_files"]:
         why.append(f"the regenerated answers in {regen_dir(cfg.out)} changed since")
-    for key in sorted(getattr(cfg, "explicit", ())):  # the settings this command was given
+    # the tokenize command that makes the tokens this one means: the run's settings (which `eyas tokenize --out R`
+    # starts from, as this command did) with the ones this command was given that differ. Each as --set, since the
+    # tokenize command's own flags are the data section's (its --val-ratio is data.val_ratio, not train.val_ratio)
+    fix = [f"--target {shlex.quote(cfg.target.name)}"] if tok_differs and "target.name" in explicit else []
+    for key in sorted(explicit):
         sec, _, field = key.partition(".")
         if sec == "data" and field in made.get("data", {}):
             was, given = made["data"][field], now["data"][field]
@@ -274,10 +340,17 @@ def ensure_tokens(cfg: Config, target) -> bool:
             continue
         if was != given:
             why.append(f"{key} was {was!r}, this command gives {given!r}")
+            fix.append(f"--set {shlex.quote(f'{key}={_set_value(given)}')}")
     if why:
-        raise EyasError(f"{d} holds tokens this command cannot use: {'; '.join(why)}. Run `eyas tokenize --out "
-                        f"{cfg.out}` with the settings you want (it replaces them), or use another --out")
+        cmd = " ".join(["eyas tokenize --out", shlex.quote(str(cfg.out)), *fix])
+        raise EyasError(f"{d} holds tokens this command cannot use: {'; '.join(why)}. `{cmd}` makes them again with "
+                        f"this command's settings (it replaces them), or use another --out")
     return False
+
+
+def _set_value(v) -> str:
+    """A setting's value as --set takes it."""
+    return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
 def tokens_key(run_dir: str | Path) -> str | None:
@@ -290,10 +363,25 @@ def tokens_key(run_dir: str | Path) -> str | None:
     return sha256_json({k: v for k, v in meta.items() if k != "seconds"})[:16]
 
 
+def check_data_settings(cfg: Config) -> None:
+    """Refuse the data settings out of range, naming the key: the commands that read a data set (regen, tokenize,
+    data) check them before they read it."""
+    d = cfg.data
+    check_settings(cfg, (("data.limit", d.limit >= 0, "0 (all records) or more"),
+                         ("data.val_ratio", 0 <= d.val_ratio < 1, "at least 0 and below 1"),
+                         ("data.test_ratio", 0 <= d.test_ratio < 1, "at least 0 and below 1"),
+                         ("data.max_seq_len", d.max_seq_len >= 0, "0 (no limit) or more"),
+                         ("data.extra_original", d.extra_original >= 0, "0 (none) or more"),
+                         ("data.tokenize_workers", d.tokenize_workers >= 0, "0 (auto) or a number of processes")))
+    if d.val_ratio + d.test_ratio >= 1:
+        raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1 (the rest is the "
+                        f"train split), got {d.val_ratio} and {d.test_ratio}")
+
+
 def check_tokenize_settings(cfg: Config) -> None:
     """Refuse the settings the tokenize stage reads out of range, naming the key."""
-    check_settings(cfg, (("train.val_ratio", 0 <= cfg.train.val_ratio < 1, "at least 0 and below 1"),
-                         ("data.max_seq_len", cfg.data.max_seq_len >= 0, "0 (no limit) or more")))
+    check_data_settings(cfg)
+    check_settings(cfg, (("train.val_ratio", 0 <= cfg.train.val_ratio < 1, "at least 0 and below 1"),))
 
 
 def run_tokenize(cfg: Config, target=None) -> dict:
@@ -305,8 +393,10 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     clock = PhaseClock(torch.device("cpu"))
     t0 = clock.start()
     convs, source = training_conversations(cfg)
+    # the messages name the run's regenerated answers by their path (meta.json, relative to the run)
+    shown = source.replace(REGEN_SOURCE, f"regenerated ({regen_dir(cfg.out)})", 1)
     if not convs:
-        raise EyasError(f"no training conversations found in {source}")
+        raise EyasError(f"no training conversations found in {shown}")
     clock.stop("read", t0)
     t0 = clock.start()
     items, stats = tokenize_all(convs, target.tokenizer, cfg, target.eot_token_ids)
@@ -315,10 +405,10 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     if not items:
         answered = sum(1 for c in convs if any(t.role == "assistant" for t in c.turns))
         if not answered:
-            raise EyasError(f"none of the {len(convs)} conversations of {source} has an assistant answer to train on"
+            raise EyasError(f"none of the {len(convs)} conversations of {shown} has an assistant answer to train on"
                             + (": regeneration is off (regen.enabled=false), so prompts alone are left; turn it on "
                                "to have the target answer them" if not cfg.regen.enabled else ""))
-        raise EyasError(f"every conversation of {source} lost its assistant tokens: {stats['truncated']} of "
+        raise EyasError(f"every conversation of {shown} lost its assistant tokens: {stats['truncated']} of "
                         f"{len(convs)} were cut at data.max_seq_len {cfg.data.max_seq_len} before their first answer; "
                         f"raise it")
     # the training records are the data set's 'train' split already: the validation cut is salted
@@ -353,4 +443,7 @@ def load_tokens(run_dir: str | Path, split: str = "train") -> TokenSet:
     if not meta_path.exists():
         raise EyasError(f"{d}: no tokenized data (run `eyas run` or the tokenize stage first)")
     meta = read_json(meta_path)
-    return TokenSet.load(d / f"{split}.safetensors", meta[f"{split}_ids"])
+    run = shlex.quote(str(run_dir))
+    return TokenSet.load(d / f"{split}.safetensors", meta[f"{split}_ids"],
+                         f"`eyas tokenize --out {run}` makes the run's tokens again (or delete {d}, and `eyas run --out "
+                         f"{run}` makes them again)")

@@ -142,16 +142,27 @@ ANSWER_KEYS = ("response", "output", "completion", "answer")
 def _single_turn(rec):
     """A record of one prompt and, maybe, its answer as messages: {"prompt", "response"/"output"/"completion"/
     "answer"?} (HumanEval's and most completion sets' layout) or Alpaca's {"instruction", "input"?, "output"?}
-    (Dolly's {"instruction", "context"?, "response"?} too). Anything else is returned as it is."""
+    (Dolly's {"instruction", "context"?, "response"?} too). Anything else is returned as it is. A field of these
+    that holds something other than text (null: left out) is a bad record, not a record without it."""
     if not isinstance(rec, dict) or any(k in rec for k in MESSAGE_LISTS):
         return rec
-    if isinstance(rec.get("prompt"), str):
+    key = next((k for k in ("prompt", "instruction") if k in rec), None)
+    if key is None:
+        return rec
+    # a number as the answer (a math set's) is its text
+    rec = {**rec, **{k: str(v) for k in ANSWER_KEYS if isinstance(v := rec.get(k), (int, float))
+                     and not isinstance(v, bool)}}
+    texts = (key, *(("input", "context") if key == "instruction" else ()), *ANSWER_KEYS)
+    for k in texts:
+        v = rec.get(k)
+        if not isinstance(v, str) and (v is not None or k == key):
+            raise BadRecord("non-string content", f"field '{k}' is {'null' if v is None else type(v).__name__}, "
+                            f"not a string")
+    if key == "prompt":
         prompt = rec["prompt"]
-    elif isinstance(rec.get("instruction"), str):
+    else:
         extra = rec.get("input", rec.get("context"))  # Alpaca's input, Dolly's context
         prompt = rec["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
-    else:
-        return rec
     msgs = [{"role": "user", "content": prompt}]
     answer = next((rec[k] for k in ANSWER_KEYS if isinstance(rec.get(k), str) and rec[k].strip()), None)
     if answer is not None:
@@ -204,7 +215,9 @@ def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tup
     ws = " \t\r\n"
     while i < n and text[i] in ws:
         i += 1
-    if i >= n or text[i] != "[":
+    if i >= n:
+        raise EyasError(f"{path}: empty file: no records to read")
+    if text[i] != "[":
         raise EyasError(f"{path}: line 1: a ShareGPT file must be a JSON array of conversations")
     i += 1
     out: list[Conversation] = []
@@ -217,6 +230,8 @@ def read_sharegpt(path: str | Path, strict: bool = False, limit: int = 0) -> tup
             rep.skip("truncated file", f"{path}:{_line_of(text, n, lines)}", "file ends before the closing ']'", strict)
             break
         if text[i] == "]":
+            if not idx and not text[i + 1:].strip():
+                raise EyasError(f"{path}: an empty JSON array: no records to read")
             if text[i + 1:].strip():
                 rep.skip("invalid JSON", f"{path}:{_line_of(text, i, lines)}", "text after the array's closing ']' "
                          "is not read (an array, then more records?)", strict)
@@ -377,14 +392,18 @@ def _one_object(path: Path, strict: bool):
         return None
     if not isinstance(obj, dict):
         return None
-    obj = _single_turn(obj)
-    if not any(k in obj for k in MESSAGE_LISTS):
+    rep = ReadReport(str(path))
+    try:
+        one = _single_turn(obj)
+    except BadRecord as b:  # a one-prompt record, spread over lines, with a field that is not text
+        rep.skip(b.kind, f"{path}:1", str(b), strict)
+        return [], rep
+    if not any(k in one for k in MESSAGE_LISTS):
         raise EyasError(f"{path}: line 1: one JSON object (keys {_keys(obj)}), not conversations: a data file is a JSON "
                         f"array of conversations or one conversation a line, each with a 'messages' or "
                         f"'conversations' list")
-    rep = ReadReport(str(path))
     try:
-        convs = [_conversation(obj, f"{path.stem}:0", "messages", "role", "content")]
+        convs = [_conversation(one, f"{path.stem}:0", "messages", "role", "content")]
         rep.records = 1
     except BadRecord as b:
         convs = []
@@ -465,19 +484,26 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
     if not path.exists():
         raise EyasError(f"data file not found: {path}")
     if name.endswith(".jsonl") and "humaneval" in name:
-        return read_humaneval(path, strict, limit)
-    if name.endswith((".json", ".jsonl")):  # an array or one record a line, by the first character, not the name
+        convs, rep = read_humaneval(path, strict, limit)
+    elif name.endswith((".json", ".jsonl")):  # an array or one record a line, by the first character, not the name
         first = _first_char(path)
         if first == "[" or (first is None and name.endswith(".json")):
-            return read_sharegpt(path, strict, limit)
+            return read_sharegpt(path, strict, limit)  # which says when the file is empty
         whole = _one_object(path, strict) if first == "{" else None
-        return whole if whole is not None else read_messages_jsonl(path, strict, limit)
-    if name.endswith(".txt"):
-        return read_prompts_txt(path, strict, limit)
-    if path.name.lower().endswith(".parquet"):
-        return read_parquet(path, strict, limit)
-    raise EyasError(f"{path}: unknown data format (expected conversations as .json or .jsonl, plain or .gz, or "
-                    f".parquet, or prompts as .txt)")
+        convs, rep = whole if whole is not None else read_messages_jsonl(path, strict, limit)
+    elif name.endswith(".txt"):
+        convs, rep = read_prompts_txt(path, strict, limit)
+    elif path.name.lower().endswith(".parquet"):
+        convs, rep = read_parquet(path, strict, limit)
+        if not rep.records and not rep.n_skipped:
+            raise EyasError(f"{path}: no rows: no records to read")
+        return convs, rep
+    else:
+        raise EyasError(f"{path}: unknown data format (expected conversations as .json or .jsonl, plain or .gz, or "
+                        f".parquet, or prompts as .txt)")
+    if not rep.records and not rep.n_skipped:  # every line of a line reader is a record or a skipped one
+        raise EyasError(f"{path}: empty file: no records to read")
+    return convs, rep
 
 
 # what regen appends to a source record's id for its copies (eyas.data.regen.sample_copy, later_copy)

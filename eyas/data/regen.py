@@ -38,11 +38,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Config, RegenConfig
+from ..config import Config, RegenConfig, check_settings
 from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrier, dist_env, human_bytes, log,
                     mem_available, progress, read_json, repeated_share, stable_hash, text_lines, to_device)
 from .conversation import Conversation, Turn, split_reasoning
-from .prepare import regen_dir
+from .prepare import check_data_settings, regen_dir
 from .readers import LATER_SUFFIX, SAMPLE_SUFFIX, read_dataset, select_split
 from .server import ServerBackend, TurnResult
 
@@ -718,9 +718,16 @@ def sampling_settings(cfg: Config, sample: int | str = 1) -> dict:
 
 
 def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | str = 1) -> dict:
+    # "data": the data settings that chose the conversations (the split's ratios only where a split is taken), so
+    # that a command training on the answers can refuse other values it is given (prepare.check_regen_matches). Not
+    # compared below, since the ids say which conversations were chosen: settings that choose the same ones replace
+    # the record (a plan written before it gains one)
+    chose = {"limit": cfg.data.limit}
+    if cfg.regen.split != "all":
+        chose.update(val_ratio=cfg.data.val_ratio, test_ratio=cfg.data.test_ratio)
     plan = {"version": PLAN_VERSION, "source": cfg.data.source, "split": cfg.regen.split,
             "settings": sampling_settings(cfg, sample), "generator": identity, "shard_size": cfg.regen.shard_size,
-            "ids": ids}
+            "ids": ids, "data": chose}
     path = plan_path(d, sample)
     if path.exists():
         old = read_json(path)
@@ -730,6 +737,9 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | st
                         else f"{old.get(k)!r} before, {plan[k]!r} now")
                 raise EyasError(f"{d} holds regenerated data made with different '{k}' ({what}); use another "
                                 f"--out, or delete {d} to start over")
+        if old.get("data") != plan["data"]:
+            old["data"] = plan["data"]
+            atomic_write_json(path, old)
         return old
     # a new plan: journals left from an earlier one (its plan deleted by hand) are not this plan's work
     for stale in d.glob(f"{_shard_prefix(sample)}[0-9]*.partial"):
@@ -738,17 +748,26 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | st
     return plan
 
 
-def _check_cfg(rc: RegenConfig) -> None:
-    if rc.shard_size < 1:
-        raise EyasError(f"regen.shard_size must be at least 1, got {rc.shard_size}")
-    if rc.max_new_tokens < 1:
-        raise EyasError(f"regen.max_new_tokens must be at least 1, got {rc.max_new_tokens}")
-    if rc.temperature < 0 or not 0 < rc.top_p <= 1:
-        raise EyasError(f"regen: temperature must be >= 0 and top_p in (0, 1] (got {rc.temperature}, {rc.top_p})")
-    if rc.turns < 0 or rc.limit < 0 or rc.retries < 0:
-        raise EyasError("regen.turns, regen.limit and regen.retries must not be negative")
-    if rc.samples < 1:
-        raise EyasError(f"regen.samples must be at least 1, got {rc.samples}")
+def _check_cfg(cfg: Config) -> None:
+    """Refuse the settings regen reads out of range, naming the key, before the data set and the target are read."""
+    rc = cfg.regen
+    if not rc.enabled:  # a setting of `eyas run`, which then leaves this stage out: a call of the stage is not
+        where = "this command was given" if "regen.enabled" in getattr(cfg, "explicit", ()) else "the run's settings say"
+        raise EyasError(f"{where} regen.enabled=false, which makes `eyas run` leave regeneration out; `eyas regen` "
+                        f"stops here and regenerates nothing. To regenerate, give --enabled")
+    check_data_settings(cfg)
+    check_settings(cfg, (("regen.limit", rc.limit >= 0, "0 (all) or more"),
+                         ("regen.turns", rc.turns >= 0, "0 (all) or more"),
+                         ("regen.samples", rc.samples >= 1, "at least 1"),
+                         ("regen.max_new_tokens", rc.max_new_tokens >= 1, "at least 1"),
+                         ("regen.temperature", rc.temperature >= 0, "0 (greedy) or more"),
+                         ("regen.top_p", 0 < rc.top_p <= 1, "above 0 and at most 1"),
+                         ("regen.batch_size", rc.batch_size >= 0, "0 (auto) or more"),
+                         ("regen.concurrency", rc.concurrency >= 1, "at least 1"),
+                         ("regen.timeout", rc.timeout > 0, "above 0"),
+                         ("regen.retries", rc.retries >= 0, "0 or more"),
+                         ("regen.backoff", rc.backoff >= 0, "0 or more"),
+                         ("regen.shard_size", rc.shard_size >= 1, "at least 1")))
     if rc.samples > 1 and rc.temperature == 0:
         raise EyasError(f"regen.samples={rc.samples} with regen.temperature=0: greedy answers are the same every "
                         f"time; sample at a temperature above 0 or keep one sample")
@@ -761,7 +780,7 @@ def run_regen(cfg: Config, target=None) -> dict:
     """Regenerate the assistant turns of cfg.data.source's cfg.regen.split; returns the validation report
     (under torchrun, on rank 0; the other ranks return where rank 0 wrote it)."""
     rc = cfg.regen
-    _check_cfg(rc)
+    _check_cfg(cfg)
     convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=cfg.data.limit)
     if rep.n_skipped:
         log(rep.summary())
