@@ -18,7 +18,7 @@ Parameter names follow the EAGLE/SGLang layout (`fc`, `midlayer.*`, `norm`, `lm_
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -27,9 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fastlm import fuse_linears, held_fusion, llama_rms_norm
-from .util import EyasError, atomic_path, atomic_write_json
+from .util import EyasError, atomic_path, atomic_write_json, read_json
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+EYAS_FORMAT = 1  # config.json's `eyas_format` in the drafter folders save_drafter writes
+# what to do about a drafter file eyas cannot read: it was damaged or edited by hand after eyas wrote it
+DAMAGED = ("restore it from a copy, or make the folder again (`eyas train` writes a run's draft/, `eyas export` "
+           "its export/)")
 
 
 @dataclass
@@ -72,9 +77,77 @@ class DraftConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DraftConfig":
+    def from_dict(cls, d: dict, where: str = "drafter config") -> "DraftConfig":
+        """From a saved config (a drafter folder's config.json, a checkpoint's state), each field checked for its
+        type: a damaged or hand-edited file is refused naming `where` and the field, where it would otherwise fail
+        deep inside torch, or compare "64" with 64."""
+        if not isinstance(d, dict):
+            raise EyasError(f"{where}: expected a JSON object of drafter settings, got {json_kind(d)}; {DAMAGED}")
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for f in fields(cls):
+            if f.name not in known:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise EyasError(f"{where}: field '{f.name}' is missing; {DAMAGED}")
+                continue
+            v = known[f.name]
+            if f.name == "aux_layers":
+                check_drafter_aux_layers(v, where, field="aux_layers")
+            elif f.name == "target":
+                if not isinstance(v, dict):
+                    raise EyasError(f"{where}: field 'target' must be an object, got {json_kind(v)}; {DAMAGED}")
+            elif f.name in _FLOAT_FIELDS:
+                if not _is_number(v) or not v > 0:
+                    raise EyasError(f"{where}: field '{f.name}' must be a positive number, got {json_kind(v)}; "
+                                    f"{DAMAGED}")
+                known[f.name] = float(v)
+            elif not _is_int(v) or v < (0 if f.name == "target_num_layers" else 1):
+                want = "a whole number, 0 or more" if f.name == "target_num_layers" else "a positive whole number"
+                raise EyasError(f"{where}: field '{f.name}' must be {want}, got {json_kind(v)}; {DAMAGED}")
         return cls(**known)
+
+
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no layer count
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def json_kind(v) -> str:
+    """A config value as a message shows it: the value, with its JSON type where that may be the mistake."""
+    if isinstance(v, str):
+        return f"{v!r} (a string)"
+    if isinstance(v, (list, dict)):
+        kind = "a JSON array" if isinstance(v, list) else "a JSON object"
+        return kind if len(json.dumps(v, default=str)) > 60 else f"{json.dumps(v, default=str)} ({kind})"
+    return json.dumps(v, default=str)
+
+
+def check_drafter_aux_layers(aux, where, target=None, field: str = "") -> list[int]:
+    """The aux layers a drafter's config records (eyas ids), checked where they are read: three layer ids, and with
+    `target`, three layers that target has. Refused naming the drafter's file (and `field`, where it says them):
+    these come from the drafter, which was trained on them, not from the user's target.aux_layers."""
+    what = f"the drafter's aux layers ({field})" if field else "the drafter's aux layers"
+    if not isinstance(aux, list) or not all(_is_int(a) for a in aux):
+        raise EyasError(f"{where}: {what} must be a list of layer ids, got {json_kind(aux)}; {DAMAGED}")
+    n = getattr(target, "num_layers", None)
+    if len(aux) != 3:
+        ids = f"of target '{target.name}', ids 0..{n}" if n is not None else "of the target"
+        raise EyasError(f"{where}: {what} are {aux}, {len(aux)} layer(s); an EAGLE-3 drafter is fed the target's "
+                        f"states at 3 layers {ids} (its fc reads 3 x the target's hidden size). The file is damaged "
+                        f"or not an eyas drafter's: {DAMAGED}")
+    if any(a < 0 for a in aux):
+        raise EyasError(f"{where}: {what} are {aux}: a layer id is 0 or more; {DAMAGED}")
+    for a in aux:
+        if n is not None and a > n:
+            raise EyasError(f"{where}: {what} are {aux}: target '{target.name}' has no layer {a} (its {n} decoder "
+                            f"layers take ids 0..{n}), so the drafter was trained for another target. Name that one "
+                            f"(--target), or train a drafter for this one")
+    return list(aux)
 
 
 class RMSNorm(nn.Module):
@@ -406,33 +479,102 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None
     sd = tensors if tensors is not None else drafter.trainable_state_dict()
     with atomic_path(out / "model.safetensors") as tmp:
         save_file({k: v.cpu().contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "eyas-eagle3"})
-    atomic_write_json(out / "config.json", {"eyas_format": 1, "architecture": "Eagle3Drafter",
+    atomic_write_json(out / "config.json", {"eyas_format": EYAS_FORMAT, "architecture": "Eagle3Drafter",
                                             **drafter.config.to_dict(), **(extra or {})})
     return out
 
 
 def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
     """Load an eyas drafter folder (as written by save_drafter). With `target`, the target's
-    embedding is attached and the shapes are checked against it."""
-    from safetensors.torch import load_file
-
+    embedding is attached and the shapes are checked against it. A damaged folder (a config field
+    missing or of the wrong type, weights cut short or not matching the config) is refused naming
+    the file, before anything is built."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise EyasError(f"{path}: not a drafter folder (no config.json)")
-    raw = json.loads(cfg_path.read_text())
-    if raw.get("eyas_format") != 1:
+    raw = read_config(cfg_path)
+    if not is_eyas_config(raw, cfg_path):
         raise EyasError(f"{path}: not an eyas drafter folder; use eyas.export.import_drafter for SGLang/vLLM formats")
-    c = DraftConfig.from_dict(raw)
+    c = DraftConfig.from_dict(raw, str(cfg_path))
     if target is not None:
+        check_drafter_aux_layers(c.aux_layers, cfg_path, target, field="aux_layers")
         check_fits(c, target, str(path))
+    weights = path / "model.safetensors"
+    sd = read_safetensors(weights)
+    from .export import check_tensors  # (eyas.export imports this module)
+
+    # load_state_dict(strict=False) still raises on a misshapen tensor, with torch's traceback: checked first
+    check_tensors({k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, c, f"{weights} (against {cfg_path.name})",
+                  include_embeddings=Eagle3Drafter.FROZEN in sd, hint=DAMAGED)
     d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float() if target is not None else None)
-    sd = load_file(str(path / "model.safetensors"))
     missing, unexpected = d.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m != d.FROZEN]
     if missing or unexpected:
         raise EyasError(f"{path}/model.safetensors: missing tensors {missing}, unexpected {unexpected}")
     return d.to(device) if device is not None else d
+
+
+def read_config(path: Path) -> dict:
+    """A drafter folder's config.json as a JSON object, or an EyasError naming the file."""
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise EyasError(f"{path}: expected a JSON object (the drafter's settings), got {json_kind(raw)}; {DAMAGED}")
+    return raw
+
+
+def is_eyas_config(raw: dict, path) -> bool:
+    """Whether a drafter's config.json is an eyas folder's (eyas_format). A format number this eyas does not know
+    is refused: read as another layout, it would load as something it is not."""
+    if "eyas_format" not in raw:
+        return False
+    v = raw["eyas_format"]
+    if not _is_int(v) or v != EYAS_FORMAT:
+        raise EyasError(f"{path}: eyas_format is {json_kind(v)}, a drafter layout this version of eyas does not know "
+                        f"(it reads {EYAS_FORMAT}): the folder was written by another version of eyas. Read it with "
+                        f"that version, or make it again with this one")
+    return True
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, or an EyasError naming the file when it is missing or damaged."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise EyasError(f"{path}: not found; {DAMAGED}")
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise _unreadable(path, e) from None
+    except OSError as e:  # no permission, an I/O error: not the file's content
+        raise EyasError(f"{path}: cannot be read ({e})") from None
+
+
+def _unreadable(path: Path, e: Exception) -> EyasError:
+    return EyasError(f"{path}: not a readable safetensors file ({e}): it is damaged or cut short; {DAMAGED}")
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor's (shape, dtype) in a safetensors file, read from its header alone; an EyasError naming the file
+    when it is missing or damaged."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise EyasError(f"{path}: not found; {DAMAGED}")
+    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+          "BOOL": torch.bool, "I32": torch.int32}
+    shapes = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                shapes[k] = (tuple(sl.get_shape()), dt.get(sl.get_dtype(), torch.float32))
+    except SafetensorError as e:
+        raise _unreadable(path, e) from None
+    except OSError as e:
+        raise EyasError(f"{path}: cannot be read ({e})") from None
+    return shapes
 
 
 def check_fits(c: DraftConfig, target, where: str) -> None:

@@ -26,26 +26,13 @@ MAX_CONTEXT = 4096  # longest prompt + answer an eval turn may reach; longer tur
 
 def load_eval_drafter(path: str | Path, target):
     """An eyas drafter folder, or an SGLang/EAGLE or vLLM-speculators folder (via eyas.export)."""
-    from .draft import load_drafter
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise EyasError(f"drafter folder {path} not found or has no config.json (train one with `eyas train`, "
                         f"or pass --draft)")
-    import json
+    from .export import import_drafter
 
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise EyasError(f"{path}/config.json: line {e.lineno}: invalid JSON ({e.msg})") from None
-    if raw.get("eyas_format") == 1:
-        return load_drafter(path, target)
-    try:
-        from .export import import_drafter
-    except ImportError:
-        raise EyasError(f"{path} is not an eyas drafter folder, and this version of eyas cannot import "
-                        f"SGLang/vLLM drafters yet") from None
-    return import_drafter(path, target)
+    return import_drafter(path, target)  # an eyas folder through load_drafter; a damaged config.json is named
 
 
 def recorded_aux_layers(path: str | Path) -> list[int] | None:
@@ -63,7 +50,7 @@ def recorded_aux_layers(path: str | Path) -> list[int] | None:
     if not isinstance(raw, dict):
         return None
     if raw.get("eyas_format") == 1:
-        return [int(a) for a in raw["aux_layers"]] if raw.get("aux_layers") else None
+        return raw.get("aux_layers") or None  # checked where it is used (check_drafter_aux_layers)
     return config_aux_ids(raw)
 
 
@@ -71,12 +58,12 @@ def adopt_drafter_aux_layers(target, path: str | Path, explicit: bool = False) -
     """Capture the layers the drafter at `path` was trained on. Unless the user named the target's aux layers
     (`explicit`: then a drafter trained on others is refused when it is loaded, saying which), the target takes
     the drafter's recorded ones, so `eyas eval --set eval.draft=DIR` needs no `target.aux_layers`."""
-    from .target import check_aux_layers
+    from .draft import check_drafter_aux_layers
 
     aux = recorded_aux_layers(path)
     if explicit or aux is None or list(aux) == list(target.aux_layers):
         return
-    target.aux_layers = check_aux_layers(aux, target.num_layers)
+    target.aux_layers = check_drafter_aux_layers(aux, Path(path) / "config.json", target)
     log(f"eval: capturing aux layers {target.aux_layers}, the ones the drafter in {path} was trained on")
 
 
@@ -144,7 +131,7 @@ def check_heldout_split(cfg, run_dir: str | Path) -> None:
     drafter may have trained on, at a smaller one only part of them. (data.val_ratio does not move the test split:
     a record is in it by its hash alone.) A run whose tokens record no settings, or another data set, is not
     checked."""
-    from .data.prepare import tokens_dir
+    from .data.prepare import same_source, tokens_dir
 
     if cfg.eval.prompts != "sharegpt":
         return
@@ -154,21 +141,13 @@ def check_heldout_split(cfg, run_dir: str | Path) -> None:
         made_ratio, made_source = float(made["test_ratio"]), str(made["source"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return
-    if not _same_source(made_source, heldout_source(cfg)) or made_ratio == float(cfg.data.test_ratio):
+    if not same_source(made_source, heldout_source(cfg)) or made_ratio == float(cfg.data.test_ratio):
         return
     raise EyasError(f"data.test_ratio is {cfg.data.test_ratio}, but the training data of {run_dir} were split at "
                     f"{made_ratio} ({meta}): the eval's prompts, the held-out test split of {made_source}, would not "
                     f"be the conversations the run held out (a larger ratio takes in ones the drafter may have "
                     f"trained on, a smaller one only part of them). Leave data.test_ratio at {made_ratio} (drop "
                     f"--test-ratio), or give the eval prompts of its own with --set eval.prompts=FILE")
-
-
-def _same_source(a: str, b: str) -> bool:
-    """Whether two data.source values name the same data: the same string, or paths to the same file."""
-    if a == b:
-        return True
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def check_out_dir(out: str | Path) -> None:

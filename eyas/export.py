@@ -16,13 +16,18 @@ engine file and version it was read from, in docs/serving.md. In short:
 """
 from __future__ import annotations
 
-import json
+import contextlib
+import os
+import shutil
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from .draft import DraftConfig, Eagle3Drafter, check_fits, load_drafter
-from .util import EyasError, atomic_path, atomic_write_json, log
+from .draft import (DAMAGED, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits, is_eyas_config,
+                    json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
+from .util import EyasError, atomic_path, atomic_write_json, log, read_json
 
 FORMATS = ("sglang", "vllm")
 # SGLang's later draft layers (BasicDecoderLayer in llama_eagle3.py, commit 03d5a77) restart the residual from the
@@ -85,8 +90,8 @@ def _kind(dtype: torch.dtype) -> str:
 
 
 def check_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], c: DraftConfig, where: str,
-                  include_embeddings: bool = False) -> None:
-    """Refuse a checkpoint with a missing, misshapen or mistyped tensor, naming it."""
+                  include_embeddings: bool = False, hint: str = "") -> None:
+    """Refuse a checkpoint with a missing, misshapen or mistyped tensor, naming it (and `hint`: what to do)."""
     problems = []
     for name, (shape, kind) in expected_tensors(c, include_embeddings).items():
         if name not in shapes:
@@ -98,7 +103,7 @@ def check_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], c: Dra
         elif _kind(got_dtype) != kind:
             problems.append(f"tensor '{name}' has dtype {str(got_dtype).replace('torch.', '')}, expected {kind}")
     if problems:
-        raise EyasError(f"{where}: " + "; ".join(problems))
+        raise EyasError(f"{where}: " + "; ".join(problems) + (f"; {hint}" if hint else ""))
 
 
 def _shapes_of(sd: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -107,22 +112,16 @@ def _shapes_of(sd: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], 
 
 def check_checkpoint(path: str | Path) -> DraftConfig:
     """Check an eyas drafter folder's tensors against its config without building the model."""
-    from safetensors import safe_open
-
     path = Path(path)
     cfg_file, weights = path / "config.json", path / "model.safetensors"
     for f in (cfg_file, weights):
         if not f.exists():
             raise EyasError(f"{f}: not found (is {path} a trained eyas drafter folder? run `eyas train` first)")
-    c = DraftConfig.from_dict(_read_json(cfg_file))
-    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-          "BOOL": torch.bool, "I32": torch.int32}
-    shapes = {}
-    with safe_open(str(weights), framework="pt") as f:
-        for k in f.keys():
-            sl = f.get_slice(k)
-            shapes[k] = (tuple(sl.get_shape()), dt.get(sl.get_dtype(), torch.float32))
-    check_tensors(shapes, c, str(weights))
+    raw = read_config(cfg_file)
+    if not is_eyas_config(raw, cfg_file):
+        raise EyasError(f"{cfg_file}: not an eyas drafter's config (no eyas_format); {DAMAGED}")
+    c = DraftConfig.from_dict(raw, str(cfg_file))
+    check_tensors(safetensors_shapes(weights), c, f"{weights} (against {cfg_file.name})", hint=DAMAGED)
     return c
 
 
@@ -151,12 +150,18 @@ def eyas_aux_ids(ids: list[int], fmt: str) -> list[int]:
 def config_aux_ids(raw: dict) -> list[int] | None:
     """The aux layers (eyas ids) an engine-format drafter config records: SGLang's nested
     `eagle_config["eagle_aux_hidden_state_layer_ids"]`, else a top-level `eagle_aux_hidden_state_layer_ids`, read as
-    vLLM reads it (as-is); None where it records none."""
-    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    vLLM reads it (as-is); None where it records none, or ids that are not a list of whole numbers (import_drafter
+    refuses those, naming the field)."""
+    nested = raw.get("eagle_config")
+    nested = nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, dict) else None
     if nested:
-        return eyas_aux_ids(nested, "sglang")
+        return eyas_aux_ids(nested, "sglang") if _int_list(nested) else None
     top = raw.get("eagle_aux_hidden_state_layer_ids")
-    return eyas_aux_ids(top, "vllm") if top else None
+    return eyas_aux_ids(top, "vllm") if top and _int_list(top) else None
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
 
 def _check_format(fmt: str) -> None:
@@ -192,7 +197,8 @@ def _llama_fields(c: DraftConfig, dtype: torch.dtype) -> dict:
 def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target_name_or_path: str,
                    include_embeddings: bool = False, num_speculative_tokens: int = 3,
                    verifier_architectures: list[str] | None = None) -> Path:
-    """Write `drafter` in an engine's format: out_dir/config.json + out_dir/model.safetensors."""
+    """Write `drafter` in an engine's format: out_dir/config.json + out_dir/model.safetensors, and nothing else
+    (the folder is written anew and swapped in whole: see _fresh_folder)."""
     from safetensors.torch import save_file
 
     _check_format(fmt)
@@ -241,12 +247,109 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
             "eyas": eyas_meta,
         }
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "model.safetensors") as tmp:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"format": "pt", "eyas_export": fmt})
-    atomic_write_json(out / "config.json", config)  # last: a folder with config.json is complete
+    with _fresh_folder(out) as folder:
+        with atomic_path(folder / "model.safetensors") as tmp:  # (atomic_path also gives it a plain file's mode)
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
+                      metadata={"format": "pt", "eyas_export": fmt})
+        atomic_write_json(folder / "config.json", config)
     return out
+
+
+# ----------------------------------------------------------------------------- writing a folder whole
+
+@contextlib.contextmanager
+def _fresh_folder(out: Path):
+    """Yield an empty temporary folder beside `out`; when the block succeeds, it takes out's place in one step. So
+    `out` holds exactly what the block wrote: no file of an earlier export survives there to be read with the new
+    ones (a reader loads every weights file a folder holds when it has no index), and a reader, or an export killed
+    midway, finds the old folder whole or the new one whole. What a killed export leaves beside `out` (a hidden
+    `.<name>.<pid>.tmp` folder) is deleted by the next one."""
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _swap_in(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the unfinished folder, or after a swap the old one
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Put the finished folder `tmp` at `out`; the old `out`, if any, ends up at `tmp`."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    if _exchange(tmp, out):
+        return
+    # a system that cannot swap two folders in one step: the old one is moved aside first, so for that instant `out`
+    # is missing (never half-written)
+    old = out.with_name(f".{out.name}.{os.getpid()}.old.tmp")
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step: Linux's renameat2 with RENAME_EXCHANGE. False where the C library, the kernel or
+    the file system does not offer it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28 and later
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Delete the temporary folders exports killed midway left beside `out`, unless their process still runs."""
+    if not out.parent.is_dir():
+        return
+    prefix = f".{out.name}."
+    for p in out.parent.iterdir():
+        if p.name.startswith(prefix) and p.name.endswith(".tmp") and p.is_dir():
+            pid = p.name[len(prefix):].split(".")[0]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    if os.name != "posix":  # elsewhere os.kill(pid, 0) is no harmless probe: keep the folder
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to write over something that is not a drafter export: the export replaces the whole folder."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise EyasError(f"{out}: exists and is not a folder; the export writes a folder there: move it away, or "
+                        f"export elsewhere")
+    try:
+        raw = read_config(out / "config.json") if (out / "config.json").is_file() else {}
+    except EyasError:  # a damaged earlier export: judged by its files below
+        raw = {}
+    if isinstance(raw.get("eyas"), dict) and raw["eyas"].get("format") in FORMATS:
+        return
+    foreign = sorted(p.name for p in out.iterdir() if not (p.is_file() and p.suffix in (".json", ".safetensors")))
+    if foreign:
+        raise EyasError(f"{out}: holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which is not a "
+                        f"drafter export, and the export replaces the whole folder: move them away, or export "
+                        f"elsewhere")
 
 
 def verifier_name(target_cfg) -> str:
@@ -260,18 +363,55 @@ def verifier_architectures(target_cfg) -> list[str] | None:
         return [PRESET_ARCHS[target_cfg.name]]
     cfg_file = Path(target_cfg.name).expanduser() / "config.json"
     if cfg_file.is_file():
-        archs = _read_json(cfg_file).get("architectures")
+        raw = read_json(cfg_file)
+        archs = raw.get("architectures") if isinstance(raw, dict) else None
         if isinstance(archs, list) and archs:
             return [str(a) for a in archs]
     return None
 
 
 def check_export_settings(cfg) -> None:
-    """Refuse export formats eyas does not write (the pipeline checks this before its first stage)."""
+    """Refuse export formats eyas does not write, and a draft length the vLLM config cannot propose (the pipeline
+    checks this before its first stage)."""
+    from .config import check_settings
+
     if not cfg.export.formats:
         raise EyasError("export.formats is empty: name at least one of sglang, vllm")
     for f in cfg.export.formats:
         _check_format(f)
+    # eval.k is written as the vLLM config's speculative_tokens (vLLM's num_speculative_tokens)
+    check_settings(cfg, (("eval.k", cfg.eval.k >= 1, "at least 1 (the exported vLLM config proposes that many "
+                                                       "draft tokens per target forward)"),))
+
+
+def export_target(tcfg, c: DraftConfig, cfg_file: Path) -> SimpleNamespace:
+    """The target named by `tcfg` as check_fits reads it (name, hidden size, vocabulary, layers, aux layers), from
+    its config alone: the export needs no weights of it (a large target would take minutes to load). Its aux layers
+    are the user's target.aux_layers where given, else the drafter's own (`c`, from `cfg_file`), which the export
+    writes for the engines to capture."""
+    from transformers import AutoConfig
+
+    from .target import _load_error, _quiet_transformers, check_aux_layers, resolve_source
+
+    _quiet_transformers()
+    source, _ = resolve_source(tcfg)
+    try:
+        conf = AutoConfig.from_pretrained(source, trust_remote_code=tcfg.trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _load_error(tcfg, source, "config", e) from None
+    conf = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    dims = {k: getattr(conf, k, None) for k in ("hidden_size", "vocab_size", "num_hidden_layers")}
+    lacking = [k for k, v in dims.items() if not isinstance(v, int)]
+    if lacking:
+        raise EyasError(f"target '{tcfg.name}': its config ({source}) gives no {' or '.join(lacking)}, which the "
+                        f"export checks the drafter against")
+    t = SimpleNamespace(name=tcfg.name, hidden_size=dims["hidden_size"], vocab_size=dims["vocab_size"],
+                        num_layers=dims["num_hidden_layers"], aux_layers=[])
+    if tcfg.aux_layers:
+        t.aux_layers = check_aux_layers(list(tcfg.aux_layers), t.num_layers)
+    else:
+        t.aux_layers = check_drafter_aux_layers(list(c.aux_layers), cfg_file, t, field="aux_layers")
+    return t
 
 
 def run_export(cfg) -> dict:
@@ -279,18 +419,29 @@ def run_export(cfg) -> dict:
     run = Path(cfg.out)
     check_export_settings(cfg)
     draft_dir = run / "draft"
-    check_checkpoint(draft_dir)
+    c = check_checkpoint(draft_dir)
+    # the drafter must fit the target it is exported for, which the engines will feed it: the export names that
+    # target as the verifier, and a drafter of another width or vocabulary would load there and fail, or run wrong
+    fit = export_target(cfg.target, c, draft_dir / "config.json")
+    check_fits(c, fit, str(draft_dir))
+    trained_for = c.target.get("name")
+    if trained_for and trained_for != cfg.target.name:
+        log(f"export: the drafter in {draft_dir} was trained with target '{trained_for}'; exporting it for "
+            f"'{cfg.target.name}', whose shapes it fits")
+    formats = list(cfg.export.formats)
+    if c.num_hidden_layers > 1 and "sglang" in formats:  # the run's default asks for both formats
+        log("export: skipping sglang, " + SGLANG_MULTI_LAYER.format(n=c.num_hidden_layers))
+        formats = [f for f in formats if f != "sglang"]
+    for f in formats:  # every layer the engines would capture exists in this target, before anything is written
+        engine_aux_ids(list(c.aux_layers), f, fit.num_layers)
     target = None
     if cfg.export.include_embeddings:
         from .target import load_target
 
         target = load_target(cfg.target)
+        target.aux_layers = list(fit.aux_layers)
     drafter = load_drafter(draft_dir, target=target)
-    formats = list(cfg.export.formats)
     out = {}
-    if drafter.config.num_hidden_layers > 1 and "sglang" in formats:  # the run's default asks for both formats
-        log("export: skipping sglang, " + SGLANG_MULTI_LAYER.format(n=drafter.config.num_hidden_layers))
-        formats = [f for f in formats if f != "sglang"]
     for f in formats:
         p = export_drafter(drafter, run / "export" / f, f, verifier_name(cfg.target),
                            include_embeddings=cfg.export.include_embeddings, num_speculative_tokens=cfg.eval.k,
@@ -304,35 +455,59 @@ def run_export(cfg) -> dict:
 
 # ----------------------------------------------------------------------------- import
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise EyasError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
-
-
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
+    """A drafter folder's weights: the files its index (model.safetensors.index.json) names, else
+    model.safetensors, else (only where it has neither) every *.safetensors file; the same for pytorch_model*.bin
+    where it has no safetensors. A stray weights file beside the ones a folder names (an earlier export's, say) is
+    not read: merged in, it could replace a tensor. A tensor found in two files is refused."""
+    for main, pattern, reader in (("model.safetensors", "*.safetensors", read_safetensors),
+                                  ("pytorch_model.bin", "pytorch_model*.bin", _read_bin)):
+        files, index = _weight_files(path, main, pattern)
+        if not files:
+            continue
         sd: dict[str, torch.Tensor] = {}
+        source: dict[str, Path] = {}
         for f in files:
-            sd.update(load_file(str(f)))
-        return sd
-    bins = sorted(path.glob("pytorch_model*.bin"))
-    if bins:
-        sd = {}
-        for f in bins:
-            try:
-                obj = torch.load(str(f), map_location="cpu", weights_only=True)
-            except Exception as e:  # pickles with code in them are refused here
-                raise EyasError(f"{f}: cannot be read as plain tensors ({type(e).__name__}: {e})") from None
-            if not isinstance(obj, dict):
-                raise EyasError(f"{f}: expected a dict of tensors, got {type(obj).__name__}")
-            sd.update(obj)
+            for k, v in reader(f).items():
+                if k in sd:
+                    raise EyasError(f"{path}: tensor '{k}' is in both {source[k].name} and {f.name}, so which one the "
+                                    f"drafter holds is not known: remove the file that does not belong to it")
+                sd[k], source[k] = v, f
+        for k, name in (index or {}).items():
+            if k not in sd or source[k].name != name:
+                raise EyasError(f"{path / (main + '.index.json')}: names {name} as the file of tensor '{k}', which "
+                                f"that file does not hold; {DAMAGED}")
         return sd
     raise EyasError(f"{path}: no weights found (*.safetensors or pytorch_model.bin)")
+
+
+def _weight_files(path: Path, main: str, pattern: str) -> tuple[list[Path], dict | None]:
+    """The weights files of one kind a folder names, and its index's tensor -> file map where it has an index."""
+    index_file = path / (main + ".index.json")
+    if index_file.is_file():
+        raw = read_json(index_file)
+        wm = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) and v and Path(v).name == v for v in wm.values()):
+            raise EyasError(f"{index_file}: expected a 'weight_map' object of tensor name -> file name in this "
+                            f"folder; {DAMAGED}")
+        files = [path / n for n in sorted(set(wm.values()))]
+        for f in files:
+            if not f.is_file():
+                raise EyasError(f"{index_file}: names {f.name}, which is not in {path}; {DAMAGED}")
+        return files, wm
+    if (path / main).is_file():
+        return [path / main], None
+    return sorted(p for p in path.glob(pattern) if p.is_file()), None
+
+
+def _read_bin(f: Path) -> dict[str, torch.Tensor]:
+    try:
+        obj = torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as e:  # pickles with code in them are refused here
+        raise EyasError(f"{f}: cannot be read as plain tensors ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, dict):
+        raise EyasError(f"{f}: expected a dict of tensors, got {type(obj).__name__}")
+    return obj
 
 
 def detect_format(raw: dict, sd_keys) -> str:
@@ -342,19 +517,17 @@ def detect_format(raw: dict, sd_keys) -> str:
     if "speculators_model_type" in raw:
         return "vllm"
     archs = raw.get("architectures") or []
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     if any("Eagle3" in a for a in archs) or any(k.startswith("midlayer.") for k in sd_keys):
         return "sglang"
     return "unknown"
 
 
-def _refuse_unsupported(lc: dict, raw: dict, where: str) -> None:
+def _refuse_unsupported(lc: dict, raw: dict, where: str, layers: int) -> None:
     problems = []
-    layers = int(lc.get("num_hidden_layers", 1))
     if layers != 1 and "speculators_model_type" not in raw:
         problems.append(f"{layers} decoder layers in SGLang's layout (its later layers are not the plain Llama layers "
                         f"eyas runs; eyas reads multi-layer drafters in vLLM's speculators format)")
-    elif layers < 1:
-        problems.append(f"{layers} decoder layers")
     if lc.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {lc['hidden_act']!r} (eyas uses silu)")
     if lc.get("attention_bias") or lc.get("mlp_bias") or raw.get("bias"):
@@ -369,6 +542,54 @@ def _refuse_unsupported(lc: dict, raw: dict, where: str) -> None:
         raise EyasError(f"{where}: this drafter uses features eyas cannot run: " + "; ".join(problems))
 
 
+class _Fields:
+    """An engine config's fields, each read with its type checked: a damaged or hand-edited value is refused naming
+    the file and the field (as `prefix` + key: `transformer_layer_config.hidden_size`), not turned into a number
+    that is not what the file says ("64" read as 64) or left to fail inside torch."""
+
+    def __init__(self, d: dict, cfg_file: Path, prefix: str = ""):
+        self.d, self.cfg_file, self.prefix = d, cfg_file, prefix
+
+    def _bad(self, key: str, want: str, v) -> EyasError:
+        return EyasError(f"{self.cfg_file}: field '{self.prefix}{key}' must be {want}, got {json_kind(v)}; {DAMAGED}")
+
+    def whole(self, key: str, default=None, minimum: int = 1) -> int:
+        """A whole number >= minimum, or `default` where the field is absent or null (an EyasError without one)."""
+        v = self.d.get(key)
+        if v is None:
+            if default is None:
+                raise EyasError(f"{self.cfg_file}: field '{self.prefix}{key}' is missing; {DAMAGED}")
+            return default
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise self._bad(key, "a positive whole number" if minimum == 1 else f"a whole number >= {minimum}", v)
+        return v
+
+    def number(self, key: str, default=None) -> float | None:
+        v = self.d.get(key)
+        if v is None:
+            return default
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise self._bad(key, "a positive number", v)
+        return float(v)
+
+    def obj(self, key: str) -> dict:
+        """An object field (absent or null: empty)."""
+        v = self.d.get(key)
+        if v is None:
+            return {}
+        if not isinstance(v, dict):
+            raise self._bad(key, "an object", v)
+        return v
+
+    def ids(self, key: str) -> list[int] | None:
+        v = self.d.get(key)
+        if v is None:
+            return None
+        if not _int_list(v):
+            raise self._bad(key, "a list of layer ids", v)
+        return v
+
+
 def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
     """Load a drafter from an eyas folder, an SGLang/SpecForge EAGLE-3 folder, a vLLM speculators
     folder or an original EAGLE-3 folder (config.json + safetensors or pytorch_model.bin). With
@@ -377,8 +598,8 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
     cfg_file = path / "config.json"
     if not path.is_dir() or not cfg_file.exists():
         raise EyasError(f"{path}: not a drafter folder (no config.json)")
-    raw = _read_json(cfg_file)
-    if raw.get("eyas_format") == 1:
+    raw = read_config(cfg_file)
+    if is_eyas_config(raw, cfg_file):  # a format number this eyas does not know is refused there
         return load_drafter(path, target=target)
     sd = _load_weights(path)
     fmt = detect_format(raw, sd.keys())
@@ -386,6 +607,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
         raise EyasError(f"{path}: not a recognised EAGLE-3 drafter layout (no speculators_model_type, no "
                         f"Eagle3 architecture, no midlayer.* weights)")
     where = str(path)
+    top = _Fields(raw, cfg_file)
     if fmt == "vllm":
         if raw.get("speculators_model_type") != VLLM_MODEL_TYPE:
             raise EyasError(f"{cfg_file}: speculators_model_type is {raw.get('speculators_model_type')!r}; "
@@ -393,12 +615,19 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
         lc = raw.get("transformer_layer_config")
         if not isinstance(lc, dict):
             raise EyasError(f"{cfg_file}: field 'transformer_layer_config' is missing")
-        ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        f = _Fields(lc, cfg_file, "transformer_layer_config.")
+        ids = top.ids("eagle_aux_hidden_state_layer_ids")
         aux = eyas_aux_ids(ids, "vllm") if ids else None
+        aux_field = "eagle_aux_hidden_state_layer_ids"
     else:
-        lc = raw
-        aux = config_aux_ids(raw)
-    _refuse_unsupported(lc, raw, where)
+        lc, f = raw, top
+        nested = _Fields(top.obj("eagle_config"), cfg_file, "eagle_config.").ids("eagle_aux_hidden_state_layer_ids")
+        top.ids("eagle_aux_hidden_state_layer_ids")
+        aux = config_aux_ids(raw)  # the ids checked above
+        aux_field = ("eagle_config.eagle_aux_hidden_state_layer_ids, each + 1 as SGLang reads them" if nested
+                     else "eagle_aux_hidden_state_layer_ids")
+    layers = f.whole("num_hidden_layers", default=1)
+    _refuse_unsupported(lc, raw, where, layers)
 
     # normalise weight names to eyas' own
     norm: dict[str, torch.Tensor] = {}
@@ -411,34 +640,33 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
             continue
         norm[k] = v
 
-    hidden = int(lc["hidden_size"]) if "hidden_size" in lc else None
-    if hidden is None:
-        raise EyasError(f"{cfg_file}: field 'hidden_size' is missing")
-    heads = int(lc.get("num_attention_heads", 0)) or None
-    if heads is None:
-        raise EyasError(f"{cfg_file}: field 'num_attention_heads' is missing")
-    vocab = lc.get("vocab_size") or (norm["t2d"].numel() if "t2d" in norm else None)
-    draft_vocab = raw.get("draft_vocab_size") or lc.get("draft_vocab_size") or (
-        norm["lm_head.weight"].shape[0] if "lm_head.weight" in norm else None)
+    hidden = f.whole("hidden_size")
+    heads = f.whole("num_attention_heads")
+    vocab = f.whole("vocab_size", default=0) or (norm["t2d"].numel() if "t2d" in norm else None)
+    draft_vocab = (top.whole("draft_vocab_size", default=0) or f.whole("draft_vocab_size", default=0)
+                   or (norm["lm_head.weight"].shape[0] if "lm_head.weight" in norm else None))
     if vocab is None or draft_vocab is None:
         raise EyasError(f"{cfg_file}: cannot tell the vocabulary sizes (vocab_size / draft_vocab_size)")
-    target_hidden = int(raw.get("target_hidden_size") or lc.get("target_hidden_size") or hidden)
-    if aux is None:
-        if target is None:
-            raise EyasError(f"{cfg_file}: the aux-layer ids are not recorded; pass the target so its default "
-                            f"[2, N//2, N-3] can be used")
+    target_hidden = top.whole("target_hidden_size", default=0) or f.whole("target_hidden_size", default=hidden)
+    if aux is not None:
+        check_drafter_aux_layers(aux, cfg_file, target, field=aux_field)
+    elif target is None:
+        raise EyasError(f"{cfg_file}: the aux-layer ids are not recorded; pass the target so its default "
+                        f"[2, N//2, N-3] can be used")
+    else:
         aux = list(target.aux_layers)  # engines and EAGLE then use [2, N//2, N-3] of the target
-    rope = lc.get("rope_parameters") or {}
-    theta = float(lc.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    c = DraftConfig(hidden_size=hidden, intermediate_size=int(lc.get("intermediate_size", 0)),
-                    num_attention_heads=heads, num_key_value_heads=int(lc.get("num_key_value_heads") or heads),
-                    head_dim=int(lc.get("head_dim") or hidden // heads), target_hidden_size=target_hidden,
-                    target_vocab_size=int(vocab), draft_vocab_size=int(draft_vocab), aux_layers=list(aux),
-                    rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-                    max_position_embeddings=int(lc.get("max_position_embeddings", 8192)),
-                    target_num_layers=int((raw.get("eyas") or {}).get("target_num_layers", 0) or 0),
-                    target=dict((raw.get("eyas") or {}).get("target") or {}),
-                    num_hidden_layers=int(lc.get("num_hidden_layers", 1)))
+    rope = _Fields(f.obj("rope_parameters"), cfg_file, f.prefix + "rope_parameters.")
+    theta = f.number("rope_theta") or rope.number("rope_theta", 10000.0)
+    meta = _Fields(top.obj("eyas"), cfg_file, "eyas.")
+    c = DraftConfig(hidden_size=hidden, intermediate_size=f.whole("intermediate_size"),
+                    num_attention_heads=heads, num_key_value_heads=f.whole("num_key_value_heads", default=heads),
+                    head_dim=f.whole("head_dim", default=max(1, hidden // heads)), target_hidden_size=target_hidden,
+                    target_vocab_size=vocab, draft_vocab_size=draft_vocab, aux_layers=list(aux),
+                    rms_norm_eps=f.number("rms_norm_eps", 1e-6), rope_theta=theta,
+                    max_position_embeddings=f.whole("max_position_embeddings", default=8192),
+                    target_num_layers=meta.whole("target_num_layers", default=0, minimum=0),
+                    target=dict(meta.obj("target")),
+                    num_hidden_layers=layers)
     if target is not None:
         check_fits(c, target, where)
         c.target, c.target_num_layers = target.identity(), target.num_layers
@@ -450,11 +678,16 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
             raise EyasError(f"{where}: tensor 'd2t' is missing and the draft vocabulary ({c.draft_vocab_size}) "
                             f"is smaller than the target's ({c.target_vocab_size})")
         norm["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
-    if "t2d" not in norm:  # rebuilt from d2t
-        t2d = torch.zeros(c.target_vocab_size, dtype=torch.bool)
-        t2d[norm["d2t"].long() + torch.arange(norm["d2t"].numel())] = True
-        norm["t2d"] = t2d
-    norm["d2t"], norm["t2d"] = norm["d2t"].long(), norm["t2d"].bool()
+    norm["d2t"] = norm["d2t"].long()
+    if "t2d" not in norm and tuple(norm["d2t"].shape) == (c.draft_vocab_size,):  # rebuilt from d2t
+        ids = norm["d2t"] + torch.arange(c.draft_vocab_size)
+        if c.draft_vocab_size and not (0 <= int(ids.min()) and int(ids.max()) < c.target_vocab_size):
+            raise EyasError(f"{where}: tensor 'd2t' maps draft ids outside the target's vocabulary of "
+                            f"{c.target_vocab_size}; {DAMAGED}")
+        norm["t2d"] = torch.zeros(c.target_vocab_size, dtype=torch.bool)
+        norm["t2d"][ids] = True
+    if "t2d" in norm:
+        norm["t2d"] = norm["t2d"].bool()
     has_embed = "embed_tokens.weight" in norm
     check_tensors(_shapes_of(norm), c, where, include_embeddings=has_embed)
     d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float() if target is not None else None)

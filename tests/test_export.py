@@ -25,7 +25,7 @@ from eyas import config as C
 from eyas.config import Config
 from eyas.draft import build_drafter, save_drafter
 from eyas.export import (check_checkpoint, engine_aux_ids, export_drafter, eyas_aux_ids, import_drafter,
-                         run_export, verifier_architectures)
+                         run_export, verifier_architectures, verifier_name)
 from eyas.util import EyasError
 
 DRAFT_VOCAB = 2048
@@ -297,7 +297,7 @@ def test_export_refuses_misshapen_or_missing_tensor(tiny, tmp_path):
 def test_run_export_writes_both_formats(tiny, drafter, tmp_path):
     save_drafter(drafter, tmp_path / "draft")
     cfg = Config()
-    cfg.out, cfg.target.name = str(tmp_path), "smollm2"
+    cfg.out, cfg.target.name = str(tmp_path), "tiny"
     res = run_export(cfg)
     assert set(res["export"]) == {"sglang", "vllm"}
     for f in ("sglang", "vllm"):
@@ -306,10 +306,12 @@ def test_run_export_writes_both_formats(tiny, drafter, tmp_path):
         back = import_drafter(tmp_path / "export" / f, target=tiny)
         assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
     raw = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
-    assert raw["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "tiny"
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.eval.k
     assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
-    # the verifier's architecture follows the target: the Qwen preset and an HF folder's config.json
+    # a preset's verifier is its hub id; the verifier's architecture follows the target: the Qwen preset and an HF
+    # folder's config.json
+    assert verifier_name(C.TargetConfig(name="smollm2")) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert verifier_architectures(C.TargetConfig(name="qwen-coder-0.5b")) == ["Qwen2ForCausalLM"]
     folder = tmp_path / "hf-target"
     folder.mkdir()
@@ -445,3 +447,220 @@ def test_two_layer_drafter_exports_what_vllm_runs(tiny, tmp_path):
     (sg / "config.json").write_text(json.dumps(raw | {"num_hidden_layers": 2}))
     with pytest.raises(EyasError, match="2 decoder layers in SGLang's layout"):
         import_drafter(sg, target=tiny)
+
+
+# --------------------------------------------------------------------------- the export folder, written whole
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
+    """`eyas export` writes each format into a fresh folder and swaps it in: a stale weights file in the old folder
+    does not survive (a reader would merge it in), an export that stops midway leaves the old folder whole (not a
+    new model.safetensors beside the old config.json), a killed export's leftover is deleted by the next one, and a
+    folder holding something other than an export is refused, not deleted."""
+    import subprocess
+    import sys
+
+    import eyas.export as E
+
+    save_drafter(drafter, tmp_path / "draft")
+    cfg = Config()
+    cfg.out, cfg.target.name, cfg.export.formats = str(tmp_path), "tiny", ["vllm"]
+    run_export(cfg)
+    vllm = tmp_path / "export" / "vllm"
+    good = load_file(str(vllm / "model.safetensors"))
+    save_file({"fc.weight": torch.zeros_like(good["fc.weight"])}, str(vllm / "zz-old.safetensors"))
+    run_export(cfg)
+    assert sorted(_files(vllm)) == ["config.json", "model.safetensors"]
+    assert torch.equal(_logits(import_drafter(vllm, target=tiny), tiny), _logits(drafter, tiny))
+    # stopped while writing the config (after the weights): the old folder stays as it was, nothing left beside it
+    before = _files(vllm)
+    save_drafter(_drafter(tiny, seed=5), tmp_path / "draft")
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(E, "atomic_write_json", stop)
+    with pytest.raises(KeyboardInterrupt):
+        run_export(cfg)
+    monkeypatch.undo()
+    assert _files(vllm) == before and sorted(p.name for p in vllm.parent.iterdir()) == ["vllm"]
+    # what an export killed outright left (its process is gone) is deleted by the next export; where the system
+    # cannot swap two folders in one step, the old one is moved aside first
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = vllm.parent / f".vllm.{int(gone.stdout)}.tmp"
+    left.mkdir()
+    (left / "config.json").write_text("{}")
+    monkeypatch.setattr(E, "_exchange", lambda a, b: False)
+    run_export(cfg)
+    assert sorted(p.name for p in vllm.parent.iterdir()) == ["vllm"] and _files(vllm) != before
+    assert torch.equal(_logits(import_drafter(vllm, target=tiny), tiny), _logits(_drafter(tiny, seed=5), tiny))
+    plain = tmp_path / "plain"
+    plain.write_text("x")  # the new folder's files have a plain file's mode (an engine run as another user reads them)
+    assert {(vllm / f).stat().st_mode & 0o777 for f in ("config.json", "model.safetensors")} == {
+        plain.stat().st_mode & 0o777}
+    # a folder that is not an export is refused, and kept
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(EyasError, match=r"mine: holds notes.txt, which is not a drafter export"):
+        export_drafter(drafter, other, "vllm", "x")
+    assert (other / "notes.txt").read_text() == "keep"
+
+
+def test_import_reads_only_the_weights_a_folder_names(tiny, drafter, tmp_path):
+    """A folder's weights are the files its index names, else model.safetensors, else (neither there) every
+    *.safetensors file; a stray file beside them is not merged in, and a tensor found in two files is refused."""
+    p = export_drafter(drafter, tmp_path / "vl", "vllm", "x")
+    sd = load_file(str(p / "model.safetensors"))
+    save_file({"fc.weight": torch.zeros_like(sd["fc.weight"])}, str(p / "zz-old.safetensors"))
+    assert torch.equal(_logits(import_drafter(p, target=tiny), tiny), _logits(drafter, tiny))
+    # sharded with an index: the two files it names, not the stray one
+    (p / "model.safetensors").unlink()
+    names = sorted(sd)
+    half = {"model-00001-of-00002.safetensors": names[:5], "model-00002-of-00002.safetensors": names[5:]}
+    for f, keys in half.items():
+        save_file({k: sd[k] for k in keys}, str(p / f))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in half.items() for k in keys}}
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert torch.equal(_logits(import_drafter(p, target=tiny), tiny), _logits(drafter, tiny))
+    index["weight_map"]["fc.weight"] = "model-00003-of-00002.safetensors"
+    (p / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EyasError, match=r"index.json: names model-00003-of-00002.safetensors, which is not in"):
+        import_drafter(p, target=tiny)
+    # no index and no model.safetensors: every file is read, and fc.weight is in two of them
+    (p / "model.safetensors.index.json").unlink()
+    with pytest.raises(EyasError, match=r"tensor 'fc.weight' is in both model-0000[12]-of-00002.safetensors and "
+                                        r"zz-old.safetensors"):
+        import_drafter(p, target=tiny)
+
+
+# --------------------------------------------------------------------------- the target an export is for
+
+def test_export_checks_the_drafter_fits_its_target(tiny, drafter, tmp_path):
+    """The export checks the drafter against the target it names as verifier (its config alone), with or without
+    the embedding: a drafter trained for tiny (width 64) is refused for SmolLM2 (576), and so is one trained on
+    other aux layers than the ones the user names; nothing is written."""
+    save_drafter(drafter, tmp_path / "draft")
+    cfg = Config()
+    cfg.out, cfg.target.name, cfg.export.formats = str(tmp_path), "smollm2", ["vllm"]
+    for emb in (False, True):
+        cfg.export.include_embeddings = emb
+        with pytest.raises(EyasError, match=r"draft does not fit target 'smollm2': hidden size 64 != target's 576"):
+            run_export(cfg)
+    cfg.target.name, cfg.export.include_embeddings, cfg.target.aux_layers = "tiny", False, [1, 3, 7]
+    with pytest.raises(EyasError, match=r"aux layers \[2, 4, 5\] != the target's \[1, 3, 7\]"):
+        run_export(cfg)
+    assert not (tmp_path / "export").exists()
+
+
+def test_export_names_eval_k(tiny, drafter, tmp_path):
+    save_drafter(drafter, tmp_path / "draft")
+    cfg = Config()
+    cfg.out, cfg.target.name, cfg.eval.k = str(tmp_path), "tiny", 0
+    with pytest.raises(EyasError, match=r"^eval.k must be at least 1 .*got 0$"):
+        run_export(cfg)
+
+
+# --------------------------------------------------------------------------- damaged drafter folders
+
+def _damage(folder, how):
+    cfg, weights = folder / "config.json", folder / "model.safetensors"
+    raw = json.loads(cfg.read_text())
+    if how == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif how == "no weights":
+        weights.unlink()
+    elif how == "array":
+        cfg.write_text(json.dumps([raw]))
+    else:
+        cfg.write_text(json.dumps(how(raw)))
+
+
+DAMAGE = [
+    ("truncated", r"model.safetensors: not a readable safetensors file \(.*\): it is damaged or cut short"),
+    ("no weights", r"model.safetensors: not found"),
+    ("array", r"config.json: expected a JSON object \(the drafter's settings\), got a JSON array"),
+    (lambda r: {k: v for k, v in r.items() if k != "hidden_size"}, r"config.json: field 'hidden_size' is missing"),
+    (lambda r: r | {"hidden_size": "64"},
+     r"config.json: field 'hidden_size' must be a positive whole number, got '64' \(a string\)"),
+    (lambda r: r | {"draft_vocab_size": 1024},
+     r"model.safetensors \(against config.json\): tensor 'lm_head.weight' has shape \[2048, 64\], "
+     r"expected \[1024, 64\]"),
+    (lambda r: r | {"num_attention_heads": 8},
+     r"model.safetensors \(against config.json\): tensor 'midlayer.self_attn.q_proj.weight' has shape \[64, 128\], "
+     r"expected \[128, 128\]"),
+    (lambda r: r | {"eyas_format": 2}, r"config.json: eyas_format is 2, a drafter layout this version of eyas does "
+                                       r"not know \(it reads 1\)"),
+    (lambda r: r | {"aux_layers": [2, 4]},
+     r"config.json: the drafter's aux layers \(aux_layers\) are \[2, 4\], 2 layer\(s\); an EAGLE-3 drafter is fed "
+     r"the target's states at 3 layers"),
+]
+
+
+@pytest.mark.parametrize("how,msg", DAMAGE, ids=["truncated", "no-weights", "array", "no-hidden", "string-hidden",
+                                                  "draft-vocab", "heads", "format-2", "two-aux"])
+def test_a_damaged_drafter_folder_is_refused_naming_the_file(tiny, drafter, tmp_path, capsys, how, msg):
+    """Every reader of a drafter folder (eval's, export's, the importer) refuses a damaged one with one message that
+    names the file and the field, never a traceback (torch's size mismatch, safetensors' header error, a TypeError
+    from the config, an unknown format version read as SGLang's layout)."""
+    from eyas.cli import main
+    from eyas.draft import load_drafter
+    from eyas.evaluate import load_eval_drafter
+
+    run = tmp_path / "run"
+    save_drafter(drafter, run / "draft")
+    _damage(run / "draft", how)
+    loaders = {"load": lambda: load_drafter(run / "draft", tiny), "import": lambda: import_drafter(run / "draft"),
+               "eval": lambda: load_eval_drafter(run / "draft", tiny)}
+    if how == "array":
+        del loaders["eval"]  # eyas.evaluate reads the config itself before it calls the loaders
+    for load in loaders.values():
+        with pytest.raises(EyasError, match=msg):
+            load()
+    (run / "eyas.toml").write_text('preset = "tiny"\n[target]\nname = "tiny"\n')
+    assert main(["export", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(run / "draft") in err, err
+
+
+def test_aux_layers_the_target_lacks_are_blamed_on_the_drafters_file(tiny, drafter, tmp_path):
+    """A drafter recording aux layers its target does not have is refused naming its config file and what the target
+    has (the user never set target.aux_layers)."""
+    from eyas.draft import load_drafter
+
+    run = tmp_path / "run"
+    save_drafter(drafter, run / "draft")
+    _damage(run / "draft", lambda r: r | {"aux_layers": [2, 4, 99]})
+    msg = (r"draft/config.json: the drafter's aux layers \(aux_layers\) are \[2, 4, 99\]: target 'tiny' has no layer "
+           r"99 \(its 8 decoder layers take ids 0..8\), so the drafter was trained for another target")
+    with pytest.raises(EyasError, match=msg):
+        load_drafter(run / "draft", tiny)
+    cfg = Config()
+    cfg.out, cfg.target.name = str(run), "tiny"
+    with pytest.raises(EyasError, match=msg):
+        run_export(cfg)
+    p = export_drafter(drafter, tmp_path / "sg", "sglang", "x")
+    raw = json.loads((p / "config.json").read_text())
+    (p / "config.json").write_text(json.dumps(raw | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}}))
+    with pytest.raises(EyasError, match=r"sg/config.json: the drafter's aux layers \(eagle_config.eagle_aux_hidden_"
+                                        r"state_layer_ids, each \+ 1 as SGLang reads them\) are \[2, 4\], 2 layer"):
+        import_drafter(p, target=tiny)
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (lambda r: r["transformer_layer_config"].update(hidden_size="big"),
+     r"field 'transformer_layer_config.hidden_size' must be a positive whole number, got 'big' \(a string\)"),
+    (lambda r: r.update(eagle_aux_hidden_state_layer_ids="2,4,5"),
+     r"field 'eagle_aux_hidden_state_layer_ids' must be a list of layer ids, got '2,4,5' \(a string\)"),
+    (lambda r: r.update(eyas_format=2), r"eyas_format is 2, a drafter layout this version of eyas does not know"),
+], ids=["string-hidden", "string-ids", "format-2"])
+def test_a_damaged_engine_config_is_refused_naming_the_field(tiny, drafter, tmp_path, edit, msg):
+    p = export_drafter(drafter, tmp_path / "vl", "vllm", "x")
+    raw = json.loads((p / "config.json").read_text())
+    edit(raw)
+    (p / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(EyasError, match=r"vl/config.json: " + msg):
+        import_drafter(p, target=tiny)
