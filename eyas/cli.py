@@ -7,6 +7,7 @@ has the field's help text and type. User mistakes print one clear line and exit 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as C
-from .util import EyasError, NotBuiltError, log, run_lock
+from .util import RUN_LOCK, EyasError, NotBuiltError, log, run_lock
 
 # a section, or "section:field,field" for the fields of it a command reads (the eval reads the data settings that
 # find its held-out prompts, not those of tokenizing; no stage but extract runs the target tensor-parallel)
@@ -286,10 +287,18 @@ def main(argv: list[str] | None = None) -> int:
 
             since = time.time()
             before = mark_replaced(out, args.command)
+            # a run a stage command starts remembers its settings, as one `eyas run` starts does: the next command
+            # on it (`eyas tokenize --out R` after `eyas regen --preset tiny --out R`) starts from them
+            saved = out / "eyas.toml"
+            new = not saved.exists()
+            if new:
+                C.save(cfg, out)
             try:
                 return _print_result(fn(cfg))
             except BaseException:
                 unmark_if_untouched(out, args.command, before, since)
+                if new and not any(p.name not in ("eyas.toml", RUN_LOCK) for p in out.iterdir()):
+                    saved.unlink(missing_ok=True)  # refused before it made anything: the folder is not a run yet
                 raise
     except NotBuiltError as e:
         print(f"eyas: {e}", file=sys.stderr)
@@ -302,6 +311,16 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:
+        # the disk, not eyas: read-only, full, or not ours to write. Said in one line; work finished is kept (every
+        # file is written whole or not at all)
+        if e.errno not in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM):
+            raise
+        where = e.filename or ""
+        print(f"eyas: error: {e.strerror}: {where}" + (" (free some space, or give another --out)"
+              if e.errno in (errno.ENOSPC, errno.EDQUOT) else " (give an --out you can write to)")
+              + "; finished work is kept, run the same command again to go on", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("eyas: interrupted; finished work is kept, run the same command again to resume", file=sys.stderr)
         return 130

@@ -148,7 +148,9 @@ class TrainConfig:
                        choices=("auto", "greedy_tau", "val_tau", "val_al"))
     scheduler: str = opt("cosine", "learning-rate schedule", choices=("cosine", "linear", "constant"))
     warmup_ratio: float = opt(0.02, "share of steps used for linear warm-up")
-    num_workers: int = opt(0, "data loader worker processes")
+    num_workers: int = opt(0, "threads that read stored features (--no-online) ahead of the training loop, each a "
+                           "step ahead; 0 = read in the loop. Online features are computed on the device and take "
+                           "none")
     finetune_from: str = opt("", "start from this drafter (eyas checkpoint, SGLang/EAGLE or vLLM-speculators folder)")
     batch_tokens: int = opt(8192, "tokens per micro-batch (sequences packed)")
     grad_accum: int = opt(1, "micro-batches per optimizer step")
@@ -410,7 +412,10 @@ def resolve(config_file: str | None = None, preset_name: str | None = None,
         saved = load_toml(run_config)
         given = saved.pop(SAVED_EXPLICIT, None)
         name = saved.get("preset") or "smollm2"
-        cfg = preset(name)
+        try:
+            cfg = preset(name)
+        except EyasError as e:
+            raise EyasError(f"{run_config}: {e}") from None
         keys = list(_flat_keys(saved)) if whole or given is None else [k for k in given if k != "out"]
         for key in keys:
             try:
@@ -427,7 +432,10 @@ def resolve(config_file: str | None = None, preset_name: str | None = None,
         file_data = load_toml(config_file) if config_file else {}
         file_data.pop(SAVED_EXPLICIT, None)  # a run's saved eyas.toml given as the file
         name = preset_name or file_data.get("preset") or "smollm2"
-        cfg = preset(name)
+        try:
+            cfg = preset(name)
+        except EyasError as e:  # the file's preset: say which file named it
+            raise EyasError(f"{config_file}: {e}" if not preset_name and config_file else str(e)) from None
         if file_data:
             apply_dict(cfg, file_data, source=f"{config_file}: ")
         before = set(_flat_keys(file_data))

@@ -214,14 +214,11 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     from .export import check_export_settings
     from .train import check_train_settings
 
-    # the stages' own checks (the train stage's include the tokenize stage's), which would refuse these settings
-    # only after regen, the eval's after the whole training
+    # the stages' own checks (the train stage's include the tokenize stage's, the eval's data.val_ratio and
+    # data.test_ratio), which would refuse these settings only after regen, the eval's after the whole training
     check_train_settings(cfg)
     check_eval_settings(cfg)
     check_export_settings(cfg)
-    if not (cfg.data.val_ratio >= 0 and cfg.data.test_ratio >= 0 and cfg.data.val_ratio + cfg.data.test_ratio < 1):
-        raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got "
-                        f"{cfg.data.val_ratio} and {cfg.data.test_ratio}")
     if cfg.regen.backend == "embedded" or not cfg.regen.enabled:  # before the target, which takes longer to load
         convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
         if not convs:
@@ -245,6 +242,32 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
         raise EyasError(f"run directory {run} was made with target '{old.get('name')}' ({str(old.get('sha256'))[:12]}), "
                         f"not '{target.name}' ({target.sha256[:12]}); use another --out")
     return target
+
+
+def _output_files(path: Path) -> dict[str, int]:
+    """A stage's first output (what later stages read) as {file: size}: a file, or every file under a folder but
+    hidden ones (temporaries, locks)."""
+    if path.is_file():
+        return {path.name: path.stat().st_size}
+    if not path.is_dir():
+        return {}
+    return {f.relative_to(path).as_posix(): f.stat().st_size for f in sorted(path.rglob("*"))
+            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)}
+
+
+def _changed_output(path: Path, recorded: dict | None) -> str | None:
+    """What is wrong with a finished stage's first output, in words, or None when it is as the stage left it: there,
+    and (for a stage that recorded its files) every file it wrote still there at its size. A file removed from a
+    run (to free disk, by mistake) makes the stage run again instead of failing, or worse, later."""
+    if not path.exists():
+        return f"{path} is gone"
+    for rel, size in (recorded or {}).items():
+        f = path / rel if path.is_dir() else path
+        if not f.is_file():
+            return f"{f} is gone"
+        if f.stat().st_size != size:
+            return f"{f} changed since (its size {f.stat().st_size:,} bytes, written as {size:,})"
+    return None
 
 
 def run_pipeline(cfg: C.Config) -> dict:
@@ -278,11 +301,12 @@ def run_pipeline(cfg: C.Config) -> dict:
                                         "regen disabled" if name == "regen" else "features computed online"}
             continue
         if rec.get("key") == keys[name] and rec.get("status") == "done":
-            if (run / outputs[0]).exists():
+            gone = _changed_output(run / outputs[0], rec.get("files"))
+            if gone is None:
                 log(f"[{name}] unchanged, skipped ({rec.get('summary', '')})")
                 summary[name] = "skipped"
                 continue
-            log(f"[{name}] finished before, but {run / outputs[0]} is gone: running it again")
+            log(f"[{name}] finished before, but {gone}: running it again")
         elif rec.get("key") == keys[name] and rec.get("status") == "replaced":
             by = rec.get("by", name)
             log(f"[{name}] " + (f"a standalone `eyas {by}` wrote over its outputs since" if by == name else
@@ -307,7 +331,8 @@ def run_pipeline(cfg: C.Config) -> dict:
         dt = time.perf_counter() - t0
         line = one_line(name, result or {})
         manifest["stages"][name] = {"key": keys[name], "status": "done", "seconds": round(dt, 2),
-                                    "summary": line, "result": _jsonable(result or {})}
+                                    "summary": line, "result": _jsonable(result or {}),
+                                    "files": _output_files(run / outputs[0])}
         atomic_write_json(mpath, manifest)
         log(f"[{name}] done in {dt:.0f}s: {line}")
         summary[name] = line
@@ -335,7 +360,7 @@ def closing_line(run: Path) -> str:
         parts.append(f"τ {ev['acceptance_length']:.3f} at K={ev.get('k')}"
                      + (f", {ev['speedup']:.2f}x plain decoding" if ev.get("speedup") else "")
                      + (", lossless" if loss else ", NOT lossless" if loss is False else ""))
-    exports = sorted(p.name for p in (run / "export").iterdir() if (p / "config.json").exists()) \
+    exports = sorted(p.name for p in (run / "export").iterdir() if (p / "config.json").exists() and not p.name.startswith(".")) \
         if (run / "export").is_dir() else []
     if exports:
         parts.append(f"drafter for {' and '.join(exports)} in {run / 'export'}")

@@ -241,7 +241,10 @@ def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None,
 def _pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise EyasError(f"target.device '{device}' is not a device: give auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EyasError(f"target.device is '{device}' but no CUDA device is available")
     return dev
@@ -294,7 +297,8 @@ def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
-        raise EyasError(f"could not read the GGUF file {gguf}: {_why(e)}") from None
+        raise EyasError(f"could not read the GGUF file {gguf}: {_why(e)}; a file cut short (a download that stopped "
+                        f"early; this one holds {gguf.stat().st_size:,} bytes) reads so: fetch it again") from None
     conf = model.config
     if hasattr(conf, "quantization_config"):
         del conf.quantization_config
@@ -366,8 +370,18 @@ def _why(e: BaseException) -> str:
 
 def _load_error(cfg: TargetConfig, source: str, what: str, e: BaseException) -> EyasError:
     """A target that transformers could not load, said in one message (the folder, what failed, its reason)."""
-    hint = (" (the folder needs tokenizer.json, or a slow tokenizer's files with sentencepiece installed)"
-            if what == "tokenizer" else "")
+    local = Path(source).expanduser().is_dir()
+    if not local:  # a hub id: perhaps a local path mistyped, which would have been taken for one
+        return EyasError(f"could not load the {what} of target '{cfg.name}', taken as a model id on the Hugging Face "
+                         f"hub since no folder {Path(source).expanduser().resolve()} exists: {_why(e)}. A local model "
+                         f"is a folder with config.json, or a .gguf file: check the path")
+    conf = Path(source) / "config.json"
+    try:
+        json.loads(conf.read_text())
+        hint = (" (the folder needs tokenizer.json, or a slow tokenizer's files with sentencepiece installed)"
+                if what == "tokenizer" else "")
+    except (OSError, ValueError):
+        hint = f" ({conf} is missing or not valid JSON)"
     return EyasError(f"could not load the {what} of target '{cfg.name}' from {source}: {_why(e)}{hint}")
 
 
@@ -392,7 +406,13 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
         weights = sorted(path.glob("*.safetensors"))
         digest = sha256_file(weights[0])[:16] if weights else "unknown"
         return str(path), digest
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if path.is_file():
+        raise EyasError(f"target {path} is a file, but not a .gguf one: give a GGUF file, a transformers model folder "
+                        f"(with config.json), a preset ({', '.join(['tiny', *PRESET_GGUF])}) or a hub id")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        if path.parent.is_dir():  # models/nothere, with a local models/: a path mistyped, not a hub id
+            raise EyasError(f"target folder not found: {path.resolve()} ({path.parent.resolve()} holds "
+                            f"{', '.join(sorted(q.name for q in path.parent.iterdir())[:8]) or 'nothing'})")
         return name, "hub:" + name
     raise EyasError(f"target '{name}' is not a preset ({', '.join(['tiny', *PRESET_GGUF])}), "
                     f"an existing folder, a .gguf file or a hub id")

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .config import KEYED_WHEN_CHANGED, Config, check_settings
-from .draft import Eagle3Drafter, build_drafter, check_fits, load_drafter, save_drafter
+from .draft import Eagle3Drafter, build_drafter, check_fits, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
 from .stepgraph import StepGraph, graph_unfit
@@ -181,7 +181,36 @@ def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0,
         from .features import OfflineFeatures
     except ImportError:
         raise EyasError("offline features are not available in this version of eyas; use --online") from None
-    return OfflineFeatures(cfg.out, split)
+    feats = OfflineFeatures(cfg.out, split)
+    return ReadAhead(feats, cfg.train.num_workers) if cfg.train.num_workers > 0 and split == "train" else feats
+
+
+class ReadAhead:
+    """Stored features read ahead of the training loop (train.num_workers threads): while a step runs, the
+    micro-batches of the next ones are read from their shards (and fp8 ones dequantized), so a step that would wait
+    for the disk finds its batch read. What a batch holds does not depend on when it was read, so the losses are
+    the same as reading in the loop. Anything else (lengths, a batch asked for that was not read ahead) goes to the
+    features themselves."""
+
+    def __init__(self, features, workers: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.features, self.workers = features, workers
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="eyas-read-ahead")
+        self.pending: dict[tuple, object] = {}
+
+    def ahead(self, batches: list[list[int]]) -> None:
+        for idx in batches:
+            key = tuple(idx)
+            if key not in self.pending:
+                self.pending[key] = self.pool.submit(self.features.get, list(idx))
+
+    def get(self, idx: list[int]):
+        fut = self.pending.pop(tuple(idx), None)
+        return fut.result() if fut is not None else self.features.get(idx)
+
+    def __getattr__(self, name):
+        return getattr(self.features, name)
 
 
 # ------------------------------------------------------------------------------- schedule
@@ -212,14 +241,12 @@ def finetune_source(cfg: Config, target) -> tuple[Eagle3Drafter, Path]:
         p = p / "draft"
     if (p / "state.json").exists() and (p / "model.safetensors").exists():  # an eyas checkpoint folder
         return _drafter_from_checkpoint(p, target), p
-    if (p / "config.json").exists() and json.loads((p / "config.json").read_text()).get("eyas_format") == 1:
-        return load_drafter(p, target), p
-    try:
-        from .export import import_drafter
-    except ImportError:
-        raise EyasError(f"train.finetune_from: {p} is not an eyas drafter, and importing other formats "
-                        f"needs eyas.export, which this version lacks") from None
-    d = import_drafter(p, target)
+    if not (p / "config.json").exists():
+        raise EyasError(f"train.finetune_from: {p} is not a drafter folder (no config.json), a run directory or a "
+                        f"checkpoint folder")
+    from .export import import_drafter
+
+    d = import_drafter(p, target)  # an eyas folder, or an engine's; a damaged config.json or weights file is named
     check_fits(d.config, target, str(p))
     return d, p
 
@@ -237,6 +264,8 @@ def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Draft
             init_head_from_target(d, target)
         return d
     d, p = finetune_source(cfg, target)
+    log(f"finetune: starting from the drafter in {p} ({d.config.num_hidden_layers} layer(s), draft vocabulary "
+        f"{d.config.draft_vocab_size}, aux layers {d.config.aux_layers})")
     if d.config.draft_vocab_size != draft_ids.numel() or not torch.equal(d.draft_ids.cpu(), draft_ids.cpu()):
         log(f"finetune: keeping the draft vocabulary of {p} ({d.config.draft_vocab_size} tokens), "
             f"not the run's ({draft_ids.numel()})")
@@ -457,6 +486,47 @@ class StopRequest:
         self.old = {}
 
 
+def _latest_state(run: Path) -> tuple[Path, dict]:
+    """The latest checkpoint's folder and state.json; a damaged one is named, with what to do."""
+    try:
+        info = read_json(ckpt_dir(run) / "latest.json")
+        d = ckpt_dir(run) / info["dir"]
+        return d, read_json(d / "state.json")
+    except (EyasError, KeyError, TypeError) as e:
+        raise EyasError(f"{ckpt_dir(run)}: unreadable checkpoint ({e}); delete {ckpt_dir(run)} to start over") from None
+
+
+def _refuse_other_run(run: Path, stored: dict, fp: dict) -> None:
+    """Stop on a checkpoint whose fingerprint differs from this run's, naming what changed (the keys of `fp` only)."""
+    was, now = stored.get("train", {}), fp.get("train", {})
+    diff = [f"train.{k}" for k in sorted({*now, *was}) if was.get(k) != now.get(k)]
+    for key, name in (("target", "the target"), ("draft_vocab", "the draft vocabulary's size"),
+                      ("draft_vocab_hash", "the draft vocabulary"), ("world", "the process count"),
+                      ("tokens", f"the training data ({Path(run) / 'data' / 'tokens'})")):
+        if key in fp and stored.get(key) != fp.get(key) and not (key == "draft_vocab_hash" and
+                                                                 "the draft vocabulary's size" in diff):
+            diff.append(name)
+    if diff or stored != fp:
+        raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({', '.join(diff) or 'its settings'}"
+                        f" changed); use another --out or delete {ckpt_dir(run)} to start over")
+
+
+def precheck_checkpoint(cfg: Config, target, world: int) -> None:
+    """Refuse a checkpoint of another training run before anything of the run is made again: what the fingerprint
+    holds that is known before the tokens and the vocabulary (the training settings, the target, the process count,
+    the draft vocabulary's size). Before, `eyas train --draft-vocab-size N` chose the vocabulary again and only then
+    refused the checkpoint, leaving the run's vocabulary unlike its drafter and exports."""
+    run = Path(cfg.out)
+    if not (ckpt_dir(run) / "latest.json").exists():
+        return
+    stored = _latest_state(run)[1].get("fingerprint") or {}
+    full = fingerprint(cfg, target, torch.zeros(0), world)
+    now = {k: full[k] for k in ("train", "target", "world")}
+    if "draft_vocab" in stored:
+        now["draft_vocab"] = min(cfg.vocab.draft_vocab_size, target.vocab_size)
+    _refuse_other_run(run, {k: stored.get(k) for k in now}, now)
+
+
 def load_checkpoint(run: Path, ts: TrainState, fp: dict | None = None) -> dict | None:
     """The latest checkpoint's state, its weights, optimizer and RNG loaded into `ts`; None when there is none.
     With `fp`, a checkpoint of another training run (another fingerprint) is refused, naming the settings that
@@ -466,22 +536,12 @@ def load_checkpoint(run: Path, ts: TrainState, fp: dict | None = None) -> dict |
     latest = ckpt_dir(run) / "latest.json"
     if not latest.exists():
         return None
-    info = read_json(latest)
-    d = ckpt_dir(run) / info["dir"]
-    state = read_json(d / "state.json")
+    d, state = _latest_state(run)
     stored = state.get("fingerprint") or {}
     if fp is not None and "tokens" not in stored:  # a checkpoint from before the tokens were part of it
         fp = {k: v for k, v in fp.items() if k != "tokens"}
     if fp is not None and stored != fp:
-        was, now = stored.get("train", {}), fp["train"]
-        diff = [f"train.{k}" for k in sorted({*now, *was}) if was.get(k) != now.get(k)]
-        for key, name in (("target", "the target"), ("draft_vocab_hash", "the draft vocabulary"),
-                          ("world", "the process count"), ("tokens", f"the training data ({Path(run) / 'data' / 'tokens'})")):
-            if stored.get(key) != fp.get(key):
-                diff.append(name)
-        what = ", ".join(diff) or "the draft vocabulary's size"
-        raise EyasError(f"{ckpt_dir(run)} holds a checkpoint of a different training run ({what} changed); "
-                        f"use another --out or delete {ckpt_dir(run)} to start over")
+        _refuse_other_run(run, stored, fp)
     try:
         sd = load_file(str(d / "model.safetensors"))
         ot = load_file(str(d / "optim.safetensors"))
@@ -662,6 +722,21 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
     return out
 
 
+def restore_best_draft(run: Path, drafter: Eagle3Drafter, best: dict) -> None:
+    """draft/ lost its weights after training wrote them (a file removed from the run): a resumed run that has no
+    step left to train writes the best drafter again from its checkpoint, or says why it cannot, where it would
+    otherwise end as finished with no drafter."""
+    from safetensors.torch import load_file
+
+    src = ckpt_dir(run) / f"step-{best['step']:07d}" / "model.safetensors"
+    if not src.exists():
+        raise EyasError(f"{run / 'draft'} lost the best drafter (step {best['step']}), and no checkpoint of that step "
+                        f"is kept in {ckpt_dir(run)} to write it from; delete {ckpt_dir(run)} to train again")
+    save_drafter(drafter, run / "draft", extra={"trained": {**best, "restored_from": str(src)}},
+                 tensors=load_file(str(src)))
+    log(f"train: {run / 'draft'} had lost its weights; wrote the best drafter (step {best['step']}) again from {src}")
+
+
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
     train = {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}
     for key, old in KEYED_WHEN_CHANGED.items():  # settings added later: keyed only while changed
@@ -701,7 +776,14 @@ def check_train_settings(cfg: Config) -> None:
         ("train.grad_clip", tc.grad_clip >= 0, "0 (off) or above"),
         ("train.max_steps", tc.max_steps >= 0, "0 (every epoch) or above"),
         ("train.save_every", tc.save_every >= 0, "0 (each epoch end) or above"),
-        ("train.eval_every", tc.eval_every >= 0, "0 (each epoch end) or above")))
+        ("train.eval_every", tc.eval_every >= 0, "0 (each epoch end) or above"),
+        ("train.num_workers", tc.num_workers >= 0, "0 (read in the loop) or above"),
+        ("train.draft_intermediate_size", tc.draft_intermediate_size >= 0, "0 (the target's) or above"),
+        ("train.draft_layers", tc.draft_layers >= 1, "at least 1"),
+        ("train.greedy_val", tc.greedy_val >= 0, "0 (off) or above"),
+        ("train.feature_cache_gb", tc.feature_cache_gb >= 0 or tc.feature_cache_gb == -1, "-1 (auto), 0 or above"),
+        ("train.feature_cache_host_gb", tc.feature_cache_host_gb >= 0 or tc.feature_cache_host_gb == -1,
+         "-1 (auto), 0 or above")))
     check_tokenize_settings(cfg)
 
 
@@ -722,6 +804,7 @@ def run_train(cfg: Config, target=None) -> dict:
         tcfg = replace(cfg.target, device=str(d.device))
         target = load_target(tcfg)
     if d.main:  # made now if missing; see ensure_tokens and ensure_vocab for what a standalone `eyas train` reuses
+        precheck_checkpoint(cfg, target, d.world)
         ensure_tokens(cfg, target)
         ensure_vocab(cfg, target)
     d.barrier()
@@ -990,7 +1073,12 @@ def run_train(cfg: Config, target=None) -> dict:
     with stop:
         while step < total:
             epoch, i = divmod(step, spe)
-            bins = [slot[i] for slot in train.slot_bins(tc.seed + epoch, group)]
+            slots = train.slot_bins(tc.seed + epoch, group)
+            bins = [slot[i] for slot in slots]
+            if isinstance(train.features, ReadAhead):  # this process's micro-batches of the next steps of the epoch
+                mine_now = range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum)
+                train.features.ahead([slots[m][j] for j in range(i, min(i + 1 + train.features.workers, spe))
+                                      for m in mine_now])
             counts = train.counts(bins, tc.ttt_steps)
             denom = [max(1, c) for c in counts]
             lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
@@ -1077,6 +1165,8 @@ def run_train(cfg: Config, target=None) -> dict:
     peak = torch.cuda.max_memory_allocated(d.device) if d.device.type == "cuda" else 0
     if best["step"] < 0:  # no validation split: keep the last drafter
         save_draft({"step": step})
+    elif d.main and not (run / "draft" / "model.safetensors").exists():
+        restore_best_draft(run, drafter, best)
     metrics.close(run / "train" / "curves.png")
     summary = {"steps": step, "total_steps": total, "processes": d.world, "device": str(d.device),
                "tokens_trained": tok_done, "tok_s": tok_done / wall if tok_done else 0.0,

@@ -1,5 +1,6 @@
 """Config: presets, TOML files, CLI overrides, errors that name the key, the resolved eyas.toml."""
 import json
+import os
 import tomllib
 
 import pytest
@@ -16,6 +17,12 @@ def test_presets():
     assert t.target.name == "tiny" and t.vocab.draft_vocab_size == 2048
     with pytest.raises(EyasError, match="unknown preset 'nope'"):
         C.preset("nope")
+
+
+def test_a_files_unknown_preset_names_the_file(tmp_path):
+    (tmp_path / "my.toml").write_text('preset = "tny"\n')
+    with pytest.raises(EyasError, match=f"^{tmp_path / 'my.toml'}: unknown preset 'tny'"):
+        C.resolve(str(tmp_path / "my.toml"))
 
 
 def test_toml_then_overrides(tmp_path):
@@ -314,6 +321,44 @@ def test_a_second_command_on_a_run_in_use_stops_at_once(tmp_path, capsys, monkey
     assert not run.exists()  # made by the lock, left empty
     assert main(["run", "--preset", "tiny", "--out", str(run), "--set", "train.epochs=0"]) == 2  # refused settings
     assert "train.epochs" in capsys.readouterr().err and not run.exists()
+
+
+def test_a_run_a_stage_command_starts_remembers_its_settings(tmp_path, tiny):
+    """`eyas tokenize --preset tiny --out R` saves R's settings as `eyas run` does, so `eyas vocab --out R` works with
+    the tiny target, as the tokens were made (it took the default target before, SmolLM2)."""
+    parser, maps = build_parser()
+    run, data = tmp_path / "run", tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                                                    {"role": "assistant", "content": f"answer {i}"}]})
+                            + "\n" for i in range(4)))
+    assert main(["tokenize", "--preset", "tiny", "--out", str(run), "--source", str(data)]) == 0
+    assert tomllib.loads((run / "eyas.toml").read_text())["target"]["name"] == "tiny"
+    args = parser.parse_args(["vocab", "--out", str(run)])
+    assert config_from_args(args, maps["vocab"]).target.name == "tiny"
+    assert main(["train", "--preset", "smollm2", "--out", str(run), "--epochs", "-1"]) == 2  # nor does a later one
+    assert tomllib.loads((run / "eyas.toml").read_text())["target"]["name"] == "tiny"
+
+
+def test_a_disk_that_refuses_writes_is_said_in_one_line(tmp_path, capsys, monkeypatch):
+    """A read-only or full disk (as root, permissions cannot be made to fail) is one line naming the file, not a
+    traceback; another OSError is still raised (a bug to see whole)."""
+    import errno
+
+    from eyas import pipeline
+
+    def refuse(cfg, code=errno.EROFS):
+        raise OSError(code, os.strerror(code), str(tmp_path / "report.md"))
+
+    monkeypatch.setattr(pipeline, "run_report", refuse)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"eyas: error: Read-only file system: {tmp_path / 'report.md'} (give an --out you can write to)" in err
+    monkeypatch.setattr(pipeline, "run_report", lambda cfg: refuse(cfg, errno.ENOSPC))
+    assert main(["report", str(tmp_path)]) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.setattr(pipeline, "run_report", lambda cfg: refuse(cfg, errno.EIO))
+    with pytest.raises(OSError):
+        main(["report", str(tmp_path)])
 
 
 def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):

@@ -109,7 +109,7 @@ def test_changed_stage_reruns_it_and_what_follows(full_run, tmp_path):
 
 
 def test_deleted_output_reruns_its_stage(full_run, tmp_path):
-    """A finished stage whose output folder was removed (e.g. to free disk) runs again, with the
+    """A finished stage whose output folder, or a file in it, was removed (e.g. to free disk) runs again, with the
     same result; the stages after it, whose inputs are unchanged, stay skipped."""
     out, _ = full_run
     copy = tmp_path / "run"
@@ -122,6 +122,15 @@ def test_deleted_output_reruns_its_stage(full_run, tmp_path):
     assert "[train] unchanged, skipped" in r.stderr
     again = json.loads((copy / "features" / "train" / "index.json").read_text())
     assert [e["sha256"] for e in again["shards"]] == [e["sha256"] for e in idx["shards"]]
+    # one file removed from inside an output folder: its stage runs again too (training, finished, writes the best
+    # drafter again from its checkpoint); before, every stage was skipped and the run ended without a drafter
+    weights = (copy / "draft" / "model.safetensors").read_bytes()
+    (copy / "draft" / "model.safetensors").unlink()
+    r = eyas(copy, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"[train] finished before, but {copy / 'draft' / 'model.safetensors'} is gone: running it again" in r.stderr
+    assert "had lost its weights; wrote the best drafter" in r.stderr and "[eval] unchanged, skipped" in r.stderr
+    assert (copy / "draft" / "model.safetensors").read_bytes() == weights
 
 
 def test_kill_during_training_then_rerun_gives_the_same_result(full_run, tmp_path):
