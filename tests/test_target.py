@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ def test_aux_layer_checks():
         check_aux_layers([2, 15], 30)
 
 
-def test_bad_targets(tmp_path):
+def test_bad_targets(tmp_path, monkeypatch):
     with pytest.raises(EyasError, match="not found"):
         load_target(TargetConfig(name=str(tmp_path / "missing.gguf")))
     with pytest.raises(EyasError, match="no config.json"):
@@ -76,6 +77,16 @@ def test_bad_targets(tmp_path):
     with pytest.raises(EyasError, match=r"could not read the GGUF file .*junk.gguf: ValueError: .*magic"):
         load_target(TargetConfig(name=str(junk), cache_dir=str(cache)))
     assert not [p for p in (cache / "hf").iterdir() if p.is_dir()]
+    # a local path mistyped (its folder is there) is not taken for a hub id, to be tried on the network
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(EyasError, match=r"target folder not found: .*models/nothere \(.*models holds nothing\)"):
+        load_target(TargetConfig(name="models/nothere"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(EyasError, match="notes.txt is a file, but not a .gguf one"):
+        load_target(TargetConfig(name=str(tmp_path / "notes.txt")))
+    with pytest.raises(EyasError, match="target.device 'banana' is not a device"):
+        load_target(TargetConfig(name="tiny", device="banana"))
 
 
 def test_a_broken_model_folder_says_what_failed(tmp_path, tiny):
@@ -106,6 +117,10 @@ def test_a_broken_model_folder_says_what_failed(tmp_path, tiny):
     with pytest.raises(EyasError, match=r"could not load the model of target .*ValueError.*nosuchmodel"):
         load_target(broken("unknown_arch", model_type="nosuchmodel"))
     assert main(["target", "--target", no_tok.name]) == 2  # and the command says it in one line
+    bad_conf = broken("bad_conf")
+    (Path(bad_conf.name) / "config.json").write_text("{")
+    with pytest.raises(EyasError, match=r"bad_conf/config.json is missing or not valid JSON"):
+        load_target(bad_conf)
 
 
 def test_target_command_prints_facts(smol):
