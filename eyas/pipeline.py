@@ -233,6 +233,12 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     if cfg.vocab.draft_vocab_size > target.vocab_size:
         raise EyasError(f"vocab.draft_vocab_size {cfg.vocab.draft_vocab_size} is larger than the target's "
                         f"vocabulary ({target.vocab_size})")
+    unserved = [a for a in target.aux_layers if not 1 <= a < target.num_layers]
+    if unserved:  # the export stage would refuse them, after the whole training
+        raise EyasError(f"target.aux_layers {target.aux_layers}: layer(s) {unserved} cannot be served (SGLang and vLLM "
+                        f"capture the streams entering decoder layers 1..{target.num_layers - 1}), so the run's export "
+                        f"would refuse the drafter after training; choose layers in that range (`eyas train` alone "
+                        f"trains on any layers, for a drafter eyas' own decoder can evaluate but no engine serves)")
     if cfg.train.finetune_from:  # the drafter to start from is there and fits the target, before hours of regen
         from .train import finetune_source
 
