@@ -11,7 +11,6 @@ import errno
 import importlib
 import json
 import sys
-import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -283,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             fn = stage_function(COMMANDS[args.command][2], args.command)
             if args.command == "run":
                 return _print_result(fn(cfg))
-            from .pipeline import mark_replaced, unmark_if_untouched
+            from .pipeline import mark_replaced, output_snapshot, unmark_if_untouched
 
-            since = time.time()
+            snapshot = output_snapshot(out, args.command)
             before = mark_replaced(out, args.command)
             # a run a stage command starts remembers its settings, as one `eyas run` starts does: the next command
             # on it (`eyas tokenize --out R` after `eyas regen --preset tiny --out R`) starts from them
@@ -296,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 return _print_result(fn(cfg))
             except BaseException:
-                unmark_if_untouched(out, args.command, before, since)
+                unmark_if_untouched(out, args.command, before, snapshot)
                 if new and not any(p.name not in ("eyas.toml", RUN_LOCK) for p in out.iterdir()):
                     saved.unlink(missing_ok=True)  # refused before it made anything: the folder is not a run yet
                 raise

@@ -398,23 +398,31 @@ def mark_replaced(run: Path, command: str) -> dict:
     return before
 
 
-def unmark_if_untouched(run: Path, command: str, before: dict, since: float) -> None:
-    """`command` stopped (its settings refused, a checkpoint of other data, an error) before it wrote any of its
-    stage's outputs: the stages mark_replaced marked hold what the run made after all, so their records come back
-    (else the next `eyas run` would say a standalone command wrote over them, and remake them)."""
-    mpath = run / "manifest.json"
-    if not before or not mpath.exists():
-        return
-    outputs = next(o for n, _, _, o in STAGES if n == command)
-    cutoff = since - 2.0  # file systems whose mtimes are coarse
+def output_snapshot(run: Path, command: str) -> dict[str, tuple[int, int]]:
+    """Every file under the outputs of `command`'s stage, with its size and mtime: what unmark_if_untouched compares
+    with after the command, to tell whether it wrote any of them."""
+    outputs = next((o for n, _, _, o in STAGES if n == command), [])
+    snap = {}
     for o in outputs:
         p = run / o
         for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []):
             try:
-                if f.stat().st_mtime >= cutoff:
-                    return
+                st = f.stat()
             except OSError:
                 continue
+            if f.is_file():
+                snap[str(f)] = (st.st_size, st.st_mtime_ns)
+    return snap
+
+
+def unmark_if_untouched(run: Path, command: str, before: dict, snapshot: dict) -> None:
+    """`command` stopped (its settings refused, a checkpoint of other data, an error) before it wrote any of its
+    stage's outputs (they are as output_snapshot saw them before it ran): the stages mark_replaced marked hold what
+    the run made after all, so their records come back (else the next `eyas run` would say a standalone command
+    wrote over them, and remake them)."""
+    mpath = run / "manifest.json"
+    if not before or not mpath.exists() or output_snapshot(run, command) != snapshot:
+        return
     manifest = read_json(mpath)
     stages = manifest.get("stages", {})
     for n, rec in before.items():

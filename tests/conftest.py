@@ -43,3 +43,19 @@ def tiny():
     from eyas.target import load_target
 
     return load_target(TargetConfig(name="tiny", dtype="float32", device="cpu"))
+
+
+@pytest.fixture
+def two_conversations(tmp_path):
+    """A prompts file of two conversations: one of two user turns (with an answer between them, which the eval and
+    parity replace), one with a system turn before its user turn."""
+    import json
+
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
+                                     {"role": "assistant", "content": "ignored"},
+                                     {"role": "user", "content": "And again?"}]},
+            {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Name a fruit."}]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

@@ -258,7 +258,8 @@ def test_report_and_out_mistakes_stop_before_any_work(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("x")
     for command in ("eval", "export", "train", "parity", "run"):
-        assert main([command, "--preset", "tiny", "--out", str(afile)]) == 2
+        endpoint = ["--endpoint", "http://127.0.0.1:9", "--engine", "vllm"] if command == "parity" else []
+        assert main([command, "--preset", "tiny", "--out", str(afile), *endpoint]) == 2
         assert f"--out {afile} is a file, not a run directory" in capsys.readouterr().err
 
 

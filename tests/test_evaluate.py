@@ -20,14 +20,8 @@ def tiny_drafter(tiny, tmp_path_factory):
     return save_drafter(d, tmp_path_factory.mktemp("draft") / "draft")
 
 
-def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
-                                     {"role": "assistant", "content": "ignored"},
-                                     {"role": "user", "content": "And again?"}]},
-            {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
-                                     {"role": "user", "content": "Name a fruit."}]}]
-    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path, capsys, two_conversations):
+    prompts = two_conversations
     cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "eval.prompts": str(prompts), "eval.k": 2,
                                  "eval.max_new_tokens": 6, "eval.draft": str(tiny_drafter), "target.device": "cpu",
                                  "target.dtype": "bfloat16", "eval.dtype": "float32"})

@@ -194,17 +194,11 @@ def test_prometheus_parsing():
     assert compare(3.0, 2.5)["flagged"] is True  # far above is as suspicious as far below
 
 
-def test_parity_compares_eyas_first_answers(tmp_path, tiny):
+def test_parity_compares_eyas_first_answers(tmp_path, tiny, two_conversations):
     """Parity sends each conversation's first user turn (with the system turns before it), the prompt of its first
     answer in `eyas eval`, so the engine's τ is compared with eyas' over those answers (by_turn["1"]), not with its
     τ over every answer (later turns, which parity does not send, repeat more and accept more here)."""
-    prompts = tmp_path / "p.jsonl"
-    rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
-                                     {"role": "assistant", "content": "ignored"},
-                                     {"role": "user", "content": "And again?"}]},
-            {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
-                                     {"role": "user", "content": "Name a fruit."}]}]
-    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = two_conversations
     cfg = _cfg(tmp_path)
     cfg.eval.prompts = str(prompts)
     (tmp_path / "run" / "eval").mkdir(parents=True)
