@@ -253,12 +253,36 @@ def _print_result(res) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's notice, `kill`): stops the command as Ctrl-C does, so it says so and what was kept,
+    where the default handler ended the process without a word (training keeps its own handler: it saves a
+    checkpoint at the step under way first)."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
     parser, maps = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
+    old = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        old = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _main(args, maps)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _main(args, maps) -> int:
     try:
         if args.command == "compare":  # reads two reports, no config
             return cmd_compare(args)
@@ -320,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
               if e.errno in (errno.ENOSPC, errno.EDQUOT) else " (give an --out you can write to)")
               + "; finished work is kept, run the same command again to go on", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("eyas: interrupted; finished work is kept, run the same command again to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        by = " by SIGTERM" if isinstance(e, Terminated) else ""
+        print(f"eyas: interrupted{by}; finished work is kept, run the same command again to resume", file=sys.stderr)
+        return 143 if by else 130
 
 
 if __name__ == "__main__":

@@ -362,6 +362,24 @@ def test_a_disk_that_refuses_writes_is_said_in_one_line(tmp_path, capsys, monkey
         main(["report", str(tmp_path)])
 
 
+def test_sigterm_stops_a_command_with_a_word(tmp_path, capsys, monkeypatch):
+    """SIGTERM stops a command as Ctrl-C does, saying so (the default handler ended it without a word); the handler
+    is the process's own again afterwards."""
+    import signal
+    import time
+
+    from eyas import pipeline
+
+    def killed(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(pipeline, "run_report", killed)
+    assert main(["report", str(tmp_path)]) == 143
+    assert "eyas: interrupted by SIGTERM; finished work is kept" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_progress_writes_lines_where_stderr_is_no_terminal(monkeypatch, capsys):
     """Without a terminal (a log file) a progress bar is quiet for short work and, for work longer than
     PROGRESS_LINE_S, writes its state as plain lines (no carriage returns), the last one at 100%."""
