@@ -131,10 +131,19 @@ def check_heldout_split(cfg, run_dir: str | Path) -> None:
     drafter may have trained on, at a smaller one only part of them. (data.val_ratio does not move the test split:
     a record is in it by its hash alone.) A run whose tokens record no settings, or another data set, is not
     checked."""
-    from .data.prepare import same_source, tokens_dir
+    from .data.prepare import regen_dir, same_source, tokens_dir
 
     if cfg.eval.prompts != "sharegpt":
         return
+    plan = regen_dir(Path(run_dir)) / "plan.json"
+    try:
+        recorded = json.loads(plan.read_text())
+        made_split, made_from = recorded["split"], recorded["source"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        made_split = made_from = None
+    if made_split is not None and same_source(str(made_from), heldout_source(cfg)):
+        check_regen_split(made_split, f"the drafter of {run_dir} was trained on answers to its regen.split={made_split} "
+                                      f"({plan})")
     meta = tokens_dir(Path(run_dir)) / "meta.json"
     try:
         made = json.loads(meta.read_text())["inputs"]["data"]
@@ -148,6 +157,15 @@ def check_heldout_split(cfg, run_dir: str | Path) -> None:
                     f"be the conversations the run held out (a larger ratio takes in ones the drafter may have "
                     f"trained on, a smaller one only part of them). Leave data.test_ratio at {made_ratio} (drop "
                     f"--test-ratio), or give the eval prompts of its own with --set eval.prompts=FILE")
+
+
+def check_regen_split(split: str, what: str) -> None:
+    """Refuse training answers regenerated from the held-out test split (regen.split test or all) while the eval's
+    prompts are that split (eval.prompts=sharegpt): τ would be measured on conversations the drafter trained on."""
+    if split in ("test", "all"):
+        raise EyasError(f"{what}, which holds the held-out test split that the eval decodes (eval.prompts=sharegpt): "
+                        f"its τ would be measured on conversations the drafter trained on. Give the eval prompts of "
+                        f"its own (--set eval.prompts=FILE, or humaneval), or regenerate regen.split=train")
 
 
 def check_out_dir(out: str | Path) -> None:

@@ -219,6 +219,11 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     check_train_settings(cfg)
     check_eval_settings(cfg)
     check_export_settings(cfg)
+    if cfg.regen.enabled and cfg.eval.prompts == "sharegpt":
+        from .evaluate import check_regen_split
+
+        check_regen_split(cfg.regen.split, f"regen.split={cfg.regen.split} regenerates answers to train on from "
+                                           f"{cfg.data.source}")
     if cfg.regen.backend == "embedded" or not cfg.regen.enabled:  # before the target, which takes longer to load
         convs, rep = read_dataset(cfg.data.source, strict=cfg.data.strict, limit=max(cfg.regen.limit, cfg.data.limit, 1))
         if not convs:

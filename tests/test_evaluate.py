@@ -352,3 +352,23 @@ def test_eyas_compare_pairs_evals_by_id_and_refuses_what_does_not_pair(tmp_path,
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err and err.count("\n") == 1, err
         assert "session" not in err  # what the report lacks, not when eyas began to write it
+
+
+def test_eval_refuses_a_drafter_trained_on_its_held_out_split(tmp_path):
+    """A run whose answers were regenerated from the test split (regen.split test or all) trained on the eval's
+    held-out prompts: the eval of that split is refused (τ would be measured on training conversations); another
+    prompt set, or the train split, passes."""
+    from eyas.evaluate import check_heldout_split
+
+    run = tmp_path / "run"
+    (run / "data" / "regen").mkdir(parents=True)
+    for split, refused in (("all", True), ("test", True), ("train", False)):
+        (run / "data" / "regen" / "plan.json").write_text(json.dumps({"split": split, "source": "sharegpt"}))
+        cfg = resolve(None, "tiny", {"out": str(run)})
+        if refused:
+            with pytest.raises(EyasError, match=f"regen.split={split} .*measured on conversations the drafter "
+                                                "trained on"):
+                check_heldout_split(cfg, run)
+        else:
+            check_heldout_split(cfg, run)
+        check_heldout_split(resolve(None, "tiny", {"out": str(run), "eval.prompts": "humaneval"}), run)

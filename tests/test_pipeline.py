@@ -170,6 +170,7 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny):
         (["--set", "vocab.draft_vocab_size=60000"], "larger than the target's vocabulary"),
         (["--set", "target.aux_layers=2,15,40"], "out of range"),
         (["--set", "target.aux_layers=0,15,27"], "layer(s) [0] cannot be served"),
+        (["--set", "regen.split=all"], "measured on conversations the drafter trained on"),
         (["--set", f"data.source={tmp_path / 'missing.json'}"], "not found"),
         (["--set", "eval.turns=-1"], "eval.turns must be"),
         (["--set", "train.warmup_ratio=2"], "train.warmup_ratio must be between 0 and 1"),
