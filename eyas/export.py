@@ -448,6 +448,11 @@ def run_export(cfg) -> dict:
                            verifier_architectures=verifier_architectures(cfg.target))
         log(f"exported the drafter for {f}: {p}")
         out[f] = str(p)
+    for f in FORMATS:  # an export this call did not rewrite may hold an earlier drafter: said, not removed
+        if f not in out and (run / "export" / f / "config.json").exists():
+            why = "not in export.formats" if f not in cfg.export.formats else f"{f} does not serve this drafter"
+            log(f"export: {run / 'export' / f} is an earlier export, not written this time ({why}); it may hold an "
+                f"earlier drafter than {draft_dir}")
     return {"formats": list(out), "export": out, "aux_layers": list(drafter.config.aux_layers),
             "engine_aux_ids": {f: engine_aux_ids(list(drafter.config.aux_layers), f,
                                                  drafter.config.target_num_layers) for f in formats}}

@@ -294,7 +294,7 @@ def test_export_refuses_misshapen_or_missing_tensor(tiny, tmp_path):
         run_export(cfg)
 
 
-def test_run_export_writes_both_formats(tiny, drafter, tmp_path):
+def test_run_export_writes_both_formats(tiny, drafter, tmp_path, capsys):
     save_drafter(drafter, tmp_path / "draft")
     cfg = Config()
     cfg.out, cfg.target.name = str(tmp_path), "tiny"
@@ -309,6 +309,11 @@ def test_run_export_writes_both_formats(tiny, drafter, tmp_path):
     assert raw["speculators_config"]["verifier"]["name_or_path"] == "tiny"
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.eval.k
     assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    # an export of one format says that the other one's folder, not rewritten, may hold an earlier drafter
+    cfg.export.formats = ["vllm"]
+    run_export(cfg)
+    assert f"{tmp_path / 'export' / 'sglang'} is an earlier export, not written this time (not in export.formats)" \
+        in capsys.readouterr().err
     # a preset's verifier is its hub id; the verifier's architecture follows the target: the Qwen preset and an HF
     # folder's config.json
     assert verifier_name(C.TargetConfig(name="smollm2")) == "HuggingFaceTB/SmolLM2-135M-Instruct"
