@@ -385,6 +385,37 @@ def _load_error(cfg: TargetConfig, source: str, what: str, e: BaseException) -> 
     return EyasError(f"could not load the {what} of target '{cfg.name}' from {source}: {_why(e)}{hint}")
 
 
+def check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
+    """A hub id that is not in the local Hugging Face cache needs the hub: where it cannot be reached (offline, a
+    machine without internet access), say so at once, where transformers retried for about 50 s before its own
+    message."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+            return
+    except Exception:  # noqa: BLE001 - an older huggingface_hub: let transformers try
+        return
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    if not offline:
+        try:
+            socket.create_connection((host.hostname, host.port or (443 if host.scheme == "https" else 80)),
+                                     timeout=timeout).close()
+            return
+        except OSError:
+            pass
+    raise EyasError(f"target '{repo_id}' is no local folder or file, so it is taken as a model id on the Hugging Face "
+                    f"hub; it is not in the local hub cache, and the hub ({host.hostname}) "
+                    + ("is off (HF_HUB_OFFLINE)" if offline else "cannot be reached from this machine")
+                    + ": give a local model folder (with config.json) or a .gguf file, or a preset "
+                    f"({', '.join(['tiny', *PRESET_GGUF])})")
+
+
 def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
     """(HF folder or hub id to load, identity hash)."""
     name = cfg.name
@@ -413,6 +444,7 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
         if path.parent.is_dir():  # models/nothere, with a local models/: a path mistyped, not a hub id
             raise EyasError(f"target folder not found: {path.resolve()} ({path.parent.resolve()} holds "
                             f"{', '.join(sorted(q.name for q in path.parent.iterdir())[:8]) or 'nothing'})")
+        check_hub_reachable(name)
         return name, "hub:" + name
     raise EyasError(f"target '{name}' is not a preset ({', '.join(['tiny', *PRESET_GGUF])}), "
                     f"an existing folder, a .gguf file or a hub id")

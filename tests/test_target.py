@@ -87,6 +87,10 @@ def test_bad_targets(tmp_path, monkeypatch):
         load_target(TargetConfig(name=str(tmp_path / "notes.txt")))
     with pytest.raises(EyasError, match="target.device 'banana' is not a device"):
         load_target(TargetConfig(name="tiny", device="banana"))
+    # a hub id neither cached nor reachable (this machine, CI) is said at once, where transformers retried for
+    # about 50 s; with a hub reachable, the hub's answer for a model that does not exist is said the same way
+    with pytest.raises(EyasError, match="eyas-no-such-org/no-such-model.* taken as a model id on the Hugging Face hub"):
+        load_target(TargetConfig(name="eyas-no-such-org/no-such-model"))
 
 
 def test_a_broken_model_folder_says_what_failed(tmp_path, tiny):
