@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import os
 import platform
 import shutil
 import time
@@ -255,15 +256,24 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
     return target
 
 
-def _output_files(path: Path) -> dict[str, int]:
-    """A stage's first output (what later stages read) as {file: size}: a file, or every file under a folder but
-    hidden ones (temporaries, locks)."""
+def _files_under(path: Path) -> dict[str, os.stat_result]:
+    """Every file at or under `path` but hidden ones (temporaries, locks), by its path relative to `path` (a file:
+    its name), with its stat."""
     if path.is_file():
-        return {path.name: path.stat().st_size}
+        return {path.name: path.stat()}
     if not path.is_dir():
         return {}
-    return {f.relative_to(path).as_posix(): f.stat().st_size for f in sorted(path.rglob("*"))
-            if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)}
+    out = {}
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path)
+        if not any(part.startswith(".") for part in rel.parts) and f.is_file():
+            out[rel.as_posix()] = f.stat()
+    return out
+
+
+def _output_files(path: Path) -> dict[str, int]:
+    """A stage's first output (what later stages read) as {file: size}."""
+    return {rel: st.st_size for rel, st in _files_under(path).items()}
 
 
 def _changed_output(path: Path, recorded: dict | None) -> str | None:
@@ -407,17 +417,8 @@ def output_snapshot(run: Path, command: str) -> dict[str, tuple[int, int]]:
     """Every file under the outputs of `command`'s stage, with its size and mtime: what unmark_if_untouched compares
     with after the command, to tell whether it wrote any of them."""
     outputs = next((o for n, _, _, o in STAGES if n == command), [])
-    snap = {}
-    for o in outputs:
-        p = run / o
-        for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []):
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            if f.is_file():
-                snap[str(f)] = (st.st_size, st.st_mtime_ns)
-    return snap
+    return {f"{o}/{rel}": (st.st_size, st.st_mtime_ns) for o in outputs
+            for rel, st in _files_under(run / o).items()}
 
 
 def unmark_if_untouched(run: Path, command: str, before: dict, snapshot: dict) -> None:

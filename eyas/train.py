@@ -520,8 +520,7 @@ def precheck_checkpoint(cfg: Config, target, world: int) -> None:
     if not (ckpt_dir(run) / "latest.json").exists():
         return
     stored = _latest_state(run)[1].get("fingerprint") or {}
-    full = fingerprint(cfg, target, torch.zeros(0), world)
-    now = {k: full[k] for k in ("train", "target", "world")}
+    now = {"train": trajectory(cfg), "target": target.identity(), "world": world}
     if "draft_vocab" in stored:
         now["draft_vocab"] = min(cfg.vocab.draft_vocab_size, target.vocab_size)
     _refuse_other_run(run, {k: stored.get(k) for k in now}, now)
@@ -737,15 +736,20 @@ def restore_best_draft(run: Path, drafter: Eagle3Drafter, best: dict) -> None:
     log(f"train: {run / 'draft'} had lost its weights; wrote the best drafter (step {best['step']}) again from {src}")
 
 
-def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
+def trajectory(cfg: Config) -> dict:
+    """The training settings a checkpoint belongs to (its fingerprint's "train")."""
     train = {k: getattr(cfg.train, k) for k in TRAJECTORY_KEYS}
     for key, old in KEYED_WHEN_CHANGED.items():  # settings added later: keyed only while changed
         sec, _, field = key.partition(".")
         if sec == "train" and getattr(cfg.train, field) != old:
             train[field] = getattr(cfg.train, field)
+    return train
+
+
+def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
     from .data.prepare import tokens_key
 
-    return {"train": train, "target": target.identity(),
+    return {"train": trajectory(cfg), "target": target.identity(),
             "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
             "world": world, "tokens": tokens_key(cfg.out)}
 
@@ -1070,15 +1074,15 @@ def run_train(cfg: Config, target=None) -> dict:
     module.train()
     step_sleep = float(os.environ.get("EYAS_DEBUG_STEP_SLEEP", "0"))  # tests: make a run slow enough to kill
     stop = StopRequest(d.world == 1)
+    mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))  # this process's micro-batch slots
     with stop:
         while step < total:
             epoch, i = divmod(step, spe)
             slots = train.slot_bins(tc.seed + epoch, group)
             bins = [slot[i] for slot in slots]
             if isinstance(train.features, ReadAhead):  # this process's micro-batches of the next steps of the epoch
-                mine_now = range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum)
                 train.features.ahead([slots[m][j] for j in range(i, min(i + 1 + train.features.workers, spe))
-                                      for m in mine_now])
+                                      for m in mine])
             counts = train.counts(bins, tc.ttt_steps)
             denom = [max(1, c) for c in counts]
             lr = tc.lr * lr_factor(step, total, tc.scheduler, tc.warmup_ratio)
@@ -1097,7 +1101,6 @@ def run_train(cfg: Config, target=None) -> dict:
                 stats = stepper(batch, denom).clone()  # the graph's output is rewritten by the next replay
                 clock.stop("step", t_ph)
             else:
-                mine = list(range(d.rank * tc.grad_accum, (d.rank + 1) * tc.grad_accum))
                 acc_t = torch.zeros(1 + tc.ttt_steps + 1, dtype=torch.float64, device=d.device)
                 for a, m in enumerate(mine):
                     t_ph = clock.start()
