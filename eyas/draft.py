@@ -100,7 +100,7 @@ class DraftConfig:
                     raise EyasError(f"{where}: field '{f.name}' must be a positive number, got {json_kind(v)}; "
                                     f"{DAMAGED}")
                 known[f.name] = float(v)
-            elif not _is_int(v) or v < (0 if f.name == "target_num_layers" else 1):
+            elif not is_int(v) or v < (0 if f.name == "target_num_layers" else 1):
                 want = "a whole number, 0 or more" if f.name == "target_num_layers" else "a positive whole number"
                 raise EyasError(f"{where}: field '{f.name}' must be {want}, got {json_kind(v)}; {DAMAGED}")
         return cls(**known)
@@ -109,7 +109,7 @@ class DraftConfig:
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no layer count
 
 
@@ -132,7 +132,7 @@ def check_drafter_aux_layers(aux, where, target=None, field: str = "") -> list[i
     `target`, three layers that target has. Refused naming the drafter's file (and `field`, where it says them):
     these come from the drafter, which was trained on them, not from the user's target.aux_layers."""
     what = f"the drafter's aux layers ({field})" if field else "the drafter's aux layers"
-    if not isinstance(aux, list) or not all(_is_int(a) for a in aux):
+    if not isinstance(aux, list) or not all(is_int(a) for a in aux):
         raise EyasError(f"{where}: {what} must be a list of layer ids, got {json_kind(aux)}; {DAMAGED}")
     n = getattr(target, "num_layers", None)
     if len(aux) != 3:
@@ -529,7 +529,7 @@ def is_eyas_config(raw: dict, path) -> bool:
     if "eyas_format" not in raw:
         return False
     v = raw["eyas_format"]
-    if not _is_int(v) or v != EYAS_FORMAT:
+    if not is_int(v) or v != EYAS_FORMAT:
         raise EyasError(f"{path}: eyas_format is {json_kind(v)}, a drafter layout this version of eyas does not know "
                         f"(it reads {EYAS_FORMAT}): the folder was written by another version of eyas. Read it with "
                         f"that version, or make it again with this one")

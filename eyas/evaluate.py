@@ -118,10 +118,9 @@ def check_prompt_settings(cfg) -> None:
     from .config import check_settings
 
     check_settings(cfg, (("eval.limit", cfg.eval.limit >= 0, "0 (every conversation) or more"),))
-    d = cfg.data
-    if not (d.val_ratio >= 0 and d.test_ratio >= 0 and d.val_ratio + d.test_ratio < 1):
-        raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got "
-                        f"{d.val_ratio} and {d.test_ratio}")
+    from .data.prepare import check_split_ratios
+
+    check_split_ratios(cfg.data)
 
 
 def check_heldout_split(cfg, run_dir: str | Path) -> None:
@@ -271,10 +270,6 @@ def _whole(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 and x == int(x)
 
 
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null"}
-
-
 def report_groups(path: str | Path, method: str | None = None) -> dict:
     """What `eyas compare` pairs in a report: an `eyas eval` report (each conversation's rounds, with the
     conversations' ids where it keeps them; a run directory reads its eval/report.json) or a `bench/bench_decode.py`
@@ -283,6 +278,8 @@ def report_groups(path: str | Path, method: str | None = None) -> dict:
     1), rounds) in prompt order, `ids` (or None), `texts` (or None), `read` (what was read), `unit` (conversations
     or prompts) and `settings`: what decides the text of each group (prompts, target, K, ...), as far as the report
     records it."""
+    from .draft import json_kind
+
     p = Path(path)
     if p.is_dir():
         p = p / "eval" / "report.json"
@@ -294,7 +291,7 @@ def report_groups(path: str | Path, method: str | None = None) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{p}: cannot read a JSON report ({e})") from None
     if not isinstance(rep, dict):
-        raise EyasError(f"{p}: holds {_JSON_KINDS.get(type(rep), 'a JSON value')}, not a report (give an eval "
+        raise EyasError(f"{p}: holds {json_kind(rep)}, not a report (give an eval "
                         f"report.json, a run directory or a bench_decode JSON)")
     prompts = rep.get("prompts") if isinstance(rep.get("prompts"), dict) else {}
     ident = rep.get("target_identity") if isinstance(rep.get("target_identity"), dict) else {}
@@ -306,7 +303,7 @@ def report_groups(path: str | Path, method: str | None = None) -> dict:
                             f"bench_decode report: leave it out")
         rounds = rep["rounds_by_conversation"]
         if not isinstance(rounds, list):
-            raise EyasError(f"{p}: rounds_by_conversation is {_JSON_KINDS.get(type(rounds), 'an object')}, not a "
+            raise EyasError(f"{p}: rounds_by_conversation is {json_kind(rounds)}, not a "
                             f"list of (tokens, verify rounds) pairs")
         for i, g in enumerate(rounds):
             if not (isinstance(g, list) and len(g) == 2 and all(_whole(x) for x in g)):

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .draft import (DAMAGED, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits, is_eyas_config,
+from .draft import (DAMAGED, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits, is_eyas_config, is_int,
                     json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
 from .util import EyasError, atomic_path, atomic_write_json, log, read_json
 
@@ -161,7 +161,7 @@ def config_aux_ids(raw: dict) -> list[int] | None:
 
 
 def _int_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+    return isinstance(v, list) and all(is_int(i) for i in v)
 
 
 def _check_format(fmt: str) -> None:

@@ -262,8 +262,8 @@ def test_eval_refuses_another_test_ratio_than_the_runs_data(tiny, tiny_drafter, 
 
 @pytest.mark.parametrize("key,value,msg", [
     ("eval.limit", -1, "eval.limit must be 0 (every conversation) or more, got -1"),
-    ("data.test_ratio", 0.99, "data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got 0.02 and 0.99"),
-    ("data.val_ratio", -0.1, "data.val_ratio and data.test_ratio must be 0 or above with a sum below 1, got -0.1 and 0.02"),
+    ("data.test_ratio", 0.99, "data.val_ratio and data.test_ratio must be 0 or above with a sum below 1 (the rest is the train split), got 0.02 and 0.99"),
+    ("data.val_ratio", -0.1, "data.val_ratio and data.test_ratio must be 0 or above with a sum below 1 (the rest is the train split), got -0.1 and 0.02"),
 ])
 def test_eval_refuses_prompt_settings_out_of_range(tmp_path, key, value, msg):
     """`eval.limit -1` took every conversation but the last (convs[:-1]); the split ratios are checked as the
@@ -340,7 +340,7 @@ def test_eyas_compare_pairs_evals_by_id_and_refuses_what_does_not_pair(tmp_path,
     (tmp_path / "bad.json").write_text(json.dumps({"rounds_by_conversation": [[1, 2], ["a"]]}))
     (tmp_path / "neither.json").write_text("{}")
     one = report("one.json", ["q", "x"], [[8, 2], [3, 3]])
-    for args, msg in (([str(tmp_path / "array.json"), a], "array.json: holds an array, not a report"),
+    for args, msg in (([str(tmp_path / "array.json"), a], "array.json: holds [1, 2] (a JSON array), not a report"),
                       ([a, str(tmp_path / "bad.json")], 'bad.json: rounds_by_conversation[1] is ["a"], not a pair of '
                                                          'whole numbers'),
                       ([a, b, "--method", "foo"], "a.json: an eval report, which holds one decoder's rounds; --method"),

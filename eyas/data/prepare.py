@@ -373,7 +373,13 @@ def check_data_settings(cfg: Config) -> None:
                          ("data.max_seq_len", d.max_seq_len >= 0, "0 (no limit) or more"),
                          ("data.extra_original", d.extra_original >= 0, "0 (none) or more"),
                          ("data.tokenize_workers", d.tokenize_workers >= 0, "0 (auto) or a number of processes")))
-    if d.val_ratio + d.test_ratio >= 1:
+    check_split_ratios(d)
+
+
+def check_split_ratios(d) -> None:
+    """Refuse data.val_ratio and data.test_ratio (of the data settings `d`) that leave no train split; the eval and
+    `eyas parity`, which choose their prompts by the same split, check them here too."""
+    if not (d.val_ratio >= 0 and d.test_ratio >= 0 and d.val_ratio + d.test_ratio < 1):
         raise EyasError(f"data.val_ratio and data.test_ratio must be 0 or above with a sum below 1 (the rest is the "
                         f"train split), got {d.val_ratio} and {d.test_ratio}")
 
