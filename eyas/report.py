@@ -121,7 +121,8 @@ def write_report(run: Path) -> dict:
                 lines.append(f"- regen conversations left out: {left_out_words(v)}")
             elif k == "this_call" and isinstance(v, dict):
                 lines.append(f"- regen this call: {_fmt(v.get('generated_tokens'))} answer tokens generated in "
-                             f"{_fmt(v.get('seconds'))} s")
+                             f"{_fmt(v.get('seconds'))} s" + (f", {_fmt(v['rows'])} rows at a time" if v.get("rows")
+                                                              else ""))
             elif isinstance(v, dict) and k in ("token_stats", "lengths", "answer_tokens"):
                 lines.append(f"- regen {k.replace('_', ' ')}: {json.dumps(v)}")
         if tok:

@@ -494,6 +494,7 @@ def test_a_conversation_left_out_says_why(tmp_path, tiny, capsys):
     made = rep["this_call"]
     assert made["generated_tokens"] == rep["completion_tokens"]["total"]
     assert 0 < made["generated_tokens"] <= 8 and made["tokens_per_s"] > 0 and rep["tokens_per_s"] > 0
+    assert made["rows"] == cfg.regen.batch_size == 4 and "4 rows at a time" in out  # the rows decoded together
     from eyas.cli import main
 
     assert main(["data", "--report", str(cfg.out)]) == 0  # the run directory's regen report, for people

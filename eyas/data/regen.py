@@ -704,6 +704,15 @@ class _Deferred:
             self._engine.close()
 
 
+def engine_rows(backend) -> int | None:
+    """The sequences an embedded engine decodes together (regen.batch_size, or the engine's own choice at 0: 512
+    rows on a GPU with the static engine, fewer where its cache would not fit), once it was built; None for a
+    server (it batches as it likes) or an engine never built (every shard already on disk)."""
+    engine = backend._engine if isinstance(backend, _Deferred) else backend
+    rows = getattr(engine, "batch", None) if isinstance(engine, _Embedded) else None
+    return rows if isinstance(rows, int) else None
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -858,6 +867,9 @@ def run_regen(cfg: Config, target=None) -> dict:
         if made[0] and world == 1:  # what this call generated (a resumed run generates only what was left)
             report["this_call"] = {"generated_tokens": made[0], "seconds": round(made[1], 2),
                                    "tokens_per_s": round(rate, 1)}
+            rows = engine_rows(backend)
+            if rows:  # the sequences the embedded engine decoded together (regen.batch_size, or its choice)
+                report["this_call"]["rows"] = rows
             report["tokens_per_s"] = report["this_call"]["tokens_per_s"]
         atomic_write_json(d / "report.json", report)
         left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
@@ -865,7 +877,8 @@ def run_regen(cfg: Config, target=None) -> dict:
             f"{report['truncated_turns']} truncated turns, reasoning in "
             f"{report['reasoning_capture_rate']:.0%} of turns, {report['looping_answer_rate']:.0%} of answers looping)"
             + (f"; this call generated {made[0]:,} answer tokens in {made[1]:.1f} s ({report['tokens_per_s']:,.0f} "
-               f"tok/s)" if "this_call" in report else ""))
+               f"tok/s" + (f", {report['this_call']['rows']} rows at a time" if "rows" in report["this_call"] else "")
+               + ")" if "this_call" in report else ""))
         return report
     finally:
         if own_pg:
