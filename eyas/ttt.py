@@ -605,6 +605,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
     loss_fn = step_loss_fn(ids.device)
     step = drafter_step_fn(drafter, ids.device)
     on_path = None  # loss_path: the positions whose tokens fed so far are on the path it keeps
+    prev = None  # the chain's (hit, drafted) of the step before
     for j in range(steps):
         nxt, valid = step_targets(batch, j)
         hidden, logits = step(ids[nxt][None], hidden, pos + j, attend)
@@ -622,7 +623,7 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
             on_path = keep if on_path is None else on_path & keep
         if chain:
             alive, hit, drafted = chain_step(logits[0].detach(), labels.draft_idx, nxt, valid, ids,
-                                             drafter.draft_ids, prev if j else None)
+                                             drafter.draft_ids, prev)
             prev = (hit, drafted)
             stats.alive.append(alive)
             stats.hits.append(hit)
