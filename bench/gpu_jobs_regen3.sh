@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A lease too short to train (forty-sixth session: six refused starts left about 1,100 s): regenerate the three
+# A lease too short to train (forty-sixth session: seven refused starts had left 1,169 s): regenerate the three
 # samples of every first answer that the three-sample recipes train on (about 723 s, fortieth session) and send them
 # back, so that a later lease carries them and spends its time on training (L3S3 at 5-6 epochs, about 1,000 s of job
 # with the samples carried, an estimate) instead of regenerating. Stopped once the run's regen stage is done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the lease's two long stages spend the GPU's time, for a lease too short for a training run (forty-sixth
-# session: three refused starts left about 1,350 s): a three-layer training step as the τ runs train it (8,192-token
+# session: four refused starts had left 1,439 s): a three-layer training step as the τ runs train it (8,192-token
 # batches, MLP 6,144, CUDA graph; kernels by time over 5 profiled steps) and the regeneration engine at the pipeline's
 # 512 rows and 512 new tokens (one decode step by attended span, and a whole run's modelled against measured time).
 # After the last staging piece, in one call:
@@ -8,7 +8,7 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site ~/eyas-stage/wheels/*.whl 2>&1 | tail -1
-export EYAS_STAGE_DIR=~/eyas-stage PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+source bench/gpu_lib.sh  # the jobs' environment (EYAS_STAGE_DIR, PYTHONPATH with the wheels)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"
 t=$(date +%s)

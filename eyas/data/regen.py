@@ -864,6 +864,7 @@ def run_regen(cfg: Config, target=None) -> dict:
         if rank != 0:  # rank 0 reads every shard for the report; the others need not read them again
             return {"rank": rank, "world_size": world, "report": str(d / "report.json")}
         report = validation_report(d)
+        made_words = ""
         if made[0] and world == 1:  # what this call generated (a resumed run generates only what was left)
             report["this_call"] = {"generated_tokens": made[0], "seconds": round(made[1], 2),
                                    "tokens_per_s": round(rate, 1)}
@@ -871,14 +872,14 @@ def run_regen(cfg: Config, target=None) -> dict:
             if rows:  # the sequences the embedded engine decoded together (regen.batch_size, or its choice)
                 report["this_call"]["rows"] = rows
             report["tokens_per_s"] = report["this_call"]["tokens_per_s"]
+            made_words = (f"; this call generated {made[0]:,} answer tokens in {made[1]:.1f} s "
+                          f"({report['tokens_per_s']:,.0f} tok/s" + (f", {rows} rows at a time" if rows else "") + ")")
         atomic_write_json(d / "report.json", report)
         left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
         log(f"regen: {report['records']} conversations in {d} ({left}"
             f"{report['truncated_turns']} truncated turns, reasoning in "
             f"{report['reasoning_capture_rate']:.0%} of turns, {report['looping_answer_rate']:.0%} of answers looping)"
-            + (f"; this call generated {made[0]:,} answer tokens in {made[1]:.1f} s ({report['tokens_per_s']:,.0f} "
-               f"tok/s" + (f", {report['this_call']['rows']} rows at a time" if "rows" in report["this_call"] else "")
-               + ")" if "this_call" in report else ""))
+            + made_words)
         return report
     finally:
         if own_pg:
