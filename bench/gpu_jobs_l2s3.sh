@@ -31,7 +31,7 @@
 # the decodes 185 s, 1,717 s of the lease with staging and a masks A/B: eval τ 3.183, `val_tau` +0.015 in epoch 6.
 # SETS adds `--set` options to the run and names it after them, e.g. the chain loss (fortieth session, below):
 #   SETS="train.loss_path=chain" NO_TESTS=1 JOBS="bench/gpu_jobs_l2s3.sh 6" bash bench/gpu_queue.sh 560
-# NO_TESTS=1 also skips the feature budget's test. REGEN_BACK=1 packs the samples' answers to come back after the run.
+# NO_TESTS=1 also skips the feature budget's test. REGEN_BACK=1 packs the samples' answers to come back once regenerated.
 # LAYERS=3 trains a drafter of three decoder layers (default 2). Its first lease (forty-first session) was lost after
 # epoch 2 of 6 (then +0.050 val_tau over two layers), at 34.6 steps/s: about 1,000 s of job with .carry, an estimate.
 # SAMPLE_NEXT=4 also regenerates sample 4 after the run and its chat decode (about 250 s more), for a later lease.
@@ -69,10 +69,17 @@ next=${SAMPLE_NEXT:-}  # a later sample to regenerate after the run, in a run fo
 if [ -n "$next" ]; then  # its samples 1..next-1 untarred now: .carry is on the machine only in this call
   carried3 /tmp/rS$next
 fi
-job run_l2s3 python3 -m eyas run --out $run --set regen.samples=$N --set train.epochs=$ep --set train.draft_layers=$L "${extra[@]}"
+sets=(--set regen.samples=$N --set train.epochs=$ep --set train.draft_layers=$L "${extra[@]}")
+# REGEN_BACK=1: the samples' answers back as regen<SAMPLES>.partN.tgz (about 25 MB for three), for a later lease to
+# carry. Packed as soon as the regen stage is done (the run stopped there by regen_only and started again in the same
+# folder, which skips the finished stage), so a lease that ends during the training still sends them back (forty-
+# seventh session; until then they were packed after the run). Nothing to send when they came in from .carry.
+if [ -n "${REGEN_BACK:-}" ] && ! stage_done $run regen && [ ! -d $run/data/regen ]; then
+  regen_only regen_early $run "${sets[@]}"
+  pieces regenS$(seq -s '' 1 $N) $run/data regen
+fi
+job run_l2s3 python3 -m eyas run --out $run "${sets[@]}"
 NO_REGEN_TGZ=1 keep $run run$name
-# REGEN_BACK=1: the three samples' answers back as regenS123.partN.tgz (about 25 MB), for a later lease to carry
-[ -n "${REGEN_BACK:-}" ] && pieces regenS123 $run/data regen
 # NO_DECODE=1: stop after the run (and REGEN_BACK's pieces), so the poll in flight returns its eval at once when the
 # lease has no room for the decodes
 [ -n "${NO_DECODE:-}" ] && { touch $S/finished_$tag; exit 0; }
