@@ -90,7 +90,7 @@ def regen_config(users: list[str], args, engine: str, batch_size: int | None = N
 
 
 VARIANT_KEYS = {"bs": None, "groups": "row_groups", "check": "check_every", "long": "long_prompt", "fuse": "fuse",
-                "overlap": "overlap", "norm": "fused_norm", "norm1k": "norm_one_kernel"}
+                "overlap": "overlap", "norm": "fused_norm", "norm1k": "norm_one_kernel", "flex": "flex_decode"}
 
 
 def bench_eyas(target, users: list[str], args, engine: str) -> dict:
@@ -99,7 +99,8 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     `long=N` sets the long-prompt threshold, `fuse=0`
     runs q/k/v and gate/up as separate products, `overlap=0` waits for each check before queueing the next steps,
     `norm=0` runs the model's own RMSNorm modules instead of torch's fused kernel, `norm1k=0` the fused kernel
-    with HF's rounding steps instead of one kernel in the model's dtype)."""
+    with HF's rounding steps instead of one kernel in the model's dtype, `flex=1` decode steps through flex attention
+    bounded by each row's own position)."""
     from eyas.data.regen import StaticEngine, run_regen
     from eyas.fastlm import FastLM
 
@@ -185,7 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("--engine", default="static,generate",
                    help="eyas regen engines to time, comma-separated (auto, static, continuous, generate); static "
                         "variants change engine settings for one run: static:groups=0, static:check=16, "
-                        "static:long=512, static:fuse=0, static:overlap=1, static:norm=1 (combine with more colons)")
+                        "static:long=512, static:fuse=0, static:overlap=1, static:norm=1, static:flex=1 (combine with more "
+                        "colons)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--random-init", action="store_true", help="random weights with --target's architecture")
     p.add_argument("--out", default="results.json")
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
            or any(o.partition("=")[0] not in VARIANT_KEYS or not o.partition("=")[2].isdigit() for o in e.split(":")[1:])]
     if not engines or bad:
         p.error(f"--engine: {bad or args.engine!r}: not a comma-separated list of auto, static, continuous, generate "
-                f"(static may add :bs=N, :groups=0|1, :check=N, :long=N, :fuse=0|1, :overlap=0|1, :norm=0|1)")
+                f"(static may add :bs=N, :groups=0|1, :check=N, :long=N, :fuse=0|1, :overlap=0|1, :norm=0|1, "
+                f":flex=0|1)")
 
     import torch
     import transformers

@@ -216,6 +216,15 @@ class FastLM:
     # and per instance (the decoder sets it from Decoder.compile_elementwise, on by default on a GPU); each new call
     # shape compiles once, so prefills of varying length stay eager
     compile_elementwise = False
+    # one-token calls (decode steps) through flex attention with a block mask made from each row's own position:
+    # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
+    # row's bound (`upto`). In regeneration some row nearly always holds a long prompt (BENCHMARKS.md, fourth
+    # session: 923 of 1,008 steps attended to 1,280 slots), so most rows pay for context they do not have. Off by
+    # default until measured on a GPU (bench/bench_regen.py --engines static,static:flex=1); compiled on a GPU (flex
+    # attention's eager form is a slow reference), eager elsewhere. Rows given as an index tensor, and row groups,
+    # keep SDPA
+    flex_decode = False
+    FLEX_BLOCK = 128
 
     def __init__(self, model, batch_size: int, max_len: int, aux_layers: list[int] | None = None):
         ok, why = supported(model)
@@ -252,6 +261,7 @@ class FastLM:
                 gu = fuse_linears([mlp.gate_proj, mlp.up_proj])
             self.gate_up.append(gu)
         self.groups: list[tuple[int, int]] | None = None  # see set_groups
+        self._flex = None  # flex_decode's buffers, made on first use (_flex_mask)
 
     def set_groups(self, bounds: list[int] | None) -> None:
         """Split the rows into contiguous groups starting at `bounds` (e.g. [0, 64] for rows 0-63 and
@@ -305,10 +315,61 @@ class FastLM:
         return (self.gqa_steps and 1 < T <= self.GQA_MAX_T and not one_off and self.n_heads != self.n_kv
                 and (self.device.type == "cpu" or self.dtype in (torch.bfloat16, torch.float16)))
 
+    def _mlp(self, i: int, layer, x: torch.Tensor, ew: bool) -> torch.Tensor:
+        """Layer i's MLP on its normed input x: gate and up as one product where fused (see __init__)."""
+        if self.gate_up[i] is None:
+            return layer.mlp(x)
+        gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
+        silu = ew and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+        return layer.mlp.down_proj(compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up)
+
+    def _flex_mask(self, qpos: torch.Tensor):
+        """flex_decode's block mask for one-token queries at positions qpos [b] (b <= batch_size rows): a row's
+        blocks below its position's block are whole (no mask evaluated), the block holding its position is cut at
+        it. Made from buffers owned here and written in place, so a CUDA graph replays it and the compiled
+        attention sees the same mask function every call."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        B, BS = self.batch_size, self.FLEX_BLOCK
+        nblk = -(-self.max_len // BS)
+        if self._flex is None:
+            dev, i32 = self.device, torch.int32
+            at = torch.zeros(B, dtype=torch.long, device=dev)  # each row's query position
+
+            def visible(b, h, q_idx, kv_idx):
+                return kv_idx <= at[b]
+
+            self._flex = {"at": at, "visible": visible,
+                          "full_idx": torch.arange(nblk, dtype=i32, device=dev).expand(B, 1, 1, nblk).contiguous(),
+                          "part_idx": torch.zeros(B, 1, 1, nblk, dtype=i32, device=dev),
+                          "compiled": None}
+        f, b = self._flex, qpos.shape[0]
+        at = f["at"][:b]
+        at.copy_(qpos)
+        f["part_idx"][:b, 0, 0, 0] = (at // BS).to(torch.int32)
+        full = ((at + 1) // BS).to(torch.int32).view(b, 1, 1)  # blocks wholly at or before the position
+        part = ((at + 1) % BS != 0).to(torch.int32).view(b, 1, 1)  # the block cut at the position, if any
+        return BlockMask.from_kv_blocks(part, f["part_idx"][:b], full, f["full_idx"][:b], BLOCK_SIZE=BS,
+                                        mask_mod=f["visible"], seq_lengths=(1, self.max_len), compute_q_blocks=False)
+
+    def _flex_attention(self):
+        """flex attention as flex_decode runs it: compiled once on a GPU, eager elsewhere."""
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if self.device.type != "cuda":
+            return flex_attention
+        if self._flex["compiled"] is None:
+            self._flex["compiled"] = torch.compile(flex_attention, dynamic=False)
+        return self._flex["compiled"]
+
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False):
         b, T = ids.shape
         idx = self._rows(rows, b)
         qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
+        flex = (self.flex_decode and T == 1 and not one_off and self.groups is None
+                and (rows is None or isinstance(rows, slice)))
+        if flex:
+            fmask, fattn = self._flex_mask(qpos[:, 0]), self._flex_attention()
         # additive masks, shared by all layers: slot s is visible to the query at position p iff s <= p.
         # Query heads of one KV head are folded into the query length (no repeated keys/values):
         # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; or, for short multi-token calls, q [b, H, T, D]
@@ -323,7 +384,7 @@ class FastLM:
         else:
             parts = [(0, b, self.max_len if upto is None else min(int(upto), self.max_len))]
         masks = []
-        for a, z, u in parts:
+        for a, z, u in ([] if flex else parts):
             vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
             m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
             if fold > 1:
@@ -373,6 +434,13 @@ class FastLM:
             kc[write_at] = k
             vc[write_at] = v
             q = q.transpose(1, 2)  # [b, H, T, D], a view
+            if flex:  # every slot of the rows (the block mask skips what lies past each row's position)
+                sel = slice(None) if rows is None else rows
+                o = fattn(q, kc[sel], vc[sel], block_mask=fmask, scale=self.scaling, enable_gqa=nh != nkv)
+                o = o.transpose(1, 2).reshape(b, T, -1)
+                h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
+                pend = self._mlp(i, layer, x, ew)
+                continue
             if not gqa:
                 q = q.reshape(b, nkv, rep * T, D)
             outs = []
@@ -389,12 +457,7 @@ class FastLM:
                 o = o.reshape(b, self.n_heads, T, self.head_dim)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
-            if self.gate_up[i] is not None:
-                gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
-                silu = ew and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-                pend = layer.mlp.down_proj(compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up)
-            else:
-                pend = layer.mlp(x)
+            pend = self._mlp(i, layer, x, ew)
         h, final = add_norm(h, pend, self.base.norm)
         if want_aux and n in self.aux_layers:
             grab[n] = h
@@ -452,7 +515,10 @@ class DecodeGraph:
         return self.graphs.get(self.slots(None))
 
     def slots(self, upto):
-        """Cache slots a step bounded by `upto` attends to (a tuple, one per row group, with groups)."""
+        """Cache slots a step bounded by `upto` attends to (a tuple, one per row group, with groups). With the
+        lm's flex_decode, always the whole cache: one graph, whose block mask bounds each row by its position."""
+        if self.lm.flex_decode and not self.lm.groups:
+            return self.lm.max_len
         if isinstance(upto, (tuple, list)):
             return tuple(attended_slots(u, self.lm.max_len, self.span) for u in upto)
         if upto is None:

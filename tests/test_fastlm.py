@@ -269,6 +269,58 @@ def test_row_groups_attend_to_their_own_bounds(tiny):
         one.set_groups([1, 3])
 
 
+def test_flex_decode_steps_match_sdpa(tiny, monkeypatch):
+    """Decode steps through flex attention bounded by each row's own position (flex_decode) give the logits of
+    SDPA over the longest row's span: rows ending inside a block, on a block's last slot and on a block's first,
+    over a cache whose length is not a whole number of blocks; a slice of rows (eager steps); and the decode graph
+    then attends to the whole cache, one shape."""
+    monkeypatch.setattr(FastLM, "FLEX_BLOCK", 8)  # many block edges in a short cache
+    torch.manual_seed(0)
+    sdpa, flex = FastLM(tiny.model, 4, 45), FastLM(tiny.model, 4, 45)
+    flex.flex_decode = True
+    lens = torch.tensor([3, 7, 8, 30])  # the next positions: inside block 0, block 0's last slot, block 1's first...
+    ids = torch.randint(0, tiny.vocab_size, (4, 30))
+    for lm in (sdpa, flex):
+        lm.forward(ids, torch.zeros(4, dtype=torch.long), upto=30, one_off=True)  # prefills keep SDPA
+    tok, pos = ids.gather(1, (lens - 1)[:, None]), lens.clone()
+    for _ in range(12):  # ... up to position 41, past the last whole block (40)
+        want, _ = sdpa.forward(tok, pos, last_only=True, upto=int(pos.max()) + 1)
+        got, _ = flex.forward(tok, pos, last_only=True, upto=int(pos.max()) + 1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        tok, pos = want[:, -1].argmax(-1)[:, None], pos + 1
+    want, _ = sdpa.forward(tok[1:3], pos[1:3], rows=slice(1, 3), last_only=True, upto=int(pos.max()) + 1)
+    got, _ = flex.forward(tok[1:3], pos[1:3], rows=slice(1, 3), last_only=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    step = DecodeGraph(flex, lambda logits: logits.argmax(-1), span=8)
+    assert step.slots(9) == 45 and step.slots(None) == 45
+
+
+@pytest.mark.gpu
+def test_flex_decode_graph_replays_the_sdpa_step():
+    """On a GPU, the flex decode step (compiled, in a CUDA graph) picks the tokens SDPA's eager step picks, as rows
+    of different lengths cross block edges."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    flex, sdpa = FastLM(t.model, 4, 300), FastLM(t.model, 4, 300)
+    flex.flex_decode = True
+    step = DecodeGraph(flex, lambda logits: logits.argmax(-1))
+    assert step.graph is not None
+    lens = torch.tensor([5, 127, 128, 250], device="cuda")
+    ids = torch.randint(0, t.vocab_size, (4, 250), device="cuda")
+    for lm in (flex, sdpa):
+        lm.forward(ids, torch.zeros(4, dtype=torch.long, device="cuda"), one_off=True)
+    tok, pos = ids.gather(1, (lens - 1)[:, None]), lens.clone()
+    for _ in range(6):
+        step.ids.copy_(tok)
+        step.pos.copy_(pos)
+        want = sdpa.forward(tok, pos, last_only=True)[0][:, -1].argmax(-1)
+        assert torch.equal(step(upto=int(pos.max()) + 1), want)
+        tok, pos = want[:, None], pos + 1
+    assert sorted(step.graphs) == [300]
+
+
 @pytest.mark.gpu
 def test_decode_graph_replays_the_eager_step():
     from eyas.config import TargetConfig
