@@ -6,10 +6,12 @@ fine-tune from), so that a file edited in place counts as changed. `manifest.jso
 key, status, counts, timing and versions.
 A stage whose key matches a finished record is skipped; one that was cut short runs again (each
 stage resumes its own partial work); one whose key changed has its outputs cleared and reruns,
-and so, through the keys, does every stage after it.
+and so, through the keys, does every stage after it. One exception: when regen.samples is the only change
+to regen's key, the samples both counts share keep their answers (the others are regenerated or removed).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import inspect
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from . import __version__
 from . import config as C
+from .draft import is_int
 from .util import EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json, sha256_file, sha256_json
 
 # name, "module:function", config keys it reads, output paths under the run dir (the first one is
@@ -190,6 +193,19 @@ def stage_keys(cfg: C.Config, inputs: dict[str, str] | None = None) -> dict[str,
     return keys
 
 
+def _samples_only_change(cfg: C.Config, inputs: dict[str, str], rec: dict) -> int | None:
+    """The sample count of the regen stage recorded in `rec` when regen.samples is the only setting of its key that
+    changed since (the run's other settings would give the recorded key with that count), else None. Each sample's
+    answers are then kept or dropped alone instead of clearing them all: a sample's plan, seeds and shards do not
+    depend on how many samples there are (eyas.data.regen.sample_copy)."""
+    was = (rec.get("result") or {}).get("samples")
+    if not rec.get("key") or not is_int(was) or was < 1 or was == cfg.regen.samples:
+        return None
+    then = copy.deepcopy(cfg)
+    then.regen.samples = was
+    return was if stage_keys(then, inputs)["regen"] == rec["key"] else None
+
+
 def versions() -> dict:
     import torch
     import transformers
@@ -337,7 +353,20 @@ def run_pipeline(cfg: C.Config) -> dict:
             missing.append(name)
             log(f"[{name}] not built yet in this version of eyas; stopping here")
             break
-        if rec.get("key") and rec.get("key") != keys[name]:
+        was = _samples_only_change(cfg, inputs, rec) if name == "regen" else None
+        if was is not None:
+            from .data.regen import drop_samples_after
+
+            now = cfg.regen.samples
+            drop_samples_after(run / outputs[0], now)
+
+            def samples(a, z):
+                return f"sample {a}" if a == z else f"samples {a}-{z}"
+
+            log(f"[regen] only regen.samples changed ({was} -> {now}): keeping the answers of "
+                f"{samples(1, min(was, now))}, " + (f"regenerating {samples(was + 1, now)}" if now > was else
+                                                    f"removing {samples(now + 1, was)}"))
+        elif rec.get("key") and rec.get("key") != keys[name]:
             log(f"[{name}] config or inputs changed: clearing its old outputs")
             for o in outputs:
                 p = run / o

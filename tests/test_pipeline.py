@@ -207,3 +207,38 @@ def test_stage_lines_name_regen_left_out_as_its_log_does():
     assert line == "records=7, assistant_turns=17, left_out=1, tokens_per_s=177"
     assert one_line("eval", {"acceptance_length": 2.5, "acceptance_length_ci95": [2.25, 2.75]}) == \
         "acceptance_length=2.5, acceptance_length_ci95=2.25-2.75"
+
+
+def test_changed_sample_count_keeps_the_samples_both_counts_have(tmp_path):
+    """When regen.samples is the only change, `eyas run` keeps the answers of the samples the old and new counts share
+    (their shards untouched), regenerates the new ones or removes those past the new count, and runs the stages after
+    regen again; any other change to regen still clears its answers. On the tiny random target, whose run takes
+    seconds."""
+    out = tmp_path / "run"
+    d = out / "data" / "regen"
+
+    def run(*extra):
+        r = subprocess.run([sys.executable, "-m", "eyas", "run", "--out", str(out), "--preset", "tiny",
+                            "--set", "regen.temperature=0.8", *extra], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stderr
+
+    def shards(pattern):
+        return {f.name: f.read_bytes() for f in d.glob(pattern)}
+
+    run("--set", "regen.samples=2")
+    two = json.loads((out / "manifest.json").read_text())["stages"]["regen"]["result"]
+    first, second = shards("shard-0*.jsonl"), shards("shard-s2-*.jsonl")
+    assert first and second
+    err = run("--set", "regen.samples=3")
+    assert "[regen] only regen.samples changed (2 -> 3): keeping the answers of samples 1-2, regenerating sample 3" in err
+    assert shards("shard-0*.jsonl") == first and shards("shard-s2-*.jsonl") == second and shards("shard-s3-*.jsonl")
+    regen = json.loads((out / "manifest.json").read_text())["stages"]["regen"]["result"]
+    assert regen["samples"] == 3 and regen["complete"] and regen["records"] == 3 * two["records"] // 2
+    assert "[tokenize] done" in err and "[train] done" in err
+    err = run("--set", "regen.samples=1")
+    assert "(3 -> 1): keeping the answers of sample 1, removing samples 2-3" in err
+    assert shards("shard-0*.jsonl") == first and not list(d.glob("*-s[0-9]*"))
+    assert json.loads((out / "manifest.json").read_text())["stages"]["regen"]["result"]["samples"] == 1
+    err = run("--set", "regen.samples=2", "--set", "regen.top_p=0.9")
+    assert "[regen] config or inputs changed: clearing its old outputs" in err and "only regen.samples" not in err

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -92,6 +93,20 @@ def journal_path(d: Path, k: int, sample: int | str = 1) -> Path:
 
 def plan_path(d: Path, sample: int | str = 1) -> Path:
     return d / (f"plan-{_tag(sample)}.json" if _tag(sample) else "plan.json")
+
+
+def drop_samples_after(d: Path, n: int) -> list[int]:
+    """Remove the sets of samples after the first n from the regen folder d (their shards, journals, error lists and
+    plans) and its report, which no longer describes the folder; the first sample and the later turns stay. Returns
+    the samples removed. For `eyas run` when only regen.samples changed: the samples kept are what a run with the new
+    count makes of them (a sample's plan, seeds and shards do not depend on the count)."""
+    found = (re.match(r"(?:shard|plan)-s(\d+)[-.]", f.name) for f in d.iterdir()) if d.is_dir() else ()
+    gone = sorted({int(m[1]) for m in found if m and int(m[1]) > n})
+    for s in gone:
+        for f in [*d.glob(f"{_shard_prefix(s)}*"), plan_path(d, s)]:
+            f.unlink(missing_ok=True)
+    (d / "report.json").unlink(missing_ok=True)
+    return gone
 
 
 def sample_copy(conv: Conversation, sample: int) -> Conversation:
