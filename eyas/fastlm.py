@@ -87,6 +87,8 @@ def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_kernel
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+_compiled_flex = None  # flex attention compiled for FastLM.flex_decode (FastLM._flex_attention)
+
 SPAN = 256  # cache slots are attended in multiples of this (few distinct shapes to capture as graphs)
 
 
@@ -341,8 +343,7 @@ class FastLM:
 
             self._flex = {"at": at, "visible": visible,
                           "full_idx": torch.arange(nblk, dtype=i32, device=dev).expand(B, 1, 1, nblk).contiguous(),
-                          "part_idx": torch.zeros(B, 1, 1, nblk, dtype=i32, device=dev),
-                          "compiled": None}
+                          "part_idx": torch.zeros(B, 1, 1, nblk, dtype=i32, device=dev)}
         f, b = self._flex, qpos.shape[0]
         at = f["at"][:b]
         at.copy_(qpos)
@@ -353,14 +354,16 @@ class FastLM:
                                         mask_mod=f["visible"], seq_lengths=(1, self.max_len), compute_q_blocks=False)
 
     def _flex_attention(self):
-        """flex attention as flex_decode runs it: compiled once on a GPU, eager elsewhere."""
+        """flex attention as flex_decode runs it: compiled on a GPU (once a process, for every FastLM), eager
+        elsewhere."""
+        global _compiled_flex
         from torch.nn.attention.flex_attention import flex_attention
 
         if self.device.type != "cuda":
             return flex_attention
-        if self._flex["compiled"] is None:
-            self._flex["compiled"] = torch.compile(flex_attention, dynamic=False)
-        return self._flex["compiled"]
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex
 
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False):
         b, T = ids.shape
