@@ -7,7 +7,8 @@ key, status, counts, timing and versions.
 A stage whose key matches a finished record is skipped; one that was cut short runs again (each
 stage resumes its own partial work); one whose key changed has its outputs cleared and reruns,
 and so, through the keys, does every stage after it. One exception: when regen.samples is the only change
-to regen's key, the samples both counts share keep their answers (the others are regenerated or removed).
+to regen's key, the samples both counts share keep their answers (the others are regenerated or removed), and
+so do the conversations already answered when regen.limit grows.
 """
 from __future__ import annotations
 
@@ -193,17 +194,46 @@ def stage_keys(cfg: C.Config, inputs: dict[str, str] | None = None) -> dict[str,
     return keys
 
 
-def _samples_only_change(cfg: C.Config, inputs: dict[str, str], rec: dict) -> int | None:
-    """The sample count of the regen stage recorded in `rec` when regen.samples is the only setting of its key that
-    changed since (the run's other settings would give the recorded key with that count), else None. Each sample's
-    answers are then kept or dropped alone instead of clearing them all: a sample's plan, seeds and shards do not
-    depend on how many samples there are (eyas.data.regen.sample_copy)."""
-    was = (rec.get("result") or {}).get("samples")
-    if not rec.get("key") or not is_int(was) or was < 1 or was == cfg.regen.samples:
+# regen settings whose change keeps some of the answers made: regen.samples (each sample's answers are its own:
+# eyas.data.regen.sample_copy) and a larger regen.limit (the plan grows: eyas.data.regen._grows)
+REGEN_KEEPS = ("regen.samples", "regen.limit")
+
+
+def _regen_kept(cfg: C.Config, inputs: dict[str, str], rec: dict) -> dict | None:
+    """{setting: value before} for the REGEN_KEEPS settings that changed since the regen stage recorded in `rec`, when
+    they are the only change to its key (the run's other settings would give the recorded key with the values before)
+    and each keeps some answers (regen.limit only upward, 0 being all); else None."""
+    if not rec.get("key"):
+        return None
+    before = dict(rec.get("settings") or {})
+    before.setdefault("regen.samples", (rec.get("result") or {}).get("samples"))  # a record made before "settings"
+    changed = {k: v for k, v in before.items() if k in REGEN_KEEPS and is_int(v) and C.get_key(cfg, k) != v}
+    lim = changed.get("regen.limit")
+    if not changed or lim is not None and (lim == 0 or 0 < cfg.regen.limit < lim):
         return None
     then = copy.deepcopy(cfg)
-    then.regen.samples = was
-    return was if stage_keys(then, inputs)["regen"] == rec["key"] else None
+    for k, v in changed.items():
+        C.set_key(then, k, v)
+    return changed if stage_keys(then, inputs)["regen"] == rec["key"] else None
+
+
+def _keep_regen(cfg: C.Config, d: Path, kept: dict) -> None:
+    """Keep the regen folder d's answers that still hold after the changes `kept` (`_regen_kept`), and say so."""
+    from .data.regen import drop_samples_after
+
+    def samples(a, z):
+        return f"sample {a}" if a == z else f"samples {a}-{z}"
+
+    what = []
+    if "regen.samples" in kept:
+        was, now = kept["regen.samples"], cfg.regen.samples
+        drop_samples_after(d, now)
+        what.append(f"keeping the answers of {samples(1, min(was, now))}, " + (
+            f"regenerating {samples(was + 1, now)}" if now > was else f"removing {samples(now + 1, was)}"))
+    if "regen.limit" in kept:
+        what.append("keeping the answers made, asking only for the conversations added")
+    log(f"[regen] only {' and '.join(kept)} changed ("
+        + ", ".join(f"{v or 'all'} -> {C.get_key(cfg, k) or 'all'}" for k, v in kept.items()) + "): " + "; ".join(what))
 
 
 def versions() -> dict:
@@ -353,19 +383,9 @@ def run_pipeline(cfg: C.Config) -> dict:
             missing.append(name)
             log(f"[{name}] not built yet in this version of eyas; stopping here")
             break
-        was = _samples_only_change(cfg, inputs, rec) if name == "regen" else None
-        if was is not None:
-            from .data.regen import drop_samples_after
-
-            now = cfg.regen.samples
-            drop_samples_after(run / outputs[0], now)
-
-            def samples(a, z):
-                return f"sample {a}" if a == z else f"samples {a}-{z}"
-
-            log(f"[regen] only regen.samples changed ({was} -> {now}): keeping the answers of "
-                f"{samples(1, min(was, now))}, " + (f"regenerating {samples(was + 1, now)}" if now > was else
-                                                    f"removing {samples(now + 1, was)}"))
+        kept = _regen_kept(cfg, inputs, rec) if name == "regen" else None
+        if kept:
+            _keep_regen(cfg, run / outputs[0], kept)
         elif rec.get("key") and rec.get("key") != keys[name]:
             log(f"[{name}] config or inputs changed: clearing its old outputs")
             for o in outputs:
@@ -382,7 +402,9 @@ def run_pipeline(cfg: C.Config) -> dict:
         line = one_line(name, result or {})
         manifest["stages"][name] = {"key": keys[name], "status": "done", "seconds": round(dt, 2),
                                     "summary": line, "result": _jsonable(result or {}),
-                                    "files": _output_files(run / outputs[0])}
+                                    "files": _output_files(run / outputs[0]),
+                                    **({"settings": {k: C.get_key(cfg, k) for k in REGEN_KEEPS}} if name == "regen"
+                                       else {})}
         atomic_write_json(mpath, manifest)
         log(f"[{name}] done in {dt:.0f}s: {line}")
         summary[name] = line

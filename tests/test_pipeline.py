@@ -209,11 +209,11 @@ def test_stage_lines_name_regen_left_out_as_its_log_does():
         "acceptance_length=2.5, acceptance_length_ci95=2.25-2.75"
 
 
-def test_changed_sample_count_keeps_the_samples_both_counts_have(tmp_path):
+def test_a_changed_sample_count_or_larger_limit_keeps_the_answers_made(tmp_path):
     """When regen.samples is the only change, `eyas run` keeps the answers of the samples the old and new counts share
     (their shards untouched), regenerates the new ones or removes those past the new count, and runs the stages after
-    regen again; any other change to regen still clears its answers. On the tiny random target, whose run takes
-    seconds."""
+    regen again; a larger regen.limit keeps the answers made too; any other change to regen, or a smaller limit, still
+    clears its answers. On the tiny random target, whose run takes seconds."""
     out = tmp_path / "run"
     d = out / "data" / "regen"
 
@@ -240,5 +240,14 @@ def test_changed_sample_count_keeps_the_samples_both_counts_have(tmp_path):
     assert "(3 -> 1): keeping the answers of sample 1, removing samples 2-3" in err
     assert shards("shard-0*.jsonl") == first and not list(d.glob("*-s[0-9]*"))
     assert json.loads((out / "manifest.json").read_text())["stages"]["regen"]["result"]["samples"] == 1
+    # a larger regen.limit (the tiny preset's is 8): the answers made are read back, the others asked for
+    err = run("--set", "regen.samples=1", "--set", "regen.limit=11")
+    assert "[regen] only regen.limit changed (8 -> 11): keeping the answers made, asking only for the conversations " \
+           "added" in err
+    assert "the plan grows from 8 to 11 conversations" in err and "8 finished conversations of unfinished shards" in err
+    regen = json.loads((out / "manifest.json").read_text())["stages"]["regen"]
+    assert regen["result"]["planned"] == 11 and regen["settings"] == {"regen.samples": 1, "regen.limit": 11}
+    err = run("--set", "regen.samples=1", "--set", "regen.limit=10")  # fewer: what was made for 11 is cleared
+    assert "[regen] config or inputs changed: clearing its old outputs" in err
     err = run("--set", "regen.samples=2", "--set", "regen.top_p=0.9")
     assert "[regen] config or inputs changed: clearing its old outputs" in err and "only regen.samples" not in err

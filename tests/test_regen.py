@@ -1,5 +1,6 @@
 """eyas regen: conversation walking, the server backend against a real local HTTP server, the
 embedded backend with the tiny and the real SmolLM2 target, kill -9 and resume for both."""
+import dataclasses
 import hashlib
 import json
 import os
@@ -595,6 +596,34 @@ def _samples_beside_a_finished_run(tmp_path, tiny, engine):
     assert again["records"] == 14 and again["generator"] == two["generator"]
     with pytest.raises(EyasError, match="greedy answers are the same"):
         run_regen(tiny_cfg(tmp_path, src, temperature=0.0, samples=2), target=tiny)
+
+
+def test_a_larger_limit_keeps_the_answers_made(tmp_path, tiny, capsys):
+    """regen.limit raised over a finished run: the plan grows instead of being refused, the full shards stay as they
+    are, the last shard's finished answers go back to its journal and are read from there rather than asked again, and
+    the result is what one run with the larger limit makes (greedy). A smaller limit, which would leave shards of
+    conversations no longer planned, is still refused."""
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}", "and then?"] for i in range(9)])
+    run_regen(tiny_cfg(tmp_path, src, limit=5, turns=1), target=tiny)  # shards of 3: 0 full, 1 holding 2 of 3
+    d = regen_dir(tmp_path / "run")
+    shard0 = (d / "shard-00000.jsonl").read_bytes()
+    two = (d / "shard-00001.jsonl").read_text().splitlines()
+    capsys.readouterr()
+    rep = run_regen(tiny_cfg(tmp_path, src, limit=8, turns=1), target=tiny)
+    err = capsys.readouterr().err
+    assert "regen: the plan grows from 5 to 8 conversations: the answers to the first 5 are kept" in err
+    assert "resuming, 1 of 3 shards already done" in err
+    assert "2 finished conversations of unfinished shards read back from their journals" in err
+    assert (d / "shard-00000.jsonl").read_bytes() == shard0
+    assert (d / "shard-00001.jsonl").read_text().splitlines()[:2] == two  # the same lines, one more after them
+    assert rep["records"] == rep["planned"] == 8 and rep["complete"] and not list(d.glob("*.partial"))
+    fresh = run_regen(dataclasses.replace(tiny_cfg(tmp_path, src, limit=8, turns=1), out=str(tmp_path / "fresh")),
+                      target=tiny)
+    a = {c.id: [t.content for t in c.turns] for c in read_dataset(str(d))[0]}
+    b = {c.id: [t.content for t in c.turns] for c in read_dataset(fresh["dir"])[0]}
+    assert a == b and len(a) == 8
+    with pytest.raises(EyasError, match=r"different 'ids' \(8 conversations before, 6 now\)"):
+        run_regen(tiny_cfg(tmp_path, src, limit=6, turns=1), target=tiny)
 
 
 def test_embedded_engines_agree(tmp_path, tiny):

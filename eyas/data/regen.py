@@ -755,6 +755,9 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | st
     path = plan_path(d, sample)
     if path.exists():
         old = read_json(path)
+        if _grows(old, plan):
+            _extend(d, old, plan, sample)
+            return plan
         for k in ("source", "split", "settings", "generator", "shard_size", "ids"):
             if old.get(k) != plan[k]:
                 what = (f"{len(old.get('ids', []))} conversations before, {len(ids)} now" if k == "ids"
@@ -770,6 +773,46 @@ def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | st
         stale.unlink()
     atomic_write_json(path, plan)
     return plan
+
+
+def _grows(old: dict, new: dict) -> bool:
+    """Whether plan `new` only adds conversations after those of plan `old` (a larger regen.limit over the same data
+    and settings): the old shards then hold the first conversations of the new plan's shards of the same numbers."""
+    same = all(old.get(k) == new[k] for k in ("source", "split", "settings", "generator", "shard_size"))
+    ids = old.get("ids")
+    return same and isinstance(ids, list) and len(ids) < len(new["ids"]) and new["ids"][:len(ids)] == ids
+
+
+def _extend(d: Path, old: dict, new: dict, sample: int | str) -> None:
+    """Replace plan `old` by `new`, which adds conversations after its own (`_grows`). Every old shard stays but the
+    last one when it was not full: the new plan gives that shard more conversations, so its finished ones go back to
+    its journal, where the run reads them instead of asking again, and the shard is written whole once the new ones
+    are done. Safe to cut anywhere: the journal is written before the shard is removed, and the plan replaced last."""
+    size, n = new["shard_size"], len(old["ids"])
+    of = "later turns: " if sample == LATER else f"sample {sample}: " if sample != 1 else ""
+    k = n // size  # the old plan's last shard, unless its conversations filled whole shards
+    shard = shard_path(d, k, sample)
+    if n % size and shard.exists():
+        index = {cid: i for i, cid in enumerate(new["ids"][k * size:(k + 1) * size], k * size)}
+        got: dict[int, dict] = {}  # what a line does not say clearly is asked again
+        for line in text_lines(shard.read_text(encoding="utf-8")):
+            try:
+                cid = json.loads(line).get("id")
+            except (ValueError, AttributeError):
+                continue
+            if cid in index:
+                got[index[cid]] = {"i": index[cid], "id": cid, "line": line}
+        ef = errors_path(d, k, sample)
+        for e in (read_json(ef).get("errors", []) if ef.exists() else []):
+            if isinstance(e, dict) and e.get("id") in index:
+                got[index[e["id"]]] = {"i": index[e["id"]], "id": e["id"], "error": e}
+        atomic_write_text(journal_path(d, k, sample),
+                          "".join(json.dumps(got[i], ensure_ascii=False) + "\n" for i in sorted(got)))
+        shard.unlink()
+        ef.unlink(missing_ok=True)
+    atomic_write_json(plan_path(d, sample), new)
+    log(f"regen: {of}the plan grows from {n:,} to {len(new['ids']):,} conversations: the answers to the first {n:,} "
+        f"are kept")
 
 
 def _check_cfg(cfg: Config) -> None:
