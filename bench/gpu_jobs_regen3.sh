@@ -16,13 +16,6 @@ run=/tmp/rS3
 regen_only regen_s3 $run --set regen.samples=3 --set train.draft_layers=3
 cp $run/data/regen/report.json $S/regen_s3_report.json 2>/dev/null
 pieces regenS123 $run/data regen
-# FLEX_AB=1: the regen engine's decode steps through flex attention bounded by each row's own position (FastLM's
-# flex_decode, forty-seventh session) against SDPA over the longest row's span, each twice in turn (the untimed
-# warm-up compiles flex), after the GPU test that the flex step's graph picks SDPA's tokens (about 200 s in all)
-[ -n "${FLEX_AB:-}" ] && job test_flex_decode timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
-  tests/test_fastlm.py -k flex_decode
-[ -n "${FLEX_AB:-}" ] && job regen_flex timeout 420 python3 bench/bench_regen.py --prompts 1024 --batch-size 512 \
-  --max-new-tokens 512 --max-prompt-tokens 2048 --baseline-batches 0 --engine static:flex=1,static,static:flex=1,static \
-  --out $S/regen_flex.json
+[ -n "${FLEX_AB:-}" ] && flex_ab  # gpu_lib.sh: regen's decode steps through flex attention against SDPA
 [ -n "${PROFILES:-}" ] && OUT=$S/prof bash bench/gpu_profiles.sh > $S/profiles.log 2>&1
 touch $S/finished_$tag

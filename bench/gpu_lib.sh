@@ -76,6 +76,14 @@ decode_runs() {  # decode_runs NAME=RUN...: each run's drafter on the chat promp
       --limit 80 --k 3,7 --max-new-tokens 256 --budget 8 --skip-hf --out $S/decode_${nr%%=*}.json
   done
 }
+flex_ab() {  # the regen engine's decode steps through flex attention bounded by each row's own position (FastLM's
+  # flex_decode, forty-seventh session) against SDPA over the longest row's span, each twice in turn (the untimed
+  # warm-up compiles flex), after the GPU test that the flex step's graph picks SDPA's tokens (about 200 s in all)
+  job test_flex_decode timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fastlm.py -k flex_decode
+  job regen_flex timeout 420 python3 bench/bench_regen.py --prompts 1024 --batch-size 512 --max-new-tokens 512 \
+    --max-prompt-tokens 2048 --baseline-batches 0 --engine static:flex=1,static,static:flex=1,static \
+    --out $S/regen_flex.json
+}
 flex_tests() {  # the GPU tests of the flex attention: flex equals dense (with gradients), and a warmed-up unroll
   # never waits for the device
   job test_no_waits timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ttt.py -k "never_waits or flex"
