@@ -269,6 +269,7 @@ def test_row_groups_attend_to_their_own_bounds(tiny):
         one.set_groups([1, 3])
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager on a CPU, as intended
 def test_flex_decode_steps_match_sdpa(tiny, monkeypatch):
     """Decode steps through flex attention bounded by each row's own position (flex_decode) give the logits of
     SDPA over the longest row's span: rows ending inside a block, on a block's last slot and on a block's first,
