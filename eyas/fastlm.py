@@ -222,7 +222,7 @@ class FastLM:
     # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
     # row's bound (`upto`). In regeneration some row nearly always holds a long prompt (BENCHMARKS.md, fourth
     # session: 923 of 1,008 steps attended to 1,280 slots), so most rows pay for context they do not have. Off by
-    # default until measured on a GPU (bench/bench_regen.py --engines static,static:flex=1); compiled on a GPU (flex
+    # default until measured on a GPU (bench/bench_regen.py --engine static,static:flex=1); compiled on a GPU (flex
     # attention's eager form is a slow reference), eager elsewhere. Rows given as an index tensor, and row groups,
     # keep SDPA
     flex_decode = False
