@@ -111,9 +111,9 @@ def main(argv=None) -> int:
     prefill = {"calls": 0, "tokens": 0, "padded_tokens": 0}
     orig_call, orig_prefill = DecodeGraph.__call__, R.StaticEngine._prefill
 
-    def call(self, upto=None):
+    def call(self, upto=None, rows=None):
         spans[self.slots(upto)] += 1
-        return orig_call(self, upto)
+        return orig_call(self, upto, rows)
 
     def pre(self, rows, items):
         prefill["calls"] += 1

@@ -221,10 +221,12 @@ class FastLM:
     # one-token calls (decode steps) through flex attention with a block mask made from each row's own position:
     # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
     # row's bound (`upto`). In regeneration some row nearly always holds a long prompt (BENCHMARKS.md, fourth
-    # session: 923 of 1,008 steps attended to 1,280 slots), so most rows pay for context they do not have. Off by
-    # default until measured on a GPU (bench/bench_regen.py --engine static,static:flex=1); compiled on a GPU (flex
-    # attention's eager form is a slow reference), eager elsewhere. Rows given as an index tensor, and row groups,
-    # keep SDPA
+    # session: 923 of 1,008 steps attended to 1,280 slots), so most rows pay for context they do not have. Off: on an
+    # H100 (forty-seventh session, bench/bench_regen.py --engine static:flex=1,static,static:flex=1,static, 1,024
+    # ShareGPT prompts, 512 new tokens) it gave 19.8k and 19.5k tok/s against SDPA's 19.7k and 22.2k, though a
+    # 512-row SDPA step there takes 4.0 ms at 256 slots and 17.4 ms at 2,624 (bench/profile_regen.py). Compiled on a
+    # GPU (flex attention's eager form is a slow reference), eager elsewhere. Rows given as an index tensor, and row
+    # groups, keep SDPA
     flex_decode = False
     FLEX_BLOCK = 128
 
