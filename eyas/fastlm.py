@@ -319,14 +319,6 @@ class FastLM:
         return (self.gqa_steps and 1 < T <= self.GQA_MAX_T and not one_off and self.n_heads != self.n_kv
                 and (self.device.type == "cpu" or self.dtype in (torch.bfloat16, torch.float16)))
 
-    def _mlp(self, i: int, layer, x: torch.Tensor, ew: bool) -> torch.Tensor:
-        """Layer i's MLP on its normed input x: gate and up as one product where fused (see __init__)."""
-        if self.gate_up[i] is None:
-            return layer.mlp(x)
-        gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
-        silu = ew and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-        return layer.mlp.down_proj(compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up)
-
     def _flex_mask(self, qpos: torch.Tensor):
         """flex_decode's block mask for one-token queries at positions qpos [b] (b <= batch_size rows): a row's
         blocks below its position's block are whole (no mask evaluated), the block holding its position is cut at
@@ -442,27 +434,29 @@ class FastLM:
             if flex:  # every slot of the rows (the block mask skips what lies past each row's position)
                 sel = slice(None) if rows is None else rows
                 o = fattn(q, kc[sel], vc[sel], block_mask=fmask, scale=self.scaling, enable_gqa=nh != nkv)
-                o = o.transpose(1, 2).reshape(b, T, -1)
-                h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
-                pend = self._mlp(i, layer, x, ew)
-                continue
-            if not gqa:
-                q = q.reshape(b, nkv, rep * T, D)
-            outs = []
-            for (a, z, u), m in zip(parts, masks):
-                if rows is None or isinstance(rows, slice):  # a view, no copy
-                    sel = slice(a, z) if rows is None else rows
-                    ks, vs = kc[sel, :, :u], vc[sel, :, :u]
-                else:
-                    ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
-                outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
-                                                           **({"enable_gqa": True} if gqa else {})))
-            o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-            if not gqa:
-                o = o.reshape(b, self.n_heads, T, self.head_dim)
+            else:
+                if not gqa:
+                    q = q.reshape(b, nkv, rep * T, D)
+                outs = []
+                for (a, z, u), m in zip(parts, masks):
+                    if rows is None or isinstance(rows, slice):  # a view, no copy
+                        sel = slice(a, z) if rows is None else rows
+                        ks, vs = kc[sel, :, :u], vc[sel, :, :u]
+                    else:
+                        ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
+                    outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
+                                                               **({"enable_gqa": True} if gqa else {})))
+                o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+                if not gqa:
+                    o = o.reshape(b, self.n_heads, T, self.head_dim)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
-            pend = self._mlp(i, layer, x, ew)
+            if self.gate_up[i] is not None:
+                gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
+                silu = ew and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+                pend = layer.mlp.down_proj(compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up)
+            else:
+                pend = layer.mlp(x)
         h, final = add_norm(h, pend, self.base.norm)
         if want_aux and n in self.aux_layers:
             grab[n] = h
