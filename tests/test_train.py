@@ -796,8 +796,10 @@ def test_host_cache_budget():
 
     assert host_cache_budget(2, "cpu") == 2e9  # as given
     assert host_cache_budget(-1, "cpu") == 0  # auto: none on a CPU
-    assert host_cache_budget(-1, "cuda", available=100e9) == 50e9
-    assert host_cache_budget(-1, "cuda", available=100e9, local_processes=2) == 25e9
+    assert host_cache_budget(-1, "cuda", available=100e9) == 80e9  # auto: 80% of what is available
+    assert host_cache_budget(-1, "cuda", available=100e9, local_processes=2) == 40e9
+    assert host_cache_budget(-1, "cuda", available=40e9) == 24e9  # at least 16 GB left to the rest
+    assert host_cache_budget(-1, "cuda", available=10e9) == 0
 
 
 def _graph_runs(tiny_run, target, tmp_path, **over) -> dict:
