@@ -268,6 +268,34 @@ def test_server_samples_ask_with_seeds_of_their_own(tmp_path, server):
     assert {k: len(set(v)) for k, v in seeds.items()} == {"alpha": 3, "beta": 3}
 
 
+def test_a_regen_asking_for_fewer_sets_than_its_folder_holds_is_refused(tmp_path, server):
+    """A standalone regen over a folder holding more samples (or later turns) than it asks for stops before any work,
+    naming the sets, the setting that goes on with them and the files to delete: tokenize reads every shard there, so
+    they would be trained on unasked. Going on with them, or deleting the files it names, then works."""
+    src = write_jsonl(tmp_path / "d.jsonl", [["a1", "a2"], ["b1"]])
+    assert run_regen(server_cfg(tmp_path, src, server.url, samples=3, turns=1, later_turns=True))["complete"]
+    d = regen_dir(tmp_path / "run")
+    before = {f.name: f.read_bytes() for f in d.iterdir()}
+    asked = len(server.requests)
+    with pytest.raises(EyasError) as e:
+        run_regen(server_cfg(tmp_path, src, server.url, samples=2, turns=1, later_turns=True))
+    msg = str(e.value)
+    assert "sample 3;" in msg and "--samples 3" in msg and "shard-s3-*, plan-s3.json" in msg and "later" not in msg
+    with pytest.raises(EyasError) as e:
+        run_regen(server_cfg(tmp_path, src, server.url, samples=1, turns=1))
+    msg = str(e.value)
+    assert "sample 2, sample 3, the later turns" in msg and "--samples 3 --later-turns" in msg
+    assert "shard-later-*, plan-later.json" in msg and "regen.later_turns off" in msg
+    assert {f.name: f.read_bytes() for f in d.iterdir()} == before and len(server.requests) == asked  # untouched
+    rep = run_regen(server_cfg(tmp_path, src, server.url, samples=3, turns=1, later_turns=True))  # goes on: all done
+    assert rep["complete"] and rep["samples"] == 3 and len(server.requests) == asked
+    for f in [*d.glob("shard-s3-*"), d / "plan-s3.json", *d.glob("shard-later-*"), d / "plan-later.json"]:
+        f.unlink()  # as the message says
+    rep = run_regen(server_cfg(tmp_path, src, server.url, samples=2, turns=1))
+    assert rep["complete"] and rep["samples"] == 2 and rep["records"] == 4 and len(server.requests) == asked
+    assert sorted(c.id for c in read_dataset(str(d))[0]) == ["c0", "c0~sample2", "c1", "c1~sample2"]
+
+
 def test_server_later_turns_ask_with_the_source_history(tmp_path, server):
     """regen.later_turns beside two samples: the conversations with a later user turn get a `~later` record whose
     later answers were each asked with the source's original answers before them (what the server was sent), its

@@ -109,6 +109,30 @@ def drop_samples_after(d: Path, n: int) -> list[int]:
     return gone
 
 
+def check_no_extra_sets(d: Path, samples: int, later_turns: bool) -> None:
+    """Refuse a regen folder d that holds sets of answers a call with these settings does not ask for: samples after
+    the first `samples`, or later turns where regen.later_turns is off. Every command that trains on the folder reads
+    all its shards, so they would be trained on as well. `eyas run` removes them itself when only the sample count
+    went down (drop_samples_after) and starts over on any other change; a standalone `eyas regen` leaves the choice
+    to its user: go on with them, or remove them."""
+    if not d.is_dir():
+        return
+    found = (re.match(r"(?:shard|plan)-s(\d+)[-.]", f.name) for f in d.iterdir())
+    extra: list[int | str] = sorted({int(m[1]) for m in found if m and int(m[1]) > samples})
+    if not later_turns and (plan_path(d, LATER).exists() or any(d.glob(f"{_shard_prefix(LATER)}*"))):
+        extra.append(LATER)
+    if not extra:
+        return
+    nums = [x for x in extra if x != LATER]
+    what = ", ".join([*(f"sample {x}" for x in nums), *(["the later turns"] if LATER in extra else [])])
+    asks = f"regen.samples={samples}" + ("" if later_turns or LATER not in extra else ", regen.later_turns off")
+    keep = ([f"--samples {max(nums)}"] if nums else []) + (["--later-turns"] if LATER in extra else [])
+    files = ", ".join(f"{_shard_prefix(x)}*, {plan_path(d, x).name}" for x in extra)
+    raise EyasError(f"{d} holds answers this call does not ask for ({what}; it asks for {asks}). Every command "
+                    f"that trains on this folder reads all of them. To go on with them, give {' '.join(keep)}; to "
+                    f"keep only what this call asks for, delete their files in {d} ({files}) first")
+
+
 def sample_copy(conv: Conversation, sample: int) -> Conversation:
     """The conversation to regenerate as its sample `sample` (> 1): its id suffixed, so its seeds, shards and
     records are its own; `split_of` strips the suffix, so every sample of a conversation lands on the same side of
@@ -862,6 +886,7 @@ def run_regen(cfg: Config, target=None) -> dict:
     if not convs:
         raise EyasError(f"no conversations to regenerate in split '{rc.split}' of {cfg.data.source}")
     d = regen_dir(cfg.out)
+    check_no_extra_sets(d, rc.samples, rc.later_turns)
     d.mkdir(parents=True, exist_ok=True)
     rank, world, local = dist_env()
     own_pg = False
