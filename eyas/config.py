@@ -165,8 +165,8 @@ class TrainConfig:
     feature_cache_host_gb: float = opt(-1.0, "online features that do not fit in feature_cache_gb kept in the host's "
                                        "memory (pinned) and copied to the GPU per batch: at most this many GB (-1 = "
                                        "auto: on a GPU 80% of the host memory available when training starts, "
-                                       "leaving at least 16 GB, shared among this host's training processes; none "
-                                       "on a CPU; 0 = off)")
+                                       "within a container's memory limit, leaving at least 16 GB, shared among "
+                                       "this host's training processes; none on a CPU; 0 = off)")
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")

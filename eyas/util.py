@@ -294,22 +294,75 @@ def to_device(t, device):
     return t.to(device)
 
 
-def mem_available() -> int:
+def mem_available(cgroup_root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup") -> int:
     """The host's available memory in bytes: psutil's (installed with accelerate), else /proc/meminfo's
-    MemAvailable (the GPU image runs eyas from source), else 0."""
+    MemAvailable (the GPU image runs eyas from source), else 0; no more than this process's memory cgroup may still
+    take (`cgroup_room`), since both of those count the whole machine's memory inside a container with a limit of
+    its own, where taking more gets the process killed."""
+    free = 0
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
+        free = int(psutil.virtual_memory().available)
     except ImportError:
-        pass
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+        except (OSError, ValueError, IndexError):
+            pass
+    room = cgroup_room(cgroup_root, proc_cgroup)
+    return free if room is None else min(free, room) if free else room
+
+
+def cgroup_room(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup") -> int | None:
+    """Bytes the memory cgroup of this process may still take: its limit less what it holds, where the file pages
+    it could drop (inactive_file) count as room; None without a limit or where none can be read. cgroup v2
+    (memory.max, memory.current) or v1 (memory.limit_in_bytes, memory.usage_in_bytes), in this process's own group
+    (/proc/self/cgroup) or at the mount's root, which is the own group inside most containers."""
+    root = Path(root)
+    own = {"v2": "", "v1": ""}
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        for line in Path(proc_cgroup).read_text().splitlines():
+            _, ctrl, path = line.split(":", 2)
+            if ctrl == "":
+                own["v2"] = path.strip("/")
+            elif "memory" in ctrl.split(","):
+                own["v1"] = path.strip("/")
+    except (OSError, ValueError):
         pass
-    return 0
+
+    def number(f: Path) -> int | None:
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def stat(f: Path, *keys: str) -> int:
+        try:
+            rows = dict(line.split()[:2] for line in f.read_text().splitlines() if len(line.split()) >= 2)
+        except (OSError, ValueError):
+            return 0
+        for k in keys:
+            if rows.get(k, "").isdigit():
+                return int(rows[k])
+        return 0
+
+    for base, limit_f, used_f, keys in (
+            (root / own["v2"], "memory.max", "memory.current", ("inactive_file",)),
+            (root, "memory.max", "memory.current", ("inactive_file",)),
+            (root / "memory" / own["v1"], "memory.limit_in_bytes", "memory.usage_in_bytes",
+             ("total_inactive_file", "inactive_file")),
+            (root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "inactive_file"))):
+        if not (base / limit_f).is_file():
+            continue
+        limit, used = number(base / limit_f), number(base / used_f)
+        if limit is None or limit >= 1 << 60 or used is None:  # "max", or v1's page-rounded 2**63 - 1: no limit
+            continue
+        return max(0, limit - used + stat(base / "memory.stat", *keys))
+    return None
 
 
 def compile_failure(e: BaseException) -> str:

@@ -802,6 +802,36 @@ def test_host_cache_budget():
     assert host_cache_budget(-1, "cuda", available=10e9) == 0
 
 
+def test_available_memory_is_bounded_by_the_memory_cgroup(tmp_path):
+    """Inside a container with a memory limit, psutil and /proc/meminfo count the whole machine: the memory the host
+    tier may take is bounded by what the cgroup's limit leaves (its dropped-at-will file pages counted as room), in
+    cgroup v2 and v1, in the process's own group or at the mount's root; no limit or no cgroup leaves the host's."""
+    from eyas.util import cgroup_room, mem_available
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/job/a\n0::/job/b\n")
+    v2 = tmp_path / "v2"
+    (v2 / "job" / "b").mkdir(parents=True)
+    (v2 / "job" / "b" / "memory.max").write_text("40000000000\n")
+    (v2 / "job" / "b" / "memory.current").write_text("30000000000\n")
+    (v2 / "job" / "b" / "memory.stat").write_text("anon 1\ninactive_file 5000000000\nactive_file 7\n")
+    assert cgroup_room(v2, proc) == 15_000_000_000
+    assert 0 < mem_available(v2, proc) <= 15_000_000_000
+    (v2 / "job" / "b" / "memory.max").write_text("max\n")  # no limit of its own
+    assert cgroup_room(v2, proc) is None and mem_available(v2, proc) == mem_available(tmp_path / "none", proc)
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)  # the mount's root, as inside a container
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("24000000000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("26000000000\n")
+    (v1 / "memory" / "memory.stat").write_text("cache 9\ninactive_file 1\ntotal_inactive_file 3000000000\n")
+    assert cgroup_room(v1, proc) == 1_000_000_000
+    (v1 / "memory" / "memory.stat").unlink()
+    assert cgroup_room(v1, proc) == 0  # over its limit: no room, never below 0
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_room(v1, proc) is None
+    assert cgroup_room(tmp_path / "none", tmp_path / "no_proc") is None
+
+
 def _graph_runs(tiny_run, target, tmp_path, **over) -> dict:
     """Two short runs of the tiny preset, train.cuda_graph off and on, with validations and checkpoints between
     steps: {on: (loss rows, summary, drafter weights)}."""
