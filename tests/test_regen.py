@@ -296,6 +296,31 @@ def test_a_regen_asking_for_fewer_sets_than_its_folder_holds_is_refused(tmp_path
     assert sorted(c.id for c in read_dataset(str(d))[0]) == ["c0", "c0~sample2", "c1", "c1~sample2"]
 
 
+def test_training_on_an_unfinished_regen_says_so(tmp_path, server, capsys):
+    """A standalone stage that trains on a regen folder whose run was cut (a shard of its plan missing) says how much
+    is there and how to finish it, and goes on; a finished one, or shards put there by hand, say nothing."""
+    from eyas.data.prepare import training_conversations
+    from eyas.data.regen import shard_progress
+
+    src = write_jsonl(tmp_path / "d.jsonl", [["a1"], ["b1"], ["c1"], ["d1"]])
+    cfg = server_cfg(tmp_path, src, server.url, samples=2, turns=1)
+    run_regen(cfg)
+    d = regen_dir(tmp_path / "run")
+    assert shard_progress(d) == (4, 4)
+    capsys.readouterr()
+    assert len(training_conversations(cfg)[0]) == 8 and "unfinished" not in capsys.readouterr().err
+    (d / "shard-s2-00001.jsonl").unlink()  # as a run cut before its last shard
+    assert shard_progress(d) == (3, 4)
+    convs = training_conversations(cfg)[0]
+    err = capsys.readouterr().err
+    assert len(convs) == 7 and f"regeneration in {d} is unfinished (3 of 4 shards written)" in err
+    assert f"eyas regen --out {cfg.out}" in err
+    for f in d.glob("plan*.json"):
+        f.unlink()
+    assert shard_progress(d) is None and len(training_conversations(cfg)[0]) == 7
+    assert "unfinished" not in capsys.readouterr().err
+
+
 def test_server_later_turns_ask_with_the_source_history(tmp_path, server):
     """regen.later_turns beside two samples: the conversations with a later user turn get a `~later` record whose
     later answers were each asked with the source's original answers before them (what the server was sent), its

@@ -103,6 +103,13 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     rdir = regen_dir(Path(cfg.out))
     if rdir.exists() and any(rdir.glob("*.jsonl")):
         check_regen_matches(cfg, rdir)
+        from .regen import shard_progress
+
+        done = shard_progress(rdir)
+        if done and done[0] < done[1]:  # a standalone stage after a regen that was cut: said, not refused
+            log(f"WARNING: the regeneration in {rdir} is unfinished ({done[0]} of {done[1]} shards written): these "
+                f"answers are what there is to train on. To train on all of them, run the same `eyas regen --out "
+                f"{cfg.out}` again first (it resumes)")
         convs, rep = read_dataset(str(rdir), strict=cfg.data.strict)
         source = REGEN_SOURCE
         originals = _original_train(cfg) if (cfg.data.extra_original or cfg.data.original_rest) else []

@@ -1164,6 +1164,21 @@ def _stats(xs: list[int]) -> dict:
 LOOP_NGRAM, LOOP_SHARE = 6, 0.5
 
 
+def _planned_shards(plans: list[dict]) -> int:
+    return sum(math.ceil(len(p["ids"]) / p["shard_size"]) for p in plans)
+
+
+def shard_progress(d: Path) -> tuple[int, int] | None:
+    """(shards written, shards planned) over every set of answers in regen folder d, from the file names and plans
+    alone (validation_report reads the shards too); None where d has no plan (shards copied in by hand) or one that
+    does not say its conversations and shard size."""
+    plans = [read_json(f) for f in sorted(d.glob("plan*.json"))] if (d / "plan.json").exists() else []
+    if not plans or not all(isinstance(p, dict) and isinstance(p.get("ids"), list)
+                            and isinstance(p.get("shard_size"), int) and p["shard_size"] > 0 for p in plans):
+        return None
+    return len(list(d.glob("shard-*.jsonl"))), _planned_shards(plans)
+
+
 def validation_report(path: str | Path) -> dict:
     """What a regeneration produced: a run directory or its data/regen folder (or any folder of shards)."""
     p = Path(path)
@@ -1221,7 +1236,7 @@ def validation_report(path: str | Path) -> dict:
     samples = len(plans) or None
     plans += [later] if later else []
     planned = sum(len(p["ids"]) for p in plans) if plans else None
-    n_shards = sum(math.ceil(len(p["ids"]) / p["shard_size"]) for p in plans) if plans else len(shards)
+    n_shards = _planned_shards(plans) if plans else len(shards)
     dup = len(ids) - len(set(ids))
     return {
         "dir": str(d), "planned": planned, "records": records, "shards_done": len(shards), "shards_total": n_shards,
