@@ -200,7 +200,15 @@ class HostSlab:
             size = max(n, min(self.CHUNK, self.limit - self.used))
             if self.pin and size < self.CHUNK:  # the allocator would round it up anyway
                 size = 1 << (size - 1).bit_length()
-            self.chunks.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+            try:
+                chunk = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            except (RuntimeError, MemoryError) as e:  # the host had less than its budget said: the slab is full
+                log(f"train: host memory for features stopped at {human_bytes(self.used)} of the "
+                    f"{human_bytes(self.limit)} budgeted ({type(e).__name__}: {str(e).splitlines()[0][:160]}); the "
+                    f"sequences past it are computed again when needed (train.feature_cache_host_gb sets the budget)")
+                self.limit = self.used
+                return None
+            self.chunks.append(chunk)
             self.offset = 0
         out = self.chunks[-1][self.offset:self.offset + n]
         self.offset += n

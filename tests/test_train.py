@@ -791,6 +791,27 @@ def test_host_slab_keeps_copies_within_its_limit():
     assert HostSlab(0).put((b,)) is None
 
 
+def test_a_host_slab_whose_memory_runs_out_refuses_instead_of_failing(monkeypatch, capsys):
+    """A host that has less memory than the budget said (an allocation fails) ends the slab where it is: what it
+    holds stays, later puts are refused (the sequences are computed again), and the log says so once."""
+    from eyas.features import HostSlab
+
+    slab = HostSlab(4096)
+    slab.CHUNK = 1024
+    first = slab.put((torch.full((100,), 1.0),))
+    real = torch.empty
+
+    def no_memory(*a, **k):
+        raise RuntimeError("CUDA error: out of memory\nmore")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    assert [slab.put((torch.full((200,), 2.0),)) for _ in range(3)] == [None] * 3
+    monkeypatch.setattr(torch, "empty", real)
+    err = capsys.readouterr().err
+    assert err.count("host memory for features stopped at") == 1 and "(RuntimeError: CUDA error: out of memory)" in err
+    assert slab.limit == slab.used and torch.equal(first[0], torch.full((100,), 1.0))
+
+
 def test_host_cache_budget():
     from eyas.features import host_cache_budget
 
