@@ -95,13 +95,18 @@ def plan_path(d: Path, sample: int | str = 1) -> Path:
     return d / (f"plan-{_tag(sample)}.json" if _tag(sample) else "plan.json")
 
 
+def _samples_after(d: Path, n: int) -> list[int]:
+    """The samples after the first n that regen folder d holds files of (shards, journals, error lists or plans)."""
+    found = (re.match(r"(?:shard|plan)-s(\d+)[-.]", f.name) for f in d.iterdir()) if d.is_dir() else ()
+    return sorted({int(m[1]) for m in found if m and int(m[1]) > n})
+
+
 def drop_samples_after(d: Path, n: int) -> list[int]:
     """Remove the sets of samples after the first n from the regen folder d (their shards, journals, error lists and
     plans) and its report, which no longer describes the folder; the first sample and the later turns stay. Returns
     the samples removed. For `eyas run` when only regen.samples changed: the samples kept are what a run with the new
     count makes of them (a sample's plan, seeds and shards do not depend on the count)."""
-    found = (re.match(r"(?:shard|plan)-s(\d+)[-.]", f.name) for f in d.iterdir()) if d.is_dir() else ()
-    gone = sorted({int(m[1]) for m in found if m and int(m[1]) > n})
+    gone = _samples_after(d, n)
     for s in gone:
         for f in [*d.glob(f"{_shard_prefix(s)}*"), plan_path(d, s)]:
             f.unlink(missing_ok=True)
@@ -117,8 +122,7 @@ def check_no_extra_sets(d: Path, samples: int, later_turns: bool) -> None:
     to its user: go on with them, or remove them."""
     if not d.is_dir():
         return
-    found = (re.match(r"(?:shard|plan)-s(\d+)[-.]", f.name) for f in d.iterdir())
-    extra: list[int | str] = sorted({int(m[1]) for m in found if m and int(m[1]) > samples})
+    extra: list[int | str] = list(_samples_after(d, samples))
     if not later_turns and (plan_path(d, LATER).exists() or any(d.glob(f"{_shard_prefix(LATER)}*"))):
         extra.append(LATER)
     if not extra:
