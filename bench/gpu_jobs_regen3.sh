@@ -7,7 +7,8 @@
 # (`cat regenS123.part*.tgz > .carry/regenS123.tgz`, which gpu_jobs_l2s3.sh prefers). PROFILES=1 then runs
 # bench/gpu_profiles.sh (a training step's and the regen engine's GPU time) into $S/prof, as time allows.
 #   call 1:  bash .stage/00/unpack.sh ~/eyas-stage
-#   call 2:  bash .stage/01/unpack.sh ~/eyas-stage && FLEX_AB=1 PROFILES=1 JOBS=bench/gpu_jobs_regen3.sh bash bench/gpu_queue.sh 560
+#   call 2:  bash .stage/01/unpack.sh ~/eyas-stage && PROFILES=1 JOBS=bench/gpu_jobs_regen3.sh bash bench/gpu_queue.sh 560
+# FLEX_AB=1 adds flex_ab (gpu_lib.sh) before the profiles; the forty-seventh session measured no gain from it.
 #   polls:   the same JOBS with gpu_queue.sh 575, sent the moment the last returns
 S=$1; tag=$2
 source bench/gpu_lib.sh
