@@ -47,6 +47,9 @@
 # Measured (forty-fourth session, LAYERS=3 SAMPLES=2 NO_DECODE=1, 5 epochs, from nothing): the job 1,254 s (regen 490 s
 # at 21.1k tok/s, train 629 s: 17,320 steps at 34.9/s after a 61 s warm-up, eval 62 s): eval τ 3.180, the same as
 # L2S3e6's 3.183. Three layers on three samples from nothing: about 1,560 s of job at 5 epochs (an estimate).
+# Measured (forty-ninth session, an H100, LAYERS=3 NO_TESTS=1, 6 epochs, .carry/regenS123.tgz): the job 1,271 s (train
+# 1,080 s: warm-up 158 s keeping all 47,492 sequences with the 80% host budget, 26,352 steps at 31.9/s steady; eval 93 s),
+# the decodes 244 s, 1,708 s of the lease with 3 staging calls: eval τ 3.231, the first run above 3.2.
 S=$1; tag=$2
 ep=4; [ $# -ge 3 ] && { ep=$1; S=$2; tag=$3; }
 source bench/gpu_lib.sh
