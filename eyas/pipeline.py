@@ -25,7 +25,8 @@ from pathlib import Path
 from . import __version__
 from . import config as C
 from .draft import is_int
-from .util import EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json, sha256_file, sha256_json
+from .util import (EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json,
+                   release_memory, sha256_file, sha256_json)
 
 # name, "module:function", config keys it reads, output paths under the run dir (the first one is
 # what later stages read: a finished stage whose first output is gone runs again)
@@ -399,6 +400,7 @@ def run_pipeline(cfg: C.Config) -> dict:
         t0 = time.perf_counter()
         result = fn(cfg, target=target) if "target" in inspect.signature(fn).parameters else fn(cfg)
         dt = time.perf_counter() - t0
+        release_memory()  # the stage's freed buffers (regen's KV cache, training's pinned feature tier) back
         line = one_line(name, result or {})
         manifest["stages"][name] = {"key": keys[name], "status": "done", "seconds": round(dt, 2),
                                     "summary": line, "result": _jsonable(result or {}),

@@ -294,6 +294,29 @@ def to_device(t, device):
     return t.to(device)
 
 
+def release_memory() -> bool:
+    """Give back what torch's caches still hold for tensors already freed: the GPU allocator's unused blocks and the
+    pinned host blocks. The training's host tier of features pins up to 80% of the host's memory, and torch's
+    pinned-memory allocator keeps those blocks for the rest of the process once they are freed, so `eyas run`
+    calls this between stages (eval and export then run without them). Whether pinned memory was given back: False
+    without CUDA in use, or with a torch that has no hook for it."""
+    import gc
+
+    import torch
+
+    gc.collect()  # tensors held only by reference cycles first
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    torch.cuda.empty_cache()
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    if empty is None:  # torch before torch.accelerator had it
+        empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is None:
+        return False
+    empty()
+    return True
+
+
 def mem_available(cgroup_root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "/proc/self/cgroup") -> int:
     """The host's available memory in bytes: psutil's (installed with accelerate), else /proc/meminfo's
     MemAvailable (the GPU image runs eyas from source), else 0; no more than this process's memory cgroup may still

@@ -123,6 +123,39 @@ def test_host_tier_pinned_on_cuda():
     _host_tier(load_target(TargetConfig(name="tiny", dtype="float32", device="cuda")))
 
 
+def test_release_memory_without_cuda_gives_nothing_back():
+    """On a machine where CUDA is not in use there is no pinned memory to give back, and asking is harmless."""
+    from eyas.util import release_memory
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        pytest.skip("CUDA is in use in this process")
+    assert release_memory() is False
+
+
+@pytest.mark.gpu
+def test_release_memory_gives_a_freed_host_tier_back():
+    """Pinned chunks of a host tier that was dropped stay with torch's host allocator until `release_memory`
+    (called by `eyas run` after every stage) gives them back to the system."""
+    from eyas.features import HostSlab
+    from eyas.util import release_memory
+
+    def pinned():
+        return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+
+    torch.cuda.init()
+    release_memory()
+    before = pinned()
+    slab = HostSlab(1 << 26, pin=True)
+    kept = slab.put((torch.ones(1 << 24),))  # 64 MiB
+    assert kept is not None and kept[0].is_pinned()
+    held = pinned()
+    assert held - before >= 1 << 26
+    del slab, kept
+    assert pinned() == held  # freed, but cached by the allocator
+    assert release_memory() is True
+    assert pinned() <= before
+
+
 def _host_tier(target):
     """Sequences past the device cache's budget are kept in the host tier (train.feature_cache_host_gb) and come
     back on the target's device as the tensors of their first computation; past both budgets they are recomputed."""
