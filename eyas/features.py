@@ -90,6 +90,7 @@ class OnlineFeatures:
         self.host = HostSlab(host_bytes, pin=self.device.type == "cuda")
         self.host_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.host_hits = 0
+        self.warm_tokens = 0  # tokens the last `warm` computed
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -136,19 +137,51 @@ class OnlineFeatures:
             group = order[a:b]
             yield group, compute_features(self.target, [seqs[k] for k in group], self.norm)
 
-    def warm(self, indices: list[int], batch_tokens: int) -> int:
+    def warm(self, indices: list[int], batch_tokens: int, keep: str = "longest") -> int:
         """Compute and keep the features of `indices` before training, longest first in forwards of up to
         `batch_tokens` padded tokens (an extraction's batches: on an H200 its capture ran at 640k tok/s,
         where a training batch's own small forwards ran at about 136k); stops once the cache is full.
-        Returns the number of sequences kept."""
-        todo = [i for i in dict.fromkeys(indices) if i not in self.cache]
+        keep (train.feature_cache_keep): which sequences the budgets hold when not all fit, the longest or the
+        shortest. Returns the number of sequences kept; `warm_tokens` is the tokens the forwards computed."""
+        todo = [i for i in dict.fromkeys(indices) if i not in self.cache and i not in self.host_cache]
         kept = 0
+        self.warm_tokens = 0
+        if keep == "shortest":
+            todo, kept = self._shortest_that_fit(todo, batch_tokens)
+        elif keep != "longest":
+            raise ValueError(f"keep={keep!r}: longest or shortest")
         for group, feats in self._forwards([self.tokens[i][0] for i in todo], batch_tokens):
             kept += sum(self._keep(todo[j], *f) for j, f in zip(group, feats))
             self.misses += len(group)
+            self.warm_tokens += sum(len(self.tokens[todo[j]][0]) for j in group)
             if self.full():
                 break
         return kept
+
+    def _shortest_that_fit(self, todo: list[int], batch_tokens: int) -> tuple[list[int], int]:
+        """The shortest of `todo` whose features fit the room the two budgets have left, by the bytes a token
+        takes (measured on the shortest sequence, kept at once: the second value says whether it was) and the
+        host slab's alignment."""
+        order = sorted(todo, key=lambda i: len(self.tokens[i][0]))  # stable
+        if not order:
+            return order, 0
+        first = order[0]
+        n_first = len(self.tokens[first][0])
+        (_, feats), = self._forwards([self.tokens[first][0]], batch_tokens)
+        per_token = sum(t.numel() * t.element_size() for t in feats[0]) / max(1, n_first)
+        self.misses += 1
+        self.warm_tokens += n_first
+        if not self._keep(first, *feats[0]):
+            return [], 0
+        room = max(0, self.cache_bytes - self.cached_bytes) + max(0, self.host.limit - self.host.used)
+        chosen, used = [], 0.0
+        for i in order[1:]:
+            n = len(self.tokens[i][0]) * per_token + 3 * HostSlab.ALIGN
+            if used + n > room:
+                break
+            chosen.append(i)
+            used += n
+        return chosen, 1
 
     def get(self, indices: list[int]) -> list[Sample]:
         """Samples in the order of `indices`. The forwards take the sequences longest first, cut

@@ -881,12 +881,12 @@ def run_train(cfg: Config, target=None) -> dict:
     if cache["train"] or host["train"]:  # this process's sequences through the target ahead, extraction-sized
         mine_seqs = [i for i in range(len(train_tokens)) if i % group // tc.grad_accum == d.rank]
         t_w = time.perf_counter()
-        n_kept = train.features.warm(mine_seqs, cfg.features.batch_tokens)
+        n_kept = train.features.warm(mine_seqs, cfg.features.batch_tokens, keep=tc.feature_cache_keep)
         dt = time.perf_counter() - t_w
-        n_tok = int(train_tokens.lengths()[mine_seqs].sum())
+        n_tok = train.features.warm_tokens  # those computed: the warm-up stops once the budgets are full
         on_host = len(train.features.host_cache)
         warm = {"sequences": n_kept, "of": len(mine_seqs), "seconds": round(dt, 2), "tok_s": round(n_tok / dt, 1),
-                "host_sequences": on_host}
+                "host_sequences": on_host, "keep": tc.feature_cache_keep}
         log(f"train: target features of {n_kept} of {len(mine_seqs)} sequences computed ahead and kept"
             + (f" ({on_host} of them in host memory)" if on_host else "") + ", "
             f"{dt:.1f} s ({n_tok / dt:,.0f} tok/s)")

@@ -186,6 +186,35 @@ def _host_tier(target):
     assert st["host_bytes"] <= st["host_limit_bytes"]
 
 
+def test_warm_keeps_the_shortest_sequences_when_asked(tiny):
+    """train.feature_cache_keep=shortest: with room for some sequences only, the warm-up keeps the shortest that
+    fit both budgets (the long ones left over fill whole batches in training), where the default keeps the longest
+    first; either way the features handed out equal the target's, and `warm_tokens` counts what was computed."""
+    torch.manual_seed(0)
+    lens = [30, 7, 19, 12]
+    tokens = TokenSet.from_tokenized([SimpleNamespace(id=f"s{i}", input_ids=torch.randint(3, 200, (n,)).tolist(),
+                                                      loss_mask=[1] * n) for i, n in enumerate(lens)])
+    ref = OnlineFeatures(tiny, tokens, cache_bytes=1 << 30)
+    assert ref.warm([0, 1, 2, 3], 128) == 4 and ref.warm_tokens == sum(lens)
+    per_token = sum(t.numel() * t.element_size() for t in ref.cache[0]) // lens[0]
+    room = dict(cache_bytes=per_token * 38 + 512)  # 38 tokens: 7 + 12 + 19, or 30 + 7
+    short = OnlineFeatures(tiny, tokens, **room)
+    assert short.warm([0, 1, 2, 3], 128, keep="shortest") == 3
+    assert sorted(short.cache) == [1, 2, 3] and short.warm_tokens == 38  # 30 never computed
+    longest = OnlineFeatures(tiny, tokens, **room)
+    assert longest.warm([0, 1, 2, 3], 128) == 2  # 30 first, then 7: 19 and 12 no longer fit
+    assert sorted(longest.cache) == [0, 1] and longest.warm_tokens == sum(lens)
+    tiers = OnlineFeatures(tiny, tokens, cache_bytes=per_token * 26, host_bytes=per_token * 12 + 1024)
+    assert tiers.warm([0, 1, 2, 3], 128, keep="shortest") == 3  # the room of both budgets together
+    assert sorted([*tiers.cache, *tiers.host_cache]) == [1, 2, 3] and tiers.host_cache
+    for feats in (short, longest, tiers):
+        for k, s in zip([2, 0, 3, 1], feats.get([2, 0, 3, 1])):
+            for a, b in zip((s.aux, s.final, s.top), ref.cache[k]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="longest or shortest"):
+        OnlineFeatures(tiny, tokens, **room).warm([0], 128, keep="random")
+
+
 def test_feature_cache_budget_leaves_room_for_training():
     from eyas.features import feature_cache_budget, train_step_bytes
 
