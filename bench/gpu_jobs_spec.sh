@@ -11,7 +11,8 @@
 #                (carry [".stage46/02", ".whl-spec"])
 #   polls:       JOBS="bench/gpu_jobs_spec.sh" bash bench/gpu_queue.sh 575, the moment the last one returns
 # Time, an estimate from the twelfth session: eyas 130 s (85 s of it compiling, cold), speculators about 450 s cold
-# (its compile took 366 s for 6 steps there), eyas again about 60 s: about 650 s of job after staging.
+# (its compile took 366 s for 6 steps there), eyas again about 60 s: about 650 s of job after staging, then
+# about 200 s for bench/feature_keep.py.
 # ARGS adds options to both trainers' command lines (e.g. ARGS="--batch-tokens 8192" for the pipeline's batch).
 S=$1; tag=$2
 source bench/gpu_lib.sh
@@ -44,4 +45,10 @@ if "train_spec" in got and got["train_spec"].get("tok_s_steady"):
             print(f"{n} / speculators: {got[n]['tok_s_steady'] / got['train_spec']['tok_s_steady']:.2f}x")
 EOF
 cat $S/spec_summary.txt
+# Then train.feature_cache_keep (forty-ninth session): an epoch's features with half of them cached, the longest
+# kept against the shortest, in both orders (about 200 s, an estimate; on this CPU the shortest took 7.7% less).
+job feature_keep timeout 300 python3 bench/feature_keep.py --conversations 4000 --batch-tokens 8192 --fraction 0.5 --workdir /tmp/fk \
+  --out $S/feature_keep.json
+job feature_keep_rev timeout 300 python3 bench/feature_keep.py --conversations 4000 --batch-tokens 8192 \
+  --fraction 0.5 --order shortest,longest --workdir /tmp/fk --out $S/feature_keep_rev.json
 touch $S/finished_$tag
