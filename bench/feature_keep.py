@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -38,7 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the epoch's packing seed")
     p.add_argument("--workdir", default="", help="folder for the tokenized data, reused when there (default: a "
                                                  "temporary one)")
-    p.add_argument("--data", default="", help="data set (default: $EYAS_STAGE_DIR/sharegpt.json.gz or the PyPI package)")
+    p.add_argument("--data", default="", help="data set (default: sharegpt, which eyas reads from $EYAS_STAGE_DIR/"
+                                              "sharegpt.json.gz when there, else from the PyPI package)")
     a = p.parse_args(argv)
     if not 0 < a.fraction < 1:
         p.error(f"--fraction {a.fraction}: between 0 and 1, so that some sequences fit and some do not")
@@ -52,11 +52,9 @@ def main(argv=None) -> int:
     from eyas.target import load_target
     from eyas.train import pack_indices
 
-    stage = os.environ.get("EYAS_STAGE_DIR", "")
-    src = str(Path(stage) / "sharegpt.json.gz") if stage and (Path(stage) / "sharegpt.json.gz").exists() else "sharegpt"
     run = a.workdir or tempfile.mkdtemp(prefix="eyas-bench-keep-")
     cfg = resolve(preset_name="smollm2", overrides={
-        "out": run, "data.source": a.data or src, "data.limit": a.conversations, "data.max_seq_len": a.max_seq_len,
+        "out": run, "data.source": a.data or "sharegpt", "data.limit": a.conversations, "data.max_seq_len": a.max_seq_len,
         "train.max_seq_len": a.max_seq_len, "train.batch_tokens": a.batch_tokens, "target.device": a.device,
         **({"target.dtype": a.dtype} if a.dtype != "auto" else {})})
     target = load_target(cfg.target)

@@ -46,7 +46,8 @@ if "train_spec" in got and got["train_spec"].get("tok_s_steady"):
 EOF
 cat $S/spec_summary.txt
 # Then train.feature_cache_keep (forty-ninth session): an epoch's features with half of them cached, the longest
-# kept against the shortest, in both orders (about 200 s, an estimate; on this CPU the shortest took 7.7% less).
+# kept against the shortest, in both orders (about 200 s, an estimate; on this CPU the shortest took 2.4% and 7.7%
+# less in two runs).
 job feature_keep timeout 300 python3 bench/feature_keep.py --conversations 4000 --batch-tokens 8192 --fraction 0.5 --workdir /tmp/fk \
   --out $S/feature_keep.json
 job feature_keep_rev timeout 300 python3 bench/feature_keep.py --conversations 4000 --batch-tokens 8192 \
