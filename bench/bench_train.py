@@ -56,8 +56,11 @@ def main(argv=None) -> int:
                         "device to copy its step number (legacy, before that)")
     p.add_argument("--cuda-graph", default="1", choices=("0", "1"),
                    help="train.cuda_graph: each step captured as one CUDA graph after 3 eager steps and replayed (1, "
-                        "the default; one process), or eager steps (0), to time both; the result's step_graph says "
-                        "which ran")
+                        "the default; with several processes or --grad-accum above 1, a graph per micro-batch and one "
+                        "for the update, the gradients summed between: eyas.stepgraph.AccumGraph), or eager steps (0, "
+                        "under torchrun with DDP), to time both; the result's step_graph says which ran")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="train.grad_accum: micro-batches of --batch-tokens per process and optimizer step")
     p.add_argument("--sync-debug", action="store_true",
                    help="count the operations that make the host wait for the device "
                         "(torch.cuda.set_sync_debug_mode), by the Python line that called them; slows the run a little")
@@ -99,7 +102,8 @@ def main(argv=None) -> int:
         "train.epochs": 100, "train.eval_every": a.steps, "train.save_every": a.steps, "train.online": True,
         "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
         "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel,
-        "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph == "1"})
+        "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph == "1",
+        "train.grad_accum": a.grad_accum})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
         "loss_compile": a.loss_compile,
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
-        "masks": a.masks, "cuda_graph": a.cuda_graph, "step_graph": res.get("step_graph"),
+        "masks": a.masks, "cuda_graph": a.cuda_graph, "grad_accum": a.grad_accum, "step_graph": res.get("step_graph"),
         "draft_layers": a.draft_layers,
         "host_waits": syncs,
         "conversations": a.conversations,

@@ -12,7 +12,7 @@
 #   polls:       JOBS="bench/gpu_jobs_spec.sh" bash bench/gpu_queue.sh 575, the moment the last one returns
 # Time, an estimate from the twelfth session: eyas 130 s (85 s of it compiling, cold), speculators about 450 s cold
 # (its compile took 366 s for 6 steps there), eyas again about 60 s: about 650 s of job after staging, then
-# about 200 s for bench/feature_keep.py.
+# about 300 s for AccumGraph's tests and timing, and 200 s for bench/feature_keep.py.
 # ARGS adds options to both trainers' command lines (e.g. ARGS="--batch-tokens 8192" for the pipeline's batch).
 S=$1; tag=$2
 source bench/gpu_lib.sh
@@ -45,6 +45,15 @@ if "train_spec" in got and got["train_spec"].get("tok_s_steady"):
             print(f"{n} / speculators: {got[n]['tok_s_steady'] / got['train_spec']['tok_s_steady']:.2f}x")
 EOF
 cat $S/spec_summary.txt
+# Then the graphs for several micro-batches a step (stepgraph.AccumGraph, fiftieth session, run only on the CPU so
+# far): their GPU tests (with release_memory's, which has not run on a GPU either), then one GPU at grad_accum 2
+# with them and without (eager), the stand-in for two processes until a 2-GPU kind is lent (about 300 s, an
+# estimate)
+job gputests_accum timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_train.py \
+  tests/test_features.py -k "accum_graph or two_gpu or release_memory"
+acc=(--conversations 1500 --steps 120 --batch-tokens 8192 --grad-accum 2 --draft-intermediate-size 6144)
+job train_accum_graph timeout 300 python3 bench/bench_train.py "${acc[@]}" --out $S/train_accum_graph.json
+job train_accum_eager timeout 300 python3 bench/bench_train.py "${acc[@]}" --cuda-graph 0 --out $S/train_accum_eager.json
 # Then train.feature_cache_keep (forty-ninth session): an epoch's features with half of them cached, the longest
 # kept against the shortest, in both orders (about 200 s, an estimate; on this CPU the shortest took 2.4% and 7.7%
 # less in two runs).

@@ -10,8 +10,9 @@
 #     2) user turns of every conversation, regenerated on both GPUs under torchrun, then the default pipeline on
 #     them on GPU 0, with decoding (the target's norms fused and not); beside it
 #     QGPU=1 TAIL_BENCH=1 JOBS="bench/gpu_jobs_x2.sh qwen" ...: the Qwen pipeline on GPU 1, then the benchmarks
-#   JOBS="bench/gpu_jobs_x2.sh dist" bash bench/gpu_queue.sh S   (once SmolLM2 is staged): training on 1 GPU, 2 with
-#     DDP and 2 with FSDP2; extraction on 1 GPU, 2 data-parallel and 2 tensor-parallel (each job's log has its tok/s)
+#   JOBS="bench/gpu_jobs_x2.sh dist" bash bench/gpu_queue.sh S   (once SmolLM2 is staged): the graphs' GPU tests;
+#     training on 1 GPU, 2 with CUDA graphs (AccumGraph), 2 with eager DDP and 2 with FSDP2; extraction on 1 GPU,
+#     2 data-parallel and 2 tensor-parallel (each job's log has its tok/s)
 # smol: alone on the machine (with ALSO_BENCH=1 the regen and extraction benchmarks first), training throughput on
 #   one GPU and on both under torchrun (the scaling), with the feature cache (computed ahead) and without it;
 #   then the default pipeline and the decoding benchmarks on GPU 1.
@@ -71,12 +72,18 @@ elif [ $mode = dist ]; then
   # alone on the machine, one after another: the drafter trained on one GPU, on two with DDP and on two with FSDP2
   # (issue 5 names both), then extraction on one GPU, on two data-parallel and on two tensor-parallel (issue 4),
   # each into the folder of a training run above (its tokens: same data settings, so nothing is tokenized again)
+  # Since AccumGraph, two processes run the step as CUDA graphs as one does (train.cuda_graph, the default):
+  # train_2gpu_graph is the default's scaling, train_2gpu_ddp the eager DDP step it replaced (--cuda-graph 0);
+  # first the GPU tests of the graphs, the two-GPU one among them
   machine_info
+  job gputests_graph python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_train.py -k graph
   bt="--conversations 1500 --steps 120 --batch-tokens 16384 --draft-intermediate-size 6144"
   CUDA_VISIBLE_DEVICES=0 job train_1gpu python3 bench/bench_train.py $bt --workdir /tmp/bt1 --out $S/train_1gpu.json
-  for w in bt2 bt3; do mkdir -p /tmp/$w && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/$w/; done
-  job train_2gpu_ddp torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt2 \
-    --out $S/train_2gpu_ddp.json
+  for w in bt2 bt3 bt4; do mkdir -p /tmp/$w && cp -r /tmp/bt1/data /tmp/bt1/vocab /tmp/$w/; done
+  job train_2gpu_graph torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --workdir /tmp/bt4 \
+    --out $S/train_2gpu_graph.json
+  job train_2gpu_ddp torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --cuda-graph 0 \
+    --workdir /tmp/bt2 --out $S/train_2gpu_ddp.json
   job train_2gpu_fsdp torchrun --standalone --nproc_per_node 2 bench/bench_train.py $bt --parallel fsdp \
     --workdir /tmp/bt3 --out $S/train_2gpu_fsdp.json
   ex="--source $EYAS_STAGE_DIR/sharegpt.json.gz --limit 1500 --max-seq-len 2048"

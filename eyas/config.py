@@ -186,11 +186,13 @@ class TrainConfig:
                             "does not: export then writes the vllm format only)")
     precision: str = opt("auto", "autocast for the drafter's forward: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32 "
                          "(bf16 on a CPU with AVX512-BF16 trains 1.6x faster; README)", choices=("auto", "bf16", "fp32"))
-    cuda_graph: bool = opt(True, "on one GPU, run each training step (labels, TTT unroll, loss, backward, clipping, "
+    cuda_graph: bool = opt(True, "on a GPU, run each training step (labels, TTT unroll, loss, backward, clipping, "
                            "AdamW) as one CUDA graph after 3 eager steps, so the host launches one graph instead of "
                            "hundreds of kernels a step: the same drafter, 1.3x the tokens a second on an H200 (README); "
-                           "with one process, grad_accum 1, noise_std 0 and the compiled drafter step, else the steps "
-                           "run eagerly (on a GPU the log says why)")
+                           "with several micro-batches a step (processes or grad_accum), a graph for each one's "
+                           "forward and backward and one for the update, the gradients summed between them by one "
+                           "all-reduce in place of DDP; needs noise_std 0, the compiled drafter step and parallel ddp, "
+                           "else the steps run eagerly (on a GPU the log says why)")
     parallel: str = opt("ddp", "with several processes (torchrun): ddp (each process holds the whole drafter and its "
                         "optimizer state; gradients averaged) or fsdp (FSDP2: the drafter's weights, gradients and "
                         "optimizer state sharded across the processes, for a drafter too big for DDP; the frozen "

@@ -12,10 +12,14 @@ What a graph needs, and how the step gives it:
   learning rate) live in device tensors the graph reads, filled before each replay;
 - no host synchronisation inside the step: the unroll never waits for the device once warmed up (checked by
   `tests/test_ttt.py -k never_waits` on a GPU);
-- AdamW with `capturable=True` and its learning rate as a tensor; gradients are set to None before the capture, so
-  the captured backward writes them afresh at every replay (nothing may zero them between replays);
+- AdamW with `capturable=True` and its learning rate as a tensor; for one micro-batch (`StepGraph`) gradients
+  are set to None before the capture, so the captured backward writes them afresh at every replay (nothing may
+  zero them between replays);
 - everything compiled and checked before the capture: the first `WARMUP` steps run eagerly, on a side stream as
   PyTorch's whole-network capture does.
+
+Several micro-batches a step (torchrun processes, `train.grad_accum`): `AccumGraph`, a graph for a micro-batch's
+forward and backward replayed for each, the gradients summed across processes between it and the update's graph.
 
 If the capture fails, the reason is logged once and the steps run eagerly from then on (`state` says so): a
 compiler or driver problem costs speed, not the run. On a CPU (tests) `capture=False` runs the same body with the
@@ -67,11 +71,12 @@ def _desc(t) -> str:
 
 def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: float, compiled: bool,
                 sharded: bool) -> str:
-    """Why the training step cannot run as a graph (one line), or "" when it can."""
+    """Why the training step cannot run as a graph (one line), or "" when it can. `world` and `grad_accum` no
+    longer refuse it: several micro-batches a step run as `AccumGraph`."""
     if device.type != "cuda":
         return "not on a GPU"
-    if world > 1 or grad_accum > 1 or sharded:
-        return "more than one micro-batch a step (processes or grad_accum): the step is not captured across them"
+    if sharded:
+        return "the drafter is sharded (FSDP2): its gradients are reduce-scattered inside the backward"
     if noise_std > 0:
         return "train.noise_std draws fresh noise from a seeded generator each step"
     if not compiled:
@@ -79,25 +84,27 @@ def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: fl
     return ""
 
 
-class StepGraph:
-    """`body(static_batch, denom) -> stats tensor` (forward, backward, clip and optimizer step; the gradients
-    are None when it starts) run eagerly for the first `WARMUP` calls, then captured and replayed. `opt`: its
-    gradients are set to None before each eager call and before the capture."""
+class _Part:
+    """One piece of work, `fn() -> tensor`, run eagerly for its first `WARMUP` calls (on a side stream, as
+    PyTorch's whole-network capture does), then captured once and replayed; `before()` runs ahead of every eager
+    call and of the capture. Several micro-batches a step (torchrun processes, `train.grad_accum`): `AccumGraph`, a graph for a micro-batch's
+forward and backward replayed for each, the gradients summed across processes between it and the update's graph.
 
-    def __init__(self, body, opt: torch.optim.Optimizer, first: PackedBatch, steps: int, capture: bool = True):
-        self.body, self.opt, self.capture = body, opt, capture
-        self.static = StaticBatch(first, steps)
+If the capture fails, the reason is logged once and `fn` runs eagerly from then on.
+    `capture=False` (a CPU) runs `fn` eagerly every time."""
+
+    def __init__(self, fn, before=None, capture: bool = True, name: str = "the training step"):
+        self.fn, self.before, self.capture, self.name = fn, before or (lambda: None), capture, name
         self.graph = None
         self.out = None
         self.calls = 0
-        self.state = "warming up" if capture else "eager (no capture)"
+        self.failed = ""
 
     def _eager(self):
-        self.opt.zero_grad(set_to_none=True)
-        return self.body(self.static.batch, self.static.denom)
+        self.before()
+        return self.fn()
 
-    def __call__(self, batch: PackedBatch, denom: list[int]) -> torch.Tensor:
-        self.static.load(batch, denom)
+    def __call__(self) -> torch.Tensor:
         self.calls += 1
         if self.graph is not None:
             self.graph.replay()
@@ -113,17 +120,104 @@ class StepGraph:
             out.record_stream(main)
             return out
         try:
-            self.opt.zero_grad(set_to_none=True)
+            self.before()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the warm-up's blocks back to the driver, for the graph's own pool
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                out = self.body(self.static.batch, self.static.denom)
+                out = self.fn()
         except Exception as e:  # noqa: BLE001 - a capture problem costs speed, not the run
-            self.capture, self.state = False, f"eager: capture failed ({compile_failure(e)})"
-            log(f"train: the training step runs without a CUDA graph from now on: {self.state}")
+            self.capture, self.failed = False, f"capture failed ({compile_failure(e)})"
+            log(f"train: {self.name} runs without a CUDA graph from now on: {self.failed}")
             torch.cuda.synchronize()
             return self._eager()
-        self.graph, self.out, self.state = g, out, "graph"
-        g.replay()  # the capture recorded the step without running it
+        self.graph, self.out = g, out
+        g.replay()  # the capture recorded the work without running it
         return out
+
+    @property
+    def state(self) -> str:
+        if self.graph is not None:
+            return "graph"
+        if self.failed:
+            return f"eager: {self.failed}"
+        return "warming up" if self.capture else "eager (no capture)"
+
+
+class StepGraph:
+    """`body(static_batch, denom) -> stats tensor` (forward, backward, clip and optimizer step; the gradients
+    are None when it starts) run eagerly for the first `WARMUP` calls, then captured and replayed. `opt`: its
+    gradients are set to None before each eager call and before the capture."""
+
+    def __init__(self, body, opt: torch.optim.Optimizer, first: PackedBatch, steps: int, capture: bool = True):
+        self.static = StaticBatch(first, steps)
+        self.part = _Part(lambda: body(self.static.batch, self.static.denom),
+                          before=lambda: opt.zero_grad(set_to_none=True), capture=capture)
+
+    @property
+    def state(self) -> str:
+        return self.part.state
+
+    def __call__(self, batch: PackedBatch, denom: list[int]) -> torch.Tensor:
+        self.static.load(batch, denom)
+        return self.part()
+
+
+class AccumGraph:
+    """A step over several micro-batches (processes x `train.grad_accum`) as two graphs, so that data parallelism
+    keeps the one-process step's speed (a step of many kernels waits on the host, module docstring):
+
+    - `grad_body(static_batch, denom) -> stats` (the micro-batch's forward and backward; its loss, right guesses
+      per TTT step and real tokens, float64), replayed once per micro-batch. The gradients are views of one flat
+      float32 buffer, zeroed at `begin`, into which every backward adds (autograd adds into a gradient that
+      exists, in place), so the replays accumulate them;
+    - between the two: the flat gradients and the summed statistics are added up across processes by `reduce`
+      (one all-reduce each, outside the graphs, in place of DDP's hooks, which a capture cannot hold);
+    - `update_body() -> gradient norm` (clipping and AdamW), captured apart, once per step.
+
+    The processes' weights start equal (the caller broadcasts rank 0's) and stay so: each applies the same
+    summed gradients. Nothing may set the gradients to None (the buffer would be left behind)."""
+
+    def __init__(self, grad_body, update_body, params: list[torch.Tensor], first: PackedBatch, steps: int,
+                 reduce, capture: bool = True):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"the trained parameters mix dtypes {sorted(map(str, dtypes))}: one flat gradient "
+                             f"buffer needs one")
+        self.params, self.reduce = params, reduce
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        o = 0
+        for p in params:
+            p.grad = self.flat[o:o + p.numel()].view_as(p)
+            o += p.numel()
+        self.static = StaticBatch(first, steps)
+        self.acc = None
+        self.grad = _Part(lambda: grad_body(self.static.batch, self.static.denom), capture=capture,
+                          name="the training step's forward and backward")
+        self.update = _Part(update_body, capture=capture, name="the training step's update")
+
+    @property
+    def state(self) -> str:
+        a, b = self.grad.state, self.update.state
+        return a if a == b else f"forward and backward {a}; update {b}"
+
+    def begin(self) -> None:
+        """A new step: the gradients and statistics from zero."""
+        self.flat.zero_()
+        if self.acc is not None:
+            self.acc.zero_()
+
+    def add(self, batch: PackedBatch, denom: list[int]) -> None:
+        """One micro-batch's forward and backward, its gradients added to the step's."""
+        self.static.load(batch, denom)
+        out = self.grad()
+        if self.acc is None:
+            self.acc = torch.zeros_like(out)
+        self.acc += out
+
+    def finish(self) -> torch.Tensor:
+        """Sum across processes, clip and step: the step's statistics and the gradients' norm, in a new tensor."""
+        self.reduce(self.flat)
+        self.reduce(self.acc)
+        gnorm = self.update()
+        return torch.cat([self.acc, gnorm.detach().to(self.acc.dtype).reshape(1)])

@@ -1,7 +1,9 @@
 """The train stage: EAGLE-3 drafter training with training-time test, on one process or many.
 
-One code path for 1 and N processes (torchrun: gloo on CPU, NCCL on GPU): the drafter is wrapped
-in DDP only when there is more than one process. Each optimizer step takes a *group* of
+One code path for 1 and N processes (torchrun: gloo on CPU, NCCL on GPU). With more than one process the
+drafter is wrapped in DDP, sharded by FSDP2 (`train.parallel=fsdp`), or, where the step runs as CUDA graphs
+(`train.cuda_graph`, the GPU default), left whole while `stepgraph.AccumGraph` sums the gradients with one
+all-reduce between its graphs. Each optimizer step takes a *group* of
 `world × grad_accum` packed micro-batches; rank r trains on micro-batches r·A .. r·A+A-1 of it.
 The loss of every TTT step is normalised by the number of loss-masked positions of the whole
 group (computed from the token data, known to every rank), so the update is the same for any
@@ -36,7 +38,7 @@ from .config import KEYED_WHEN_CHANGED, Config, check_settings
 from .draft import Eagle3Drafter, build_drafter, check_fits, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
-from .stepgraph import StepGraph, graph_unfit
+from .stepgraph import AccumGraph, StepGraph, graph_unfit
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, share,
                    stable_hash, text_lines)
 
@@ -754,7 +756,9 @@ def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dic
             "world": world, "tokens": tokens_key(cfg.out)}
 
 
-GRAPH_ON_CPU = False  # tests: train.cuda_graph's step (static buffers, one body) on a CPU, run eagerly
+# tests: train.cuda_graph's step (static buffers, the graphs' bodies) on a CPU, run eagerly; the variable lets a
+# test under torchrun ask for it
+GRAPH_ON_CPU = os.environ.get("EYAS_DEBUG_GRAPH_ON_CPU") == "1"
 STEP_HOOK = None  # called with the step number after each optimizer step (bench/bench_train.py --profile-steps)
 LAG_STATS = True  # read a step's statistics one step later, so the host never waits for the device between steps
 
@@ -906,20 +910,24 @@ def run_train(cfg: Config, target=None) -> dict:
     module = TTTModule(drafter)
     model = module
     sharded = d.world > 1 and tc.parallel == "fsdp"
-    if sharded:  # FSDP2: one group, the frozen embedding left whole on every process
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(module, ignored_params={drafter.embed_tokens.weight})
-    elif d.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
-    params = [p for p in drafter.parameters() if p.requires_grad]  # sharded ones under FSDP
     graph_why = graph_unfit(d.device, d.world, tc.grad_accum, tc.noise_std, drafter_compile_on(d.device), sharded) \
         if tc.cuda_graph and not (GRAPH_ON_CPU and d.device.type == "cpu") else ""
     graphed = tc.cuda_graph and not graph_why
     if graph_why and d.device.type == "cuda":
         log(f"train: train.cuda_graph is on, but the step runs without a graph: {graph_why}")
+    if sharded:  # FSDP2: one group, the frozen embedding left whole on every process
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, ignored_params={drafter.embed_tokens.weight})
+    elif d.world > 1 and not graphed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(module, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
+    params = [p for p in drafter.parameters() if p.requires_grad]  # sharded ones under FSDP
+    if graphed and d.world > 1:  # AccumGraph sums the gradients itself: the processes start from rank 0's weights
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p, 0)
     # a graph reads the learning rate from the device, and AdamW must allow the capture
     lr_t = torch.tensor(tc.lr, device=d.device) if graphed and d.device.type == "cuda" else None
     opt = torch.optim.AdamW(params, lr=tc.lr if lr_t is None else lr_t, betas=(0.9, 0.95),
@@ -972,17 +980,24 @@ def run_train(cfg: Config, target=None) -> dict:
         opt.step()
         return gnorm
 
-    def graph_body(batch, denom) -> torch.Tensor:
-        """One process's whole step on one micro-batch, as `stepgraph.StepGraph` captures it: the statistics the
-        eager step gathers (loss, right guesses per step, real tokens, gradient norm) in one tensor."""
+    def grad_body(batch, denom) -> torch.Tensor:
+        """One micro-batch's forward and backward, as a graph captures it: the statistics the eager step gathers
+        (loss, right guesses per TTT step, real tokens) in one tensor."""
         loss, st = forward_loss(batch, denom, None, cache=False)
         loss.backward()
-        gnorm = clip_and_step()
         return torch.cat([loss.detach().double().reshape(1), torch.stack(st.correct).double(),
-                          torch.as_tensor(batch.n_real, device=d.device).double().reshape(1),
-                          gnorm.detach().double().reshape(1)])
+                          torch.as_tensor(batch.n_real, device=d.device).double().reshape(1)])
 
-    stepper = None  # the StepGraph, made at the first step
+    def graph_body(batch, denom) -> torch.Tensor:
+        """One process's whole step on one micro-batch, as `stepgraph.StepGraph` captures it: `grad_body`'s
+        statistics and the gradient norm in one tensor."""
+        stats = grad_body(batch, denom)
+        return torch.cat([stats, clip_and_step().detach().double().reshape(1)])
+
+    # several micro-batches a step (processes x grad_accum): `stepgraph.AccumGraph`, the gradients summed between
+    # its two graphs; one: the whole step as one graph (`StepGraph`)
+    accum = graphed and group > 1
+    stepper = None  # the StepGraph or AccumGraph, made at the first step
     n_params = sum(p.numel() for p in params)
     log(f"train: {len(train.tokens)} sequences in {n_bins} micro-batches of <= {tc.batch_tokens} tokens, "
         f"{spe} steps/epoch x {tc.epochs} epochs -> {total} steps on {d.world} x {d.device.type}; "
@@ -1091,7 +1106,23 @@ def run_train(cfg: Config, target=None) -> dict:
             else:
                 for g in opt.param_groups:
                     g["lr"] = lr
-            if graphed:  # one process, one micro-batch: the whole step, a CUDA graph after its warm-up (stepgraph)
+            if accum:  # the micro-batches through one graph, the gradients summed, then the update's graph
+                for m in mine:
+                    t_ph = clock.start()
+                    batch = train.batch(bins[m], d.device, multiple)
+                    clock.stop("features", t_ph)
+                    t_ph = clock.start()
+                    if stepper is None:
+                        stepper = AccumGraph(grad_body, clip_and_step, params, batch, tc.ttt_steps, d.all_sum,
+                                             capture=d.device.type == "cuda")
+                    if m == mine[0]:
+                        stepper.begin()
+                    stepper.add(batch, denom)
+                    clock.stop("step", t_ph)
+                t_ph = clock.start()
+                stats = stepper.finish()
+                clock.stop("step", t_ph)
+            elif graphed:  # one process, one micro-batch: the whole step, a CUDA graph after its warm-up (stepgraph)
                 t_ph = clock.start()
                 batch = train.batch(bins[0], d.device, multiple)
                 clock.stop("features", t_ph)

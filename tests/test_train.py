@@ -269,28 +269,34 @@ def test_sigterm_saves_the_step_under_way_and_resumes_the_same(tiny_run, tmp_pat
     assert losses(cut) == ref
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp", pytest.param("ddp-compiled", marks=pytest.mark.compiler)])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "graph",
+                                      pytest.param("ddp-compiled", marks=pytest.mark.compiler)])
 def test_two_gloo_processes_equal_one(tiny_run, tiny, tmp_path, parallel):
     """2 processes x 1 micro-batch and 1 process x 2 micro-batches see the same global batches, so
     after 3 AdamW steps the weights agree to float32 rounding (atol 1e-6, while they move ~1e-3), with the
     drafter whole in each process (DDP) or sharded across them (FSDP2: the checkpoint and the saved drafter
-    are gathered from the shards); and under DDP with the drafter's steps compiled, as a GPU runs them by
-    default (both runs compiled)."""
+    are gathered from the shards); under DDP with the drafter's steps compiled, as a GPU runs them by
+    default (both runs compiled); and with train.cuda_graph's steps as a GPU runs them by default, eagerly
+    here (EYAS_DEBUG_GRAPH_ON_CPU): no DDP, AccumGraph's one all-reduce of the flat gradients."""
     from safetensors.torch import load_file
 
     compiled = parallel.endswith("-compiled")
     parallel = parallel.removesuffix("-compiled")
-    args = ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-3", "--warmup-ratio", "0"]
+    graph = parallel == "graph"
+    args = ["--max-steps", "3", "--save-every", "3", "--eval-every", "3", "--lr", "1e-3", "--warmup-ratio", "0",
+            *(["--cuda-graph"] if graph else [])]
+    run_env = dict(env(), **({"EYAS_DEBUG_GRAPH_ON_CPU": "1"} if graph else {}))
     one = clone_run(tiny_run, tmp_path / "one")
     two = clone_run(tiny_run, tmp_path / "two")
-    r = subprocess.run(cli(one, *args, "--grad-accum", "2", compiled=compiled), env=env(), capture_output=True,
+    r = subprocess.run(cli(one, *args, "--grad-accum", "2", compiled=compiled), env=run_env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run(cli(two, *args, "--grad-accum", "1", "--parallel", parallel, torchrun=2, compiled=compiled),
-                       env=env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cli(two, *args, "--grad-accum", "1", "--parallel", "ddp" if graph else parallel, torchrun=2,
+                           compiled=compiled), env=run_env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summaries = [json.loads((run / "train" / "summary.json").read_text()) for run in (one, two)]
     assert summaries[1]["processes"] == 2
+    assert ([s["step_graph"] for s in summaries] == ["eager (no capture)"] * 2) == graph
     assert [s["drafter_step"] for s in summaries] == ["compiled" if compiled else "eager"] * 2
     a = load_file(str(one / "ckpt" / "step-0000003" / "model.safetensors"))
     b = load_file(str(two / "ckpt" / "step-0000003" / "model.safetensors"))
@@ -876,19 +882,23 @@ def _graph_runs(tiny_run, target, tmp_path, **over) -> dict:
     return out
 
 
-def test_graph_step_on_cpu_trains_like_the_plain_step(tiny_run, tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_graph_step_on_cpu_trains_like_the_plain_step(tiny_run, tiny, tmp_path, monkeypatch, accum):
     """train.cuda_graph's step, run eagerly on the CPU (GRAPH_ON_CPU): each batch padded to the budget and copied
-    into one set of buffers, the loss denominators and real tokens read from tensors, one body for the loss, the
-    backward, clipping and AdamW, gradients set to None before each. Its losses, validations and drafter are the
-    plain loop's, to the rounding the padding brings; a step that read a stale batch, denominator or token count
-    would not be."""
+    into one set of buffers, the loss denominators and real tokens read from tensors. One micro-batch a step
+    (StepGraph): one body for the loss, the backward, clipping and AdamW, gradients set to None before each. Two
+    (grad_accum 2, AccumGraph): a body per micro-batch adding its gradients into one flat buffer zeroed once a
+    step, then one for clipping and AdamW. Their losses, validations and drafter are the plain loop's, to the
+    rounding the padding brings; a step that read a stale batch, denominator or token count, or lost or doubled a
+    micro-batch's gradients, would not be."""
     import eyas.train as train_mod
 
     monkeypatch.setattr(train_mod, "GRAPH_ON_CPU", True)
-    out = _graph_runs(tiny_run, tiny, tmp_path)
+    out = _graph_runs(tiny_run, tiny, tmp_path, **({"train.grad_accum": accum} if accum > 1 else {}))
     (plain, s0, w0), (graphed, s1, w1) = out[False], out[True]
     assert s0["step_graph"] == "off" and s1["step_graph"] == "eager (no capture)"
-    assert [s for s, _ in graphed] == [s for s, _ in plain] == list(range(1, s1["steps"] + 1)) and s1["steps"] >= 7
+    assert [s for s, _ in graphed] == [s for s, _ in plain] == list(range(1, s1["steps"] + 1))
+    assert s1["steps"] >= 7 // accum
     assert [v for _, v in graphed] == pytest.approx([v for _, v in plain], rel=1e-4)
     assert len({round(v, 3) for _, v in plain}) > 3  # the batches differ, so a stale one would show
     assert s1["tokens_trained"] == s0["tokens_trained"]
@@ -904,8 +914,8 @@ def test_graph_step_refused_where_it_cannot_run():
 
     cuda = torch.device("cuda")
     assert "GPU" in graph_unfit(torch.device("cpu"), 1, 1, 0.0, True, False)
-    assert "micro-batch" in graph_unfit(cuda, 2, 1, 0.0, True, False)
-    assert "micro-batch" in graph_unfit(cuda, 1, 2, 0.0, True, False)
+    assert "FSDP2" in graph_unfit(cuda, 2, 1, 0.0, True, True)
+    assert graph_unfit(cuda, 2, 1, 0.0, True, False) == graph_unfit(cuda, 1, 4, 0.0, True, False) == ""  # AccumGraph
     assert "noise_std" in graph_unfit(cuda, 1, 1, 0.05, True, False)
     assert "compiled" in graph_unfit(cuda, 1, 1, 0.0, False, False)
     assert graph_unfit(cuda, 1, 1, 0.0, True, False) == ""
@@ -926,6 +936,49 @@ def test_graph_step_on_gpu_trains_like_the_eager_step(tiny_run, tmp_path):
     assert [v for _, v in graphed] == pytest.approx([v for _, v in plain], rel=2e-3)
     assert s1["best"]["val_acc"] == pytest.approx(s0["best"]["val_acc"], abs=0.02)
     assert all(torch.allclose(w1[k], w0[k], rtol=1e-2, atol=1e-4) for k in w0)
+
+
+@pytest.mark.gpu
+def test_accum_graph_on_gpu_trains_like_the_eager_step(tiny_run, tmp_path):
+    """grad_accum 2 on a GPU: AccumGraph captures the micro-batch's forward and backward and the update as two
+    graphs after their warm-up, the replays adding into the flat gradients; the losses and drafter follow the
+    eager steps' as the one-graph step's do."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    target = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    out = _graph_runs(tiny_run, target, tmp_path, **{"train.grad_accum": 2})
+    (plain, s0, w0), (graphed, s1, w1) = out[False], out[True]
+    assert s0["step_graph"] == "off" and s1["step_graph"] == "graph", s1["step_graph"]
+    assert [s for s, _ in graphed] == [s for s, _ in plain] and s1["steps"] >= 4
+    assert [v for _, v in graphed] == pytest.approx([v for _, v in plain], rel=2e-3)
+    assert all(torch.allclose(w1[k], w0[k], rtol=1e-2, atol=1e-4) for k in w0)
+
+
+@pytest.mark.gpu
+def test_two_gpu_processes_with_graphs_equal_one(tiny_run, tmp_path):
+    """Two processes on two GPUs (NCCL), each step's micro-batch through AccumGraph's captured graphs and the flat
+    gradients all-reduced between them, against one process with grad_accum 2 on one GPU: the same losses and
+    weights, to the rounding of the GPU's kernels. Skipped with fewer than two GPUs."""
+    from safetensors.torch import load_file
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    args = ["--max-steps", "8", "--save-every", "8", "--eval-every", "8", "--device", "cuda", "--cuda-graph"]
+    one = clone_run(tiny_run, tmp_path / "one")
+    two = clone_run(tiny_run, tmp_path / "two")
+    r = subprocess.run(cli(one, *args, "--grad-accum", "2"), env=env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(cli(two, *args, "--grad-accum", "1", torchrun=2), env=env(), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summaries = [json.loads((run / "train" / "summary.json").read_text()) for run in (one, two)]
+    assert [s["processes"] for s in summaries] == [1, 2]
+    assert [s["step_graph"] for s in summaries] == ["graph", "graph"], [s["step_graph"] for s in summaries]
+    assert [v for _, v in losses(two)] == pytest.approx([v for _, v in losses(one)], rel=2e-3)
+    a = load_file(str(one / "ckpt" / "step-0000008" / "model.safetensors"))
+    b = load_file(str(two / "ckpt" / "step-0000008" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], rtol=1e-2, atol=1e-4) for k in a)
 
 
 @pytest.mark.gpu
