@@ -16,7 +16,7 @@ for B, L in [(1, 2048), (256, 1280), (256, 2048)]:
     g = DecodeGraph(lm, lambda x: x.argmax(-1))
     g.pos.fill_(300)
     for mode in ("graph", "eager"):
-        f = (lambda: g()) if mode == "graph" else (lambda: g._step(None))
+        f = (lambda g=g: g()) if mode == "graph" else (lambda g=g: g._step(None))  # bound: g is deleted below
         for _ in range(3): f()
         torch.cuda.synchronize(); t0 = time.perf_counter()
         for _ in range(50): f()

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         row = {}
         for span in sorted({s for s in (256, 512, 1024) if s < max_len} | {max_len}):
             g.pos.fill_(span - 1)
-            row[str(span)] = round(timed(lambda: g(upto=span)), 3)
+            row[str(span)] = round(timed(lambda g=g, span=span: g(upto=span)), 3)
         res["step_ms"][name] = row
         del g
     logits = torch.randn(B, target.config.vocab_size, device=lm.device, dtype=lm.dtype)
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
         r = torch.arange(rows, device=lm.device)
         last = torch.full((rows,), width - 1, device=lm.device)
         res["prefill_ms"][f"{rows}x{width}"] = round(timed(
-            lambda: lm.forward(ids, zero, rows=r, upto=width, last_idx=last, one_off=True), n=5), 3)
+            lambda lm=lm, ids=ids, zero=zero, r=r, width=width, last=last:
+            lm.forward(ids, zero, rows=r, upto=width, last_idx=last, one_off=True), n=5), 3)
     del lm
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     print(json.dumps({k: res[k] for k in ("step_ms", "pick_ms", "prefill_ms")}, indent=1), file=sys.stderr)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import logging
 import os
@@ -63,7 +64,7 @@ def _speculators_data():
             raise AttributeError(name)
         return type(name, (), {"__new__": missing})
     try:
-        import datasets  # noqa: F401
+        importlib.import_module("datasets")
     except ImportError:
         sys.modules["datasets"] = types.ModuleType("datasets")
         sys.modules["datasets"].__getattr__ = attr
