@@ -997,6 +997,9 @@ def run_train(cfg: Config, target=None) -> dict:
     # several micro-batches a step (processes x grad_accum): `stepgraph.AccumGraph`, the gradients summed between
     # its two graphs; one: the whole step as one graph (`StepGraph`)
     accum = graphed and group > 1
+    if accum and d.device.type == "cuda":
+        log(f"train: {group} micro-batches a step ({d.world} processes x grad_accum {tc.grad_accum}): each one's "
+            f"forward and backward, then the update, run as CUDA graphs, the gradients summed between them")
     stepper = None  # the StepGraph or AccumGraph, made at the first step
     n_params = sum(p.numel() for p in params)
     log(f"train: {len(train.tokens)} sequences in {n_bins} micro-batches of <= {tc.batch_tokens} tokens, "
