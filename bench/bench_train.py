@@ -37,6 +37,12 @@ def main(argv=None) -> int:
     p.add_argument("--feature-cache-gb", type=float, default=-1.0,
                    help="train.feature_cache_gb: GPU memory for online features kept after their first computation "
                         "(-1 = auto, 0 = recompute every epoch); run more steps than an epoch to see its effect")
+    p.add_argument("--feature-cache-host-gb", type=float, default=-1.0,
+                   help="train.feature_cache_host_gb: host memory for the online features the GPU cache cannot hold "
+                        "(-1 = auto, 0 = none)")
+    p.add_argument("--feature-cache-keep", default="", choices=("", "longest", "shortest"),
+                   help="train.feature_cache_keep: which sequences' features the caches keep when not all fit "
+                        "(default: eyas' default)")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: train.parallel, the drafter replicated (ddp) or sharded (fsdp, FSDP2)")
     p.add_argument("--loss-compile", default="auto", choices=("auto", "0", "1"),
@@ -103,7 +109,8 @@ def main(argv=None) -> int:
         "train.feature_cache_gb": a.feature_cache_gb, "target.name": target_name,
         "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel,
         "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph == "1",
-        "train.grad_accum": a.grad_accum})
+        "train.grad_accum": a.grad_accum, "train.feature_cache_host_gb": a.feature_cache_host_gb,
+        **({"train.feature_cache_keep": a.feature_cache_keep} if a.feature_cache_keep else {})})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
     target = load_target(cfg.target) if rank == 0 else None
@@ -157,6 +164,7 @@ def main(argv=None) -> int:
         "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
         "masks": a.masks, "cuda_graph": a.cuda_graph, "grad_accum": a.grad_accum, "step_graph": res.get("step_graph"),
+        "feature_cache_keep": cfg.train.feature_cache_keep, "feature_warm": res.get("feature_warm"),
         "draft_layers": a.draft_layers,
         "host_waits": syncs,
         "conversations": a.conversations,
