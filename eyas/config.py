@@ -167,10 +167,11 @@ class TrainConfig:
                                        "auto: on a GPU 80% of the host memory available when training starts, "
                                        "within a container's memory limit, leaving at least 16 GB, shared among "
                                        "this host's training processes; none on a CPU; 0 = off)")
-    feature_cache_keep: str = opt("longest", "which sequences' online features the two caches keep when not all "
-                                  "fit: the longest (the rest, short ones, are computed again in nearly every "
-                                  "step as gap-fillers of its batch) or the shortest (the long ones left over "
-                                  "fill whole batches, computed in fewer, larger forwards)",
+    feature_cache_keep: str = opt("shortest", "which sequences' online features the two caches keep when not all "
+                                  "fit: the shortest (the long ones left over fill whole batches, computed in "
+                                  "fewer, larger forwards: 1.10x the training's tokens a second on an H100 with "
+                                  "half the features held, README) or the longest (the rest, short ones, are "
+                                  "computed again in nearly every step as gap-fillers of its batch)",
                                   choices=("longest", "shortest"))
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")

@@ -137,7 +137,7 @@ class OnlineFeatures:
             group = order[a:b]
             yield group, compute_features(self.target, [seqs[k] for k in group], self.norm)
 
-    def warm(self, indices: list[int], batch_tokens: int, keep: str = "longest") -> int:
+    def warm(self, indices: list[int], batch_tokens: int, keep: str = "shortest") -> int:
         """Compute and keep the features of `indices` before training, longest first in forwards of up to
         `batch_tokens` padded tokens (an extraction's batches: on an H200 its capture ran at 640k tok/s,
         where a training batch's own small forwards ran at about 136k); stops once the cache is full.

@@ -104,7 +104,7 @@ def test_online_feature_cache_returns_first_computation(tiny):
     assert small.hits == 1 and small.misses == 5
     # computed ahead in extraction-sized forwards: longest first, up to the budget, the same features
     ahead = OnlineFeatures(tiny, tokens, max_batch_tokens=64, cache_bytes=per_token * (30 + 19))
-    assert ahead.warm([3, 2, 1, 0, 2], batch_tokens=128) == 2 and sorted(ahead.cache) == [0, 2]
+    assert ahead.warm([3, 2, 1, 0, 2], batch_tokens=128, keep="longest") == 2 and sorted(ahead.cache) == [0, 2]
     for i in (0, 2):
         torch.testing.assert_close(ahead.cache[i][0], cached.cache[i][0], rtol=1e-5, atol=1e-5)
     assert OnlineFeatures(tiny, tokens, cache_bytes=1 << 30).warm([0, 1, 2, 3], 64) == 4
@@ -168,7 +168,7 @@ def _host_tier(target):
     per_token = sum(t.numel() * t.element_size() for t in ref.cache[0]) // lens[0]
     tiers = OnlineFeatures(target, tokens, cache_bytes=per_token * 31, host_bytes=per_token * (19 + 12) + 1024)
     assert tiers.host.pin == (torch.device(target.device).type == "cuda")
-    assert tiers.warm([0, 1, 2, 3], 128) == 3  # longest first: 0 on the device, 2 and 3 on the host, 1 in neither
+    assert tiers.warm([0, 1, 2, 3], 128, keep="longest") == 3  # 0 on the device, 2 and 3 on the host, 1 in neither
     assert list(tiers.cache) == [0] and sorted(tiers.host_cache) == [2, 3]
     assert all(t.device.type == "cpu" and t.is_pinned() == tiers.host.pin for t in tiers.host_cache[2])
     got = tiers.get([3, 1, 0, 2])
@@ -187,9 +187,10 @@ def _host_tier(target):
 
 
 def test_warm_keeps_the_shortest_sequences_when_asked(tiny):
-    """train.feature_cache_keep=shortest: with room for some sequences only, the warm-up keeps the shortest that
-    fit both budgets (the long ones left over fill whole batches in training), where the default keeps the longest
-    first; either way the features handed out equal the target's, and `warm_tokens` counts what was computed."""
+    """train.feature_cache_keep=shortest (the default): with room for some sequences only, the warm-up keeps the
+    shortest that fit both budgets (the long ones left over fill whole batches in training), where `longest` keeps
+    the longest first; either way the features handed out equal the target's, and `warm_tokens` counts what was
+    computed."""
     torch.manual_seed(0)
     lens = [30, 7, 19, 12]
     tokens = TokenSet.from_tokenized([SimpleNamespace(id=f"s{i}", input_ids=torch.randint(3, 200, (n,)).tolist(),
@@ -199,10 +200,10 @@ def test_warm_keeps_the_shortest_sequences_when_asked(tiny):
     per_token = sum(t.numel() * t.element_size() for t in ref.cache[0]) // lens[0]
     room = dict(cache_bytes=per_token * 38 + 512)  # 38 tokens: 7 + 12 + 19, or 30 + 7
     short = OnlineFeatures(tiny, tokens, **room)
-    assert short.warm([0, 1, 2, 3], 128, keep="shortest") == 3
+    assert short.warm([0, 1, 2, 3], 128) == 3  # the default
     assert sorted(short.cache) == [1, 2, 3] and short.warm_tokens == 38  # 30 never computed
     longest = OnlineFeatures(tiny, tokens, **room)
-    assert longest.warm([0, 1, 2, 3], 128) == 2  # 30 first, then 7: 19 and 12 no longer fit
+    assert longest.warm([0, 1, 2, 3], 128, keep="longest") == 2  # 30 first, then 7: 19 and 12 no longer fit
     assert sorted(longest.cache) == [0, 1] and longest.warm_tokens == sum(lens)
     tiers = OnlineFeatures(tiny, tokens, cache_bytes=per_token * 26, host_bytes=per_token * 12 + 1024)
     assert tiers.warm([0, 1, 2, 3], 128, keep="shortest") == 3  # the room of both budgets together
