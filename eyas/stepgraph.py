@@ -87,10 +87,7 @@ def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: fl
 class _Part:
     """One piece of work, `fn() -> tensor`, run eagerly for its first `WARMUP` calls (on a side stream, as
     PyTorch's whole-network capture does), then captured once and replayed; `before()` runs ahead of every eager
-    call and of the capture. Several micro-batches a step (torchrun processes, `train.grad_accum`): `AccumGraph`, a graph for a micro-batch's
-forward and backward replayed for each, the gradients summed across processes between it and the update's graph.
-
-If the capture fails, the reason is logged once and `fn` runs eagerly from then on.
+    call and of the capture. If the capture fails, the reason is logged once and `fn` runs eagerly from then on.
     `capture=False` (a CPU) runs `fn` eagerly every time."""
 
     def __init__(self, fn, before=None, capture: bool = True, name: str = "the training step"):
@@ -184,7 +181,7 @@ class AccumGraph:
         if len(dtypes) != 1:
             raise ValueError(f"the trained parameters mix dtypes {sorted(map(str, dtypes))}: one flat gradient "
                              f"buffer needs one")
-        self.params, self.reduce = params, reduce
+        self.reduce = reduce
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         o = 0
         for p in params:
