@@ -209,9 +209,9 @@ def stage_function(spec: str, command: str):
 
 
 def cmd_target(cfg: C.Config, args) -> int:
-    from .target import load_target
+    from .target_spec import load_spec
 
-    info = load_target(cfg.target).describe()
+    info = load_spec(cfg.target).describe()
     if args.json:
         print(json.dumps(info, indent=2))
     else:

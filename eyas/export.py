@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -389,24 +390,12 @@ def export_target(tcfg, c: DraftConfig, cfg_file: Path) -> SimpleNamespace:
     its config alone: the export needs no weights of it (a large target would take minutes to load). Its aux layers
     are the user's target.aux_layers where given, else the drafter's own (`c`, from `cfg_file`), which the export
     writes for the engines to capture."""
-    from transformers import AutoConfig
+    from .target import check_aux_layers
+    from .target_spec import load_spec
 
-    from .target import _load_error, _quiet_transformers, check_aux_layers, resolve_source
-
-    _quiet_transformers()
-    source, _ = resolve_source(tcfg)
-    try:
-        conf = AutoConfig.from_pretrained(source, trust_remote_code=tcfg.trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _load_error(tcfg, source, "config", e) from None
-    conf = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
-    dims = {k: getattr(conf, k, None) for k in ("hidden_size", "vocab_size", "num_hidden_layers")}
-    lacking = [k for k, v in dims.items() if not isinstance(v, int)]
-    if lacking:
-        raise EyasError(f"target '{tcfg.name}': its config ({source}) gives no {' or '.join(lacking)}, which the "
-                        f"export checks the drafter against")
-    t = SimpleNamespace(name=tcfg.name, hidden_size=dims["hidden_size"], vocab_size=dims["vocab_size"],
-                        num_layers=dims["num_hidden_layers"], aux_layers=[])
+    spec = load_spec(replace(tcfg, aux_layers=[]))  # the aux layers are checked below, against the drafter's too
+    t = SimpleNamespace(name=tcfg.name, hidden_size=spec.hidden_size, vocab_size=spec.vocab_size,
+                        num_layers=spec.num_layers, aux_layers=[])
     if tcfg.aux_layers:
         t.aux_layers = check_aux_layers(list(tcfg.aux_layers), t.num_layers)
     else:
@@ -435,11 +424,10 @@ def run_export(cfg) -> dict:
     for f in formats:  # every layer the engines would capture exists in this target, before anything is written
         engine_aux_ids(list(c.aux_layers), f, fit.num_layers)
     target = None
-    if cfg.export.include_embeddings:
-        from .target import load_target
+    if cfg.export.include_embeddings:  # the embedding read from the target's files, no decoder layer
+        from .target_head import load_target_head
 
-        target = load_target(cfg.target)
-        target.aux_layers = list(fit.aux_layers)
+        target = load_target_head(replace(cfg.target, aux_layers=list(fit.aux_layers)))
     drafter = load_drafter(draft_dir, target=target)
     out = {}
     for f in formats:

@@ -254,10 +254,19 @@ def _stage_fn(spec: str):
         return None
 
 
+def stage_runs_target(name: str, cfg: C.Config) -> bool:
+    """Whether stage `name` runs the target's decoder layers (needs the whole model loaded); the others read its
+    description (eyas.target_spec), the trainer on stored features its head (eyas.target_head)."""
+    from .target_head import needs_whole_target
+
+    return (name == "regen" and cfg.regen.backend == "embedded" or name == "extract"
+            or name == "train" and bool(needs_whole_target(cfg)))
+
+
 def preflight(cfg: C.Config, run: Path, manifest: dict):
     """Stop on bad inputs before any expensive stage."""
     from .data import read_dataset
-    from .target import load_target
+    from .target_spec import load_spec
 
     from .evaluate import check_eval_settings, load_prompt_set
     from .export import check_export_settings
@@ -281,7 +290,7 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
         # the eval's prompts, a held-out split of the user's data or a file, exist (the ShareGPT package's
         # test split holds thousands; reading it would take longer than the other checks together)
         load_prompt_set(cfg)
-    target = load_target(cfg.target)
+    target = load_spec(cfg.target)  # config and tokenizer: no weights are read before a stage runs the target
     if not target.has_chat_template:
         raise EyasError(f"target '{cfg.target.name}' has no chat template; eyas needs one to build training data")
     if cfg.vocab.draft_vocab_size > target.vocab_size:
@@ -294,9 +303,10 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
                         f"would refuse the drafter after training; choose layers in that range (`eyas train` alone "
                         f"trains on any layers, for a drafter eyas' own decoder can evaluate but no engine serves)")
     if cfg.train.finetune_from:  # the drafter to start from is there and fits the target, before hours of regen
+        from .target_head import load_target_head
         from .train import finetune_source
 
-        finetune_source(cfg, target)
+        finetune_source(cfg, load_target_head(cfg.target, target))
     old = manifest.get("target")
     if old and (old.get("name"), old.get("sha256")) != (target.name, target.sha256):
         raise EyasError(f"run directory {run} was made with target '{old.get('name')}' ({str(old.get('sha256'))[:12]}), "
@@ -399,7 +409,14 @@ def run_pipeline(cfg: C.Config) -> dict:
         manifest["stages"][name] = {"key": keys[name], "status": "running", "started": time.time()}
         atomic_write_json(mpath, manifest)
         t0 = time.perf_counter()
-        result = fn(cfg, target=target) if "target" in inspect.signature(fn).parameters else fn(cfg)
+        if "target" in inspect.signature(fn).parameters:
+            if stage_runs_target(name, cfg) and not hasattr(target, "model"):  # loaded once, kept for later stages
+                from .target import load_target
+
+                target = load_target(cfg.target)
+            result = fn(cfg, target=target)
+        else:
+            result = fn(cfg)
         dt = time.perf_counter() - t0
         release_memory()  # the stage's freed buffers (regen's KV cache, training's pinned feature tier) back
         line = one_line(name, result or {})

@@ -107,19 +107,21 @@ class Target:
 
     @property
     def config(self):
-        return self.model.config
+        """The text model's config: a multimodal wrapper's `text_config` (Gemma 3, Qwen-VL, Kimi-K2.5), else the
+        model's own."""
+        return text_config(self.model.config)
 
     @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     @property
     def device(self) -> torch.device:
@@ -139,9 +141,10 @@ class Target:
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers}
 
     def describe(self) -> dict:
-        c = self.model.config
+        c = self.config
+        arch = (self.model.config.architectures or [type(self.model).__name__])[0]
         return {
-            "name": self.name, "source": self.source, "architecture": (c.architectures or [type(self.model).__name__])[0],
+            "name": self.name, "source": self.source, "architecture": arch,
             "model_type": c.model_type, "layers": self.num_layers, "hidden_size": self.hidden_size,
             "intermediate_size": getattr(c, "intermediate_size", None),
             "attention_heads": c.num_attention_heads, "kv_heads": getattr(c, "num_key_value_heads", None),
@@ -155,6 +158,15 @@ class Target:
     def embed_tokens(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
 
+    def lm_head(self) -> torch.nn.Module:
+        """The output layer: target logits = lm_head(final hidden state)."""
+        return self.model.get_output_embeddings()
+
+    def final_norm_weight(self) -> torch.Tensor | None:
+        """The weight of the norm that makes the final hidden state (None where the model has none)."""
+        norm = getattr(self.model.get_decoder(), "norm", None)
+        return getattr(norm, "weight", None)
+
     @torch.no_grad()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, norm: str = "hf") -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +174,13 @@ class Target:
         concatenated in aux-layer order; final [B,T,H] = after the last norm). norm: "hf" (the model's own
         RMSNorm modules) or "one_kernel" (each as one fused kernel in the model's dtype, as eyas' decoder)."""
         return capture_hidden(self.model, self.aux_layers, input_ids, attention_mask, position_ids, norm=norm)
+
+
+def text_config(config):
+    """The config of the text model in `config`: transformers' get_text_config() (a multimodal wrapper's
+    `text_config`), else `config` itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -271,20 +290,53 @@ def gguf_to_hf(gguf: Path, cfg: TargetConfig | None = None) -> tuple[Path, str]:
     and the GGUF's sha256. Later loads read the cache in seconds."""
     _quiet_transformers()
     gguf = gguf.resolve()
-    st = gguf.stat()
-    index_path = cache_root(cfg) / "hf" / "index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else {}
-    key = f"{gguf}:{st.st_size}:{int(st.st_mtime)}"
-    digest = index.get(key) or sha256_file(gguf)
-    out = cache_root(cfg) / "hf" / digest[:16]
+    digest = file_sha256(gguf, cfg)
+    out = gguf_cache_dir(digest, cfg)
     # one process builds the cache while the others (torchrun ranks) wait, then find it done
     with file_lock(out.with_name(out.name + ".lock")):
         if not (out / "done.json").exists():
             _dequantize_into(gguf, out, digest)
+    return out, digest
+
+
+def gguf_cache_dir(digest: str, cfg: TargetConfig | None = None) -> Path:
+    """Where gguf_to_hf keeps the GGUF file of this sha256 dequantized (done.json there once it is finished)."""
+    return cache_root(cfg) / "hf" / digest[:16]
+
+
+def file_sha256(path: Path, cfg: TargetConfig | None = None) -> str:
+    """The sha256 of a (weights) file, read once and then remembered by its path, size and mtime."""
+    path = path.resolve()
+    st = path.stat()
+    index_path = cache_root(cfg) / "hf" / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {}
+    key = f"{path}:{st.st_size}:{int(st.st_mtime)}"
+    digest = index.get(key) or sha256_file(path)
     if index.get(key) != digest:
         index[key] = digest
         atomic_write_json(index_path, index)
-    return out, digest
+    return digest
+
+
+def folder_digest(path: Path, cfg: TargetConfig | None = None) -> str:
+    """A transformers folder's identity hash: the sha256 (16 hex digits) of its first safetensors file, read once
+    and then remembered by its path, size and mtime, so a sharded target costs one shard's read, once. A folder
+    without safetensors files (only config.json and the tokenizer, its weights elsewhere) is known by its metadata:
+    "meta:" and the hash of config.json, the safetensors index and the tokenizer files, which tells it from any
+    other and never equals a weight hash (a run made from the metadata alone is refused where the weights are,
+    rather than mixed with another target's)."""
+    weights = sorted(path.glob("*.safetensors"))
+    if weights:
+        return file_sha256(weights[0], cfg)[:16]
+    import hashlib
+
+    h = hashlib.sha256()
+    names = ["config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "chat_template.json"]
+    for name in names:
+        if (path / name).is_file():
+            h.update(name.encode() + b"\0" + (path / name).read_bytes() + b"\0")
+    return "meta:" + h.hexdigest()[:16]
 
 
 def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
@@ -434,9 +486,7 @@ def resolve_source(cfg: TargetConfig) -> tuple[str, str]:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise EyasError(f"target folder {path} has no config.json (is it a transformers model folder?)")
-        weights = sorted(path.glob("*.safetensors"))
-        digest = sha256_file(weights[0])[:16] if weights else "unknown"
-        return str(path), digest
+        return str(path), folder_digest(path, cfg)
     if path.is_file():
         raise EyasError(f"target {path} is a file, but not a .gguf one: give a GGUF file, a transformers model folder "
                         f"(with config.json), a preset ({', '.join(['tiny', *PRESET_GGUF])}) or a hub id")
@@ -516,7 +566,7 @@ def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Targ
         model.to(device)
     model.eval()
     model.requires_grad_(False)
-    n = model.config.num_hidden_layers
+    n = text_config(model.config).num_hidden_layers
     aux = check_aux_layers(cfg.aux_layers or default_aux_layers(n), n)
     return Target(model=model, tokenizer=tok, name=cfg.name, source=source, sha256=digest, aux_layers=aux,
                   eot_token_ids=find_eot_ids(tok, getattr(model, "generation_config", None)))

@@ -280,11 +280,11 @@ def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
     the draft vocabulary, final norm = the target's final norm. The drafter's hidden state lives in
     the target's hidden space (fc maps the aux states into it), so from step 0 the head reads it the
     way the target reads its own last state."""
-    W = target.model.get_output_embeddings().weight
+    W = target.lm_head().weight
     drafter.lm_head.weight.copy_(W[drafter.draft_ids.to(W.device)].to(drafter.lm_head.weight))
-    norm = getattr(target.model.get_decoder(), "norm", None)
-    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == drafter.norm.weight.shape:
-        drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight))
+    norm = target.final_norm_weight()
+    if norm is not None and norm.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(norm.to(drafter.norm.weight))
 
 
 @torch.no_grad()
@@ -799,7 +799,7 @@ def run_train(cfg: Config, target=None) -> dict:
     """Train the drafter of run directory `cfg.out` (tokenizing and choosing the vocabulary first if
     those stages have not run) and write the best drafter to `<run>/draft/`."""
     from .data.prepare import ensure_tokens, load_tokens, tokens_dir
-    from .target import load_target
+    from .target_head import load_for_training, target_bytes_held
     from .vocab import ensure_vocab, load_vocab
 
     tc = cfg.train
@@ -808,9 +808,8 @@ def run_train(cfg: Config, target=None) -> dict:
     run = Path(cfg.out)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    if target is None:
-        tcfg = replace(cfg.target, device=str(d.device))
-        target = load_target(tcfg)
+    if target is None or not hasattr(target, "lm_head"):  # none, or a description (TargetSpec) without weights
+        target = load_for_training(cfg, replace(cfg.target, device=str(d.device)), spec=target)
     if d.main:  # made now if missing; see ensure_tokens and ensure_vocab for what a standalone `eyas train` reuses
         precheck_checkpoint(cfg, target, d.world)
         ensure_tokens(cfg, target)
@@ -906,7 +905,7 @@ def run_train(cfg: Config, target=None) -> dict:
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")
     drafter.embed_tokens.weight.requires_grad_(False)
     draft_ids = drafter.draft_ids
-    lm_head = target.model.get_output_embeddings()
+    lm_head = target.lm_head()
     module = TTTModule(drafter)
     model = module
     sharded = d.world > 1 and tc.parallel == "fsdp"
@@ -1218,7 +1217,10 @@ def run_train(cfg: Config, target=None) -> dict:
                "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device),
                "step_graph": stepper.state if stepper is not None else (f"eager: {graph_why}" if graph_why else "off"),
                "drafter_step": drafter_state(drafter, d.device),
-               "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png")}
+               "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png"),
+               # the target's weights this process holds: its head alone with stored features, else the whole model
+               "target_held": "head" if hasattr(target, "bytes_held") else "whole",
+               "target_bytes_held": target_bytes_held(target)}
     if d.main:
         atomic_write_json(run / "train" / "summary.json", summary)
         by = best.get("by", "val_al")

@@ -142,11 +142,11 @@ def run_vocab(cfg: Config, target=None) -> dict:
     from safetensors.torch import save_file
 
     from .data.prepare import ensure_tokens, load_tokens, tokens_dir, tokens_key
-    from .target import load_target
+    from .target_spec import load_spec
 
     run = Path(cfg.out)
     if target is None:
-        target = load_target(cfg.target)
+        target = load_spec(cfg.target)
     ensure_tokens(cfg, target)
     tokens = load_tokens(run, "train")
     V = target.vocab_size

@@ -47,9 +47,9 @@ def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, toke
     print("turns per conversation:", _stats([len(c.turns) for c in convs]))
     print("assistant turns with reasoning:", sum(1 for c in convs for t in c.turns if t.reasoning))
     if tokens or show:
-        from ..target import load_target
+        from ..target_spec import load_spec
 
-        target = load_target(cfg.target)
+        target = load_spec(cfg.target)
         tok = target.tokenizer
         if tokens:
             lens, masked, trunc = [], [], 0

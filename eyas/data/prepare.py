@@ -399,10 +399,10 @@ def check_tokenize_settings(cfg: Config) -> None:
 
 def run_tokenize(cfg: Config, target=None) -> dict:
     """Tokenize the training conversations and split off a validation set (train.val_ratio)."""
-    from ..target import load_target
+    from ..target_spec import load_spec
 
     check_tokenize_settings(cfg)
-    target = target or load_target(cfg.target)
+    target = target or load_spec(cfg.target)
     clock = PhaseClock(torch.device("cpu"))
     t0 = clock.start()
     convs, source = training_conversations(cfg)
