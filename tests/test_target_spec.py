@@ -1,0 +1,248 @@
+"""A target without its weights: the description (eyas.target_spec) that tokenize, vocab, preflight, `eyas target`
+and export read, and the head alone (eyas.target_head) that training on stored features holds. Tiny random models
+made here (a sharded Llama, tied and untied; Gemma 3 and LLaVA, whose text model sits under `text_config`), with
+SmolLM2's tokenizer."""
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import eyas.target
+from eyas.config import TargetConfig, resolve
+from eyas.target_head import load_target_head, target_bytes_held
+from eyas.target_spec import load_spec
+from eyas.util import EyasError
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+CHATS = [("What is the capital of France?", "Paris is the capital of France."),
+         ("Name a prime number.", "Seven is a prime number."),
+         ("How many legs has a spider?", "A spider has eight legs."),
+         ("Say hello in Spanish.", "Hola is hello in Spanish.")]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    """The tiny preset's folder: SmolLM2's tokenizer files are copied from it."""
+    return Path(load_spec(TargetConfig(name="tiny", device="cpu")).source)
+
+
+def save_target(model, out: Path, tokenizer_dir: Path, shard: str = "60KB") -> Path:
+    """`model` saved as a sharded transformers folder with SmolLM2's tokenizer beside it."""
+    model.save_pretrained(out, max_shard_size=shard)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def llama(vocab: int, tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, tie_word_embeddings=tied, eos_token_id=2, **SMALL))
+
+
+def gemma3(vocab: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model("gemma3", text_config=dict(vocab_size=vocab, head_dim=8, **SMALL),
+                                vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                   num_attention_heads=2, image_size=28, patch_size=14))
+    return AutoModelForCausalLM.from_config(conf)
+
+
+def llava(vocab: int):
+    from transformers import AutoConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model("llava", text_config=dict(model_type="llama", vocab_size=vocab,
+                                                          tie_word_embeddings=False, **SMALL),
+                                vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                                                   num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                                                   patch_size=14))
+    return LlavaForConditionalGeneration(conf)
+
+
+def no_model_loads(monkeypatch):
+    """Any load of the whole target fails the test."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("the whole target was loaded")
+
+    monkeypatch.setattr(eyas.target, "load_target", refuse)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def write_chats(path: Path, n: int = 24) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            q, a = CHATS[i % len(CHATS)]
+            f.write(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"{q} ({i})"},
+                                                            {"role": "assistant", "content": a}]}) + "\n")
+    return path
+
+
+def test_stages_run_on_a_target_whose_weights_are_absent(tmp_path, tokenizer_dir, monkeypatch):
+    """tokenize, vocab, preflight, `eyas target` and export's check of a folder that holds config.json, the
+    tokenizer and an index naming a terabyte of shards, none of them here: no weight is read."""
+    from eyas.cli import main
+    from eyas.data.prepare import run_tokenize
+    from eyas.export import export_target
+    from eyas.pipeline import preflight
+    from eyas.vocab import run_vocab
+
+    folder = save_target(llama(49152, tied=False), tmp_path / "big", tokenizer_dir)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # sharded
+    index["metadata"]["total_size"] = 10 ** 12
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    no_model_loads(monkeypatch)
+
+    spec = load_spec(TargetConfig(name=str(folder), device="cpu"))
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size, spec.aux_layers) == (6, 32, 49152, [2, 3, 3])
+    assert spec.sha256.startswith("meta:") and spec.has_chat_template and spec.weights["present"] == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["target", "--target", str(folder), "--device", "cpu", "--json"]) == 0
+    info = json.loads(out.getvalue())
+    assert info["layers"] == 6 and info["weights"].endswith("0 on this machine") and "1.0 TB" in info["weights"]
+
+    run = tmp_path / "run"
+    cfg = resolve(preset_name="tiny", overrides={
+        "out": str(run), "target.name": str(folder), "target.device": "cpu", "target.aux_layers": [1, 3, 4],
+        "data.source": str(write_chats(tmp_path / "chats.jsonl")), "data.limit": 0, "data.test_ratio": 0.0,
+        "train.val_ratio": 0.1, "eval.prompts": "humaneval", "regen.enabled": False, "vocab.draft_vocab_size": 64})
+    assert preflight(cfg, run, {}).identity() == load_spec(cfg.target).identity()
+    assert run_tokenize(cfg)["conversations"] == 24
+    assert run_vocab(cfg)["draft_vocab_size"] == 64
+    fit = export_target(cfg.target, SimpleNamespace(aux_layers=[1, 3, 4]), folder / "config.json")
+    assert (fit.num_layers, fit.hidden_size, fit.aux_layers) == (6, 32, [1, 3, 4])
+
+
+def test_weightless_identity_is_not_a_weight_hash(tmp_path, tokenizer_dir):
+    """A folder's identity is the sha256 of its first safetensors file, as before; without weight files it is a
+    hash of its metadata, which differs between two such folders and from the folder with its weights."""
+    a = save_target(llama(512, tied=True), tmp_path / "a", tokenizer_dir, shard="10GB")
+    with_weights = load_spec(TargetConfig(name=str(a), device="cpu")).sha256
+    from eyas.util import sha256_file
+
+    assert with_weights == sha256_file(a / "model.safetensors")[:16]
+    (a / "model.safetensors").unlink()
+    b = save_target(llama(640, tied=True), tmp_path / "b", tokenizer_dir, shard="10GB")
+    (b / "model.safetensors").unlink()
+    ids = {load_spec(TargetConfig(name=str(p), device="cpu")).sha256 for p in (a, b)}
+    assert len(ids) == 2 and with_weights not in ids
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "llama_untied", "gemma3", "llava"])
+def test_head_from_the_shards_equals_the_models(kind, tmp_path, tokenizer_dir, monkeypatch):
+    """The embedding, final norm and output layer read from a sharded checkpoint by name equal the model's own,
+    tied or not, and under a multimodal wrapper (its names prefixed language_model.*), and the description gives
+    the text model's layers, width and vocabulary."""
+    model = {"llama_tied": lambda: llama(512, True), "llama_untied": lambda: llama(512, False),
+             "gemma3": lambda: gemma3(512), "llava": lambda: llava(512)}[kind]()
+    folder = save_target(model, tmp_path / kind, tokenizer_dir)
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    no_model_loads(monkeypatch)
+    head = load_target_head(TargetConfig(name=str(folder), device="cpu", dtype="float32"))
+    assert (head.num_layers, head.hidden_size, head.vocab_size) == (6, 32, 512)
+    decoder = model.get_decoder()
+    torch.testing.assert_close(head.embed_tokens().weight, model.get_input_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(head.lm_head().weight, model.get_output_embeddings().weight, rtol=0, atol=0)
+    torch.testing.assert_close(head.final_norm_weight(), decoder.norm.weight, rtol=0, atol=0)
+    tied = kind in ("llama_tied", "gemma3")
+    assert (head.lm_head().weight is head.embed_tokens().weight) == tied
+    assert head.bytes_held() == 4 * (512 * 32 * (1 if tied else 2) + 32)
+    assert head.names[0].startswith("language_model.") == (kind in ("gemma3", "llava"))
+
+
+def test_nested_target_loads_whole_with_its_text_model(tmp_path, tokenizer_dir):
+    """A Gemma 3 target (text model under text_config) loaded whole: its layers, width and vocabulary are the text
+    model's, its capture gives three aux states of that width, its head equals the one read from the shards, and
+    a drafter is built for it."""
+    from eyas.draft import build_drafter
+    from eyas.target import load_target
+
+    folder = save_target(gemma3(49152), tmp_path / "g3", tokenizer_dir, shard="2MB")
+    tcfg = TargetConfig(name=str(folder), device="cpu", dtype="float32")
+    whole, head = load_target(tcfg), load_target_head(tcfg)
+    assert whole.identity() == head.identity() == load_spec(tcfg).identity()
+    assert (whole.num_layers, whole.hidden_size, whole.vocab_size) == (6, 32, 49152)
+    aux, final = whole.capture(torch.tensor([[1, 5, 9, 200]]))
+    assert aux.shape == (1, 4, 3 * 32) and final.shape == (1, 4, 32)
+    assert torch.equal(whole.lm_head().weight, head.lm_head().weight)
+    assert torch.equal(whole.final_norm_weight(), head.final_norm_weight())
+    assert target_bytes_held(head) < target_bytes_held(whole)
+    d = build_drafter(head, 64)
+    assert (d.config.target_hidden_size, d.config.target_num_layers, d.config.target_vocab_size) == (32, 6, 49152)
+
+
+def test_head_names_refuse_what_they_cannot_tell(tmp_path):
+    from eyas.target_head import head_names
+
+    with pytest.raises(EyasError, match="cannot tell the target's input embedding: 2 tensors"):
+        head_names(["model.embed_tokens.weight", "mtp.embed_tokens.weight"], tied=True)
+    with pytest.raises(EyasError, match="not tied to its embedding"):
+        head_names(["model.embed_tokens.weight", "model.norm.weight"], tied=False)
+    # a numbered layer's (a multi-token-prediction layer's) own embedding and head are not the target's
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.61.embed_tokens.weight",
+             "model.layers.61.shared_head.head.weight", "model.visual.merger.norm.weight"]
+    assert head_names(names, tied=False) == ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r] + [r["val_al"] for r in rows if "val_al" in r]
+
+
+@pytest.mark.parametrize("kind", ["tiny", "gemma3"])
+def test_training_on_stored_features_holds_only_the_head(kind, tmp_path, tokenizer_dir, monkeypatch):
+    """With stored features (and no greedy validation answers to make) the trainer reads the target's embedding,
+    final norm and head from its files and never loads the whole model: summary.json's target_bytes_held is those
+    tensors' bytes. Its losses equal those of the same training given the whole target (what it held before), for
+    the tiny preset and a sharded Gemma 3 whose text model sits under text_config."""
+    from eyas.data.prepare import run_tokenize
+    from eyas.features import run_extract
+    from eyas.target import load_target
+    from eyas.train import run_train
+    from eyas.vocab import run_vocab
+
+    name = "tiny" if kind == "tiny" else str(save_target(gemma3(49152), tmp_path / "g3", tokenizer_dir, shard="2MB"))
+    base = tmp_path / "base"
+
+    def cfg(run: Path):
+        return resolve(preset_name="tiny", overrides={
+            "out": str(run), "target.name": name, "target.device": "cpu", "target.dtype": "float32",
+            "data.source": str(write_chats(tmp_path / "chats.jsonl")), "data.limit": 0, "data.test_ratio": 0.0,
+            "train.val_ratio": 0.2, "train.online": False, "train.greedy_val": 0, "train.max_steps": 3,
+            "train.eval_every": 3, "train.batch_tokens": 256, "vocab.draft_vocab_size": 256})
+
+    whole = load_target(cfg(base).target)
+    run_tokenize(cfg(base))
+    run_vocab(cfg(base))
+    run_extract(cfg(base), whole)
+    runs = {}
+    for held in ("head", "whole"):
+        runs[held] = tmp_path / held
+        shutil.copytree(base, runs[held])
+    run_train(cfg(runs["whole"]), whole)
+    with monkeypatch.context() as m:
+        no_model_loads(m)
+        summary = run_train(cfg(runs["head"]))
+    H, V = whole.hidden_size, whole.vocab_size
+    assert summary["target_held"] == "head" and summary["target_bytes_held"] == 4 * (V * H + H)  # tied: one matrix
+    saved = json.loads((runs["head"] / "train" / "summary.json").read_text())
+    assert saved["target_bytes_held"] == summary["target_bytes_held"]
+    assert json.loads((runs["whole"] / "train" / "summary.json").read_text())["target_bytes_held"] == sum(
+        p.numel() * 4 for p in whole.model.parameters())
+    head_losses, whole_losses = _losses(runs["head"]), _losses(runs["whole"])
+    assert len(head_losses) >= 4 and head_losses == whole_losses
