@@ -539,21 +539,36 @@ def _tp_world(cfg: TargetConfig, allow_tp: bool) -> int:
     return world
 
 
+def _auto_class(source: str):
+    """The transformers auto class that loads `source`: AutoModelForCausalLM, or for a multimodal wrapper it does
+    not map (LLaVA, Qwen2.5-VL, Qwen3-VL: their text model under text_config) AutoModelForImageTextToText, whose
+    decoder (get_decoder()) is that text model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    try:
+        model_type = json.loads((Path(source) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):  # a hub id, or a config the loader will name
+        return AutoModelForCausalLM
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Target:
     """Load the target. With cfg.tensor_parallel (only where the caller allows it: extraction under
     torchrun, the process group already initialised) every process holds a slice of each layer."""
     cfg = cfg or TargetConfig()
     _quiet_transformers()
-    from transformers import AutoModelForCausalLM
-
     tp = _tp_world(cfg, allow_tp)
     source, digest = resolve_source(cfg)
     device = _pick_device(cfg.device)
     dtype = _pick_dtype(cfg.dtype, device)
     tok = _tokenizer_from(cfg, source)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                     **({"tp_plan": "auto"} if tp else {}))
+        model = _auto_class(source).from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                                    **({"tp_plan": "auto"} if tp else {}))
     except OSError as e:
         raise _load_error(cfg, source, "model", e) from None
     except (ValueError, RuntimeError, AssertionError, KeyError, TypeError) as e:

@@ -246,3 +246,31 @@ def test_training_on_stored_features_holds_only_the_head(kind, tmp_path, tokeniz
         p.numel() * 4 for p in whole.model.parameters())
     head_losses, whole_losses = _losses(runs["head"]), _losses(runs["whole"])
     assert len(head_losses) >= 4 and head_losses == whole_losses
+
+
+def qwen2_5_vl(vocab: int):
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    rope = dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0)
+    conf = AutoConfig.for_model("qwen2_5_vl", text_config=dict(vocab_size=vocab, rope_parameters=rope, **SMALL),
+                                vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                                   out_hidden_size=32))
+    return Qwen2_5_VLForConditionalGeneration(conf)
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_5_vl"])
+def test_wrappers_outside_causal_lm_load_whole_and_capture(kind, tmp_path, tokenizer_dir):
+    """LLaVA and Qwen2.5-VL targets, which AutoModelForCausalLM does not map, load whole through
+    AutoModelForImageTextToText: the capture's aux states are the text model's hidden states and its final state
+    gives the model's logits."""
+    from eyas.target import load_target
+
+    folder = save_target({"llava": llava, "qwen2_5_vl": qwen2_5_vl}[kind](512), tmp_path / kind, tokenizer_dir)
+    t = load_target(TargetConfig(name=str(folder), device="cpu", dtype="float32", aux_layers=[1, 3, 4]))
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (6, 32, 512)
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    aux, final = t.capture(ids)
+    out = t.model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(aux, torch.cat([out.hidden_states[i] for i in (1, 3, 4)], -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(t.lm_head()(final), out.logits, rtol=1e-5, atol=1e-5)
