@@ -29,7 +29,6 @@ HEAD_NAMES = ("lm_head", "output")
 # towers of a multimodal checkpoint whose tensors are never the text model's head
 TOWERS = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|vision_encoder|audio|audio_tower|"
                     r"multi_modal_projector|mm_projector|image_newline)(\.|$)")
-DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def header_tensors(path: Path) -> dict[str, list[int]]:
@@ -199,13 +198,17 @@ def _read(files: dict[str, Path], name: str, dtype: torch.dtype, device: torch.d
     except Exception as e:  # noqa: BLE001 - a damaged or cut-short shard is the user's to fetch again
         raise EyasError(f"{path}: could not read tensor {name} ({type(e).__name__}: {e}); the file may be cut "
                         f"short: fetch it again") from None
+    if not t.is_floating_point() or t.element_size() == 1:  # int8/fp8 weights need their scales, not read here
+        raise EyasError(f"{path}: tensor {name} is stored as {str(t.dtype).replace('torch.', '')}, a quantized "
+                        f"format; eyas reads the target's embedding, norm and head in 16 or 32 bits")
     return t.to(device=device, dtype=dtype)
 
 
-def load_target_head(cfg: TargetConfig | None = None, spec=None) -> TargetHead:
+def load_target_head(cfg: TargetConfig | None = None, spec=None):
     """The target's embedding, final norm and head on cfg.device in cfg.dtype (as load_target would place them),
     read from its safetensors files by name. A GGUF target's come from eyas' dequantized cache (made first where
-    it is missing). `spec`: the target's TargetSpec where the caller has it."""
+    it is missing). `spec`: the target's TargetSpec where the caller has it. -> a TargetHead; for a hub id, the
+    whole Target (which has the same methods)."""
     from .target import _pick_device, _pick_dtype, gguf_to_hf
     from .target_spec import load_spec
 
@@ -214,9 +217,12 @@ def load_target_head(cfg: TargetConfig | None = None, spec=None) -> TargetHead:
     folder = Path(spec.source)
     if str(spec.source).endswith(".gguf"):  # not dequantized yet: the cache holds it as safetensors
         folder, _ = gguf_to_hf(Path(spec.source), cfg)
-    if not folder.is_dir():
-        raise EyasError(f"target '{cfg.name}' ({spec.source}) is no local folder: reading its head alone needs "
-                        f"its safetensors files here (download the model folder and give its path)")
+    if not folder.is_dir():  # a hub id: transformers fetches and loads it whole, as before
+        from .target import load_target
+
+        log(f"target: {cfg.name} is a hub id, not a local folder: loading the whole model (its head alone is read "
+            f"from a local folder: download it and give its path)")
+        return load_target(cfg)
     device = _pick_device(cfg.device)
     dtype = _pick_dtype(cfg.dtype, device)
     files = tensor_files(folder)

@@ -274,3 +274,27 @@ def test_wrappers_outside_causal_lm_load_whole_and_capture(kind, tmp_path, token
     out = t.model(input_ids=ids, output_hidden_states=True)
     torch.testing.assert_close(aux, torch.cat([out.hidden_states[i] for i in (1, 3, 4)], -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(t.lm_head()(final), out.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_spec_is_the_loaded_targets_description(smol, tiny):
+    """The description of the presets says what the loaded target says: same identity (so existing runs, their
+    features and checkpoints stay theirs), tokens that end a turn, chat template; and it cannot be changed."""
+    import dataclasses
+
+    for t in (smol, tiny):
+        spec = load_spec(TargetConfig(name=t.name, device="cpu"))
+        assert spec.identity() == t.identity() and spec.eot_token_ids == t.eot_token_ids
+        assert spec.has_chat_template and spec.describe()["parameters"] == t.describe()["parameters"]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            spec.sha256 = "other"
+
+
+def test_a_quantized_head_is_refused(tmp_path, tokenizer_dir):
+    from safetensors.torch import load_file, save_file
+
+    folder = save_target(llama(512, tied=True), tmp_path / "q", tokenizer_dir, shard="10GB")
+    sd = load_file(folder / "model.safetensors")
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(EyasError, match=r"model.embed_tokens.weight is stored as float8_e4m3fn, a quantized"):
+        load_target_head(TargetConfig(name=str(folder), device="cpu"))
