@@ -587,23 +587,109 @@ def test_greedy_speculative_decoding_is_lossless(tiny, model_type, kw, fused):
 
 def test_fallback_is_logged_once_with_its_reason(tiny, capsys):
     """A target FastLM does not run (a tiny GPT-NeoX: partial rotary, parallel residual) falls back to transformers
-    in the decoder and in greedy validation, each saying so once per process with the reason; an explicit hf engine
-    is a choice, not a fallback, and says nothing."""
+    in regen, the decoder and greedy validation, each saying so once per process with the reason; an explicit hf
+    engine is a choice, not a fallback, and says nothing."""
     import eyas.fastlm
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, embedded_engine
     from eyas.decode import Decoder
     from eyas.greedyval import greedy_answers
 
     eyas.fastlm._FALLBACK_LOGGED.clear()
     model = random_model("gpt_neox", vocab_size=tiny.vocab_size, max_position_embeddings=128)
     target = random_target(model, tiny)
-    target.aux_layers = [1, 2, 4]
     Decoder(target, None, k=1, max_len=64, engine="hf")
     assert "fast engine" not in capsys.readouterr().err
     for _ in range(2):
+        assert embedded_engine(target, RegenConfig()) is GenerateEngine
         assert Decoder(target, None, k=1, max_len=64).engine == "hf"
         greedy_answers(target, [[1, 2, 3]], 2, 64)
     err = capsys.readouterr().err
     why = "GPTNeoXForCausalLM (model_type 'gpt_neox') is not an architecture FastLM implements"
-    for where in ("decoder", "greedy validation"):
+    for where in ("regen", "decoder", "greedy validation"):
         lines = [ln for ln in err.splitlines() if ln.startswith(f"{where}: the target runs on transformers")]
         assert len(lines) == 1 and why in lines[0], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_qwen3_decodes_in_cuda_graphs_on_gpu(model_type):
+    """On a GPU (fp32), a random Qwen3 (and Qwen3-MoE) on the fast engine with CUDA graphs and compiled elementwise
+    kernels (the GPU defaults) decodes transformers' greedy tokens, plainly and speculatively (drafts accepted up to
+    every length); for Qwen3 every graph stays on and the compiled q/k norm + rope ran. The regen decode step's graph
+    replays the eager step."""
+    import eyas.fastlm
+    from eyas.decode import Decoder
+    from eyas.draft import build_drafter
+    from eyas.target import Target
+
+    kw = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else {}
+    model = random_model(model_type, vocab_size=512, max_position_embeddings=512, initializer_range=0.2, **kw).cuda()
+    target = Target(model=model, tokenizer=None, name=model_type, source="", sha256="", aux_layers=[1, 2, 4])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 200)]
+
+    class Dec(_Scripted, Decoder):
+        pass
+
+    torch.manual_seed(0)
+    drafter = build_drafter(target, 256)
+    for ids in prompts:
+        x = torch.tensor([ids], device="cuda")
+        want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False)[0, len(ids):]
+        plain = Decoder(target, None, k=1, max_len=300, compile=True)
+        assert plain.engine == "fast" and plain.elementwise_compiled
+        assert plain.generate(ids, 40, (), speculative=False).tokens == want.tolist()
+        dec = Dec(target, drafter, k=3, max_len=300, compile=True)
+        dec.reference, dec.n, dec.round = want.tolist(), len(ids), 0
+        out = dec.generate(ids, 40, (), speculative=True)
+        assert out.tokens == want.tolist() and set(out.accepted) == {0, 1, 2, 3}
+        if model_type == "qwen3":
+            assert plain.graphs.enabled and plain.graphs.replays and dec.graphs.enabled and dec.graphs.replays
+    if model_type == "qwen3":
+        assert eyas.fastlm._norm_rotate in eyas.fastlm._COMPILED and not eyas.fastlm._EAGER
+    graphed, eager = FastLM(model, 2, 64), FastLM(model, 2, 64)
+    step = DecodeGraph(graphed, lambda logits: logits.argmax(-1), span=8)
+    if model_type == "qwen3":  # (the MoE's expert loop may sync, which no graph can hold: then steps run eagerly)
+        assert step.graph is not None
+    ids = torch.randint(0, 512, (2, 5), device="cuda")
+    for lm in (graphed, eager):
+        lm.forward(ids, torch.zeros(2, dtype=torch.long, device="cuda"))
+    tok, pos = ids[:, -1:], torch.tensor([5, 5], device="cuda")
+    for _ in range(6):
+        step.ids.copy_(tok)
+        step.pos.copy_(pos)
+        want = eager.forward(tok, pos, last_only=True)[0][:, -1].argmax(-1)
+        assert torch.equal(step(upto=int(pos.max()) + 1), want)
+        tok, pos = want[:, None], pos + 1
+
+
+def test_bench_decode_builds_a_random_qwen3_target(tiny, tmp_path):
+    """bench/bench_decode.py --random-target: Qwen3-0.6B's shape (built on the meta device here: no weights) is one
+    FastLM runs; a config.json of any shape gives a random target of the tokenizer's vocabulary that the fast engine
+    decodes; engines are given as a list of known names."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas.decode import Decoder
+
+    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "bench" / "bench_decode.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    model_type, fields = bd.RANDOM_SHAPES["qwen3"]
+    with torch.device("meta"):
+        shaped = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields, vocab_size=tiny.vocab_size))
+    assert shaped.model.layers[0].self_attn.q_proj.out_features == 2048 and supported(shaped) == (True, "")
+    conf = tmp_path / "config.json"
+    conf.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "head_dim": 32,
+                                "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    target = bd.random_target(str(conf), "tiny", "float32", "cpu")
+    assert target.vocab_size == len(tiny.tokenizer) and target.model.config.model_type == "qwen3"
+    dec = Decoder(target, None, k=1, max_len=64)
+    assert dec.engine == "fast" and len(dec.generate([1, 2, 3], 4, (), speculative=False).tokens) == 4
+    for bad in ("fast,fast", "vllm"):
+        with pytest.raises(SystemExit):
+            bd.main(["--draft", "untrained", "--engine", bad])
