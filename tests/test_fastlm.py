@@ -488,10 +488,12 @@ def test_matches_hf_qwen3_moe():
     ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=3)),  # layers 3-5 slide
     ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)),
     ("mistral", dict(sliding_window=6)),
-], ids=["qwen3_alternating", "qwen2", "mistral"])
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32)),
+], ids=["qwen3_alternating", "qwen2", "mistral", "qwen3_moe"])
 def test_sliding_windows_match_hf(model_type, kw):
     """Sliding-window attention as transformers applies it (a query at p sees p - window < s <= p; Qwen2/Qwen3 per
-    layer from layer_types, Mistral in every layer), over rows longer than the window."""
+    layer from layer_types, Mistral and Qwen3-MoE in every layer), over rows longer than the window."""
     model = random_model(model_type, **kw)
     windows = FastLM(model, 1, 8).windows
     if model_type == "qwen3":
@@ -549,14 +551,15 @@ def random_target(model, tiny):
                   aux_layers=[1, 2, 4], eot_token_ids=list(tiny.eot_token_ids))
 
 
-@pytest.mark.parametrize("model_type,kw", [
-    ("qwen3", {}),
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 16, "rope_theta": 10000.0}}),
-    ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                                   "rope_theta": 10000.0}}),
-], ids=["qwen3", "llama3_rope", "yarn_rope"])
-@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+LLAMA3 = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 16, "rope_theta": 10000.0}}
+YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                            "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("model_type,kw,fused", [("qwen3", {}, False), ("qwen3", {}, True), ("llama", LLAMA3, True),
+                                                 ("llama", YARN, True)],
+                         ids=["qwen3-steps", "qwen3-fused", "llama3_rope-fused", "yarn_rope-fused"])
 def test_greedy_speculative_decoding_is_lossless(tiny, model_type, kw, fused):
     """On the fast engine, plain greedy decoding gives transformers' generate token for token, and speculative
     decoding (drafts accepted up to every length, rolled back at every position) gives plain decoding's tokens."""
