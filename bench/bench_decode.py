@@ -70,7 +70,8 @@ def random_target(spec: str, tokenizer_from: str, dtype: str = "auto", device: s
 
         path = Path(spec)
         if not path.is_file():
-            raise SystemExit(f"--random-target {spec}: neither a shape ({', '.join(RANDOM_SHAPES)}) nor a config.json file")
+            raise SystemExit(f"--random-target {spec}: neither a shape ({', '.join(RANDOM_SHAPES)}) "
+                             f"nor a config.json file")
         fields = json.loads(path.read_text())
         model_type = fields.pop("model_type", None)
         if not model_type:
@@ -244,10 +245,11 @@ def main(argv=None) -> int:
                          "box still measures them while eyas' methods finish every prompt")
     ap.add_argument("--no-compile", action="store_true", help="no CUDA graphs (eager steps) on GPU")
     ap.add_argument("--engine", default="auto",
-                    help="target forward: auto (fast where FastLM runs the target), eyas' static-cache forward (fast), "
-                         "transformers' StaticCache (hf, the fallback's engine), or a comma list timing each (fast,hf): "
-                         "the methods of every engine after the first get its name as a suffix (eyas_plain_hf), and "
-                         "their plain entries say how many prompts gave the first engine's tokens (same_as_first_engine)")
+                    help="target forward: auto (fast where FastLM runs the target), eyas' static-cache forward "
+                         "(fast), transformers' StaticCache (hf, the fallback's engine), or a comma list timing each "
+                         "(fast,hf): the methods of every engine after the first get its name as a suffix "
+                         "(eyas_plain_hf), and their plain entries say how many prompts gave the first engine's "
+                         "tokens (same_as_first_engine)")
     ap.add_argument("--round", default="fused", choices=("fused", "stepwise", "both"),
                     help="speculative round: fused (the default, as eval.round=auto on a GPU: drafts, verify and rebuild as one "
                          "step, one CUDA graph per round), stepwise (each part its own step; methods named "

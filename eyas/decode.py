@@ -19,11 +19,11 @@ sampling is lossless in distribution. `Decoder.generate(..., speculative=False)`
 on the same caches and code path, the baseline for speedups. Batch size 1.
 
 The target runs on eyas' own static-cache forward (`eyas.fastlm`) where it supports the
-architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: fastlm.supported), else on transformers with its StaticCache
-(logged once, with the reason). On CUDA, the
-fixed-shape steps (verify, drafter step, plain decode step) are captured as CUDA graphs on first
-use; the first replays of each are checked against an eager run and any difference or failure
-turns graphs off for the rest of the run (logged), so a graph can cost speed, never correctness.
+architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: fastlm.supported), else on transformers
+with its StaticCache (logged once, with the reason). On CUDA, the fixed-shape steps (verify,
+drafter step, plain decode step) are captured as CUDA graphs on first use; the first replays of
+each are checked against an eager run and any difference or failure turns graphs off for the rest
+of the run (logged), so a graph can cost speed, never correctness.
 """
 from __future__ import annotations
 

@@ -75,12 +75,13 @@ def supported(model) -> tuple[bool, str]:
         return False, f"{arch}: an attention layer lacks the RMSNorm q_norm/k_norm its model type has"
     for i, w in enumerate(layer_windows(model)):
         if w is not None and not (isinstance(w, int) and w >= 1):
-            return False, f"{arch}: layer {i} has sliding window {w!r}, which FastLM does not take (a whole number >= 1)"
+            return False, f"{arch}: layer {i} has sliding window {w!r}; FastLM takes a whole number >= 1 or none"
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
     if not isinstance(rope, str) or rope not in STATIC_ROPES:
         why = ("changes with the sequence length" if isinstance(rope, str) and ("dynamic" in rope or rope == "longrope")
                else "is not one FastLM has been checked against")
-        return False, f"{arch}: rope type {rope!r} {why}, which FastLM does not implement (it runs {', '.join(STATIC_ROPES)})"
+        return False, (f"{arch}: rope type {rope!r} {why}, which FastLM does not implement "
+                       f"(it runs {', '.join(STATIC_ROPES)})")
     return True, ""
 
 

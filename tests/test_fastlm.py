@@ -197,8 +197,9 @@ def test_refuses_what_it_does_not_implement():
         (GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4), "GPT2LMHeadModel.*model_type 'gpt2'"),
         (LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
          "LlamaForCausalLM: rope type 'dynamic' changes with the sequence length"),
-        (LlamaConfig(**small, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-                                               "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}),
+        (LlamaConfig(**small, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                               "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                               "original_max_position_embeddings": 32}),
          "LlamaForCausalLM: rope type 'longrope' changes with the sequence length"),
     ]
     for conf, msg in cases:
@@ -679,12 +680,14 @@ def test_bench_decode_builds_a_random_qwen3_target(tiny, tmp_path):
 
     from eyas.decode import Decoder
 
-    spec = importlib.util.spec_from_file_location("bench_decode", Path(__file__).parents[1] / "bench" / "bench_decode.py")
+    path = Path(__file__).parents[1] / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
     bd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bd)
     model_type, fields = bd.RANDOM_SHAPES["qwen3"]
     with torch.device("meta"):
-        shaped = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields, vocab_size=tiny.vocab_size))
+        shaped = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields,
+                                                                       vocab_size=tiny.vocab_size))
     assert shaped.model.layers[0].self_attn.q_proj.out_features == 2048 and supported(shaped) == (True, "")
     conf = tmp_path / "config.json"
     conf.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "head_dim": 32,
