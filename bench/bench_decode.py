@@ -231,7 +231,8 @@ def main(argv=None) -> int:
                     help="time a target of random weights (seed 0) instead: a shape (" + ", ".join(RANDOM_SHAPES) + ": "
                          "Qwen3-0.6B's) or a transformers config.json of any model type, with --target's tokenizer "
                          "(e.g. --random-target qwen3 --engine fast,hf: the fast engine against transformers' fallback)")
-    ap.add_argument("--dtype", default="auto", help="the target's dtype: auto (bf16 on a GPU), float32, bfloat16, float16")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the target's dtype: auto (bf16 on a GPU, fp32 on a CPU)")
     ap.add_argument("--prompts", default="sharegpt",
                     help="sharegpt | humaneval | a .jsonl/.txt file | greedy:RUN (the validation prompts a training in "
                          "RUN answered greedily for greedy_tau, train.greedy_val: their τ here is what greedy_tau "
