@@ -589,6 +589,21 @@ def test_greedy_speculative_decoding_is_lossless(tiny, model_type, kw, fused):
     assert set(out.accepted) == {0, 1, 2, 3}, out.accepted
 
 
+def test_greedy_validation_on_qwen3_equals_generate(tiny):
+    """The trainer's greedy validation (and regen's static engine under it) on a Qwen3 with alternating sliding
+    windows, prompts of different lengths in one batch, gives transformers' generate answers token for token."""
+    from eyas.greedyval import greedy_answers
+
+    model = random_model("qwen3", vocab_size=tiny.vocab_size, max_position_embeddings=256, initializer_range=0.2,
+                         use_sliding_window=True, sliding_window=6, max_window_layers=3)
+    target = random_target(model, tiny)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, tiny.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    static = greedy_answers(target, prompts, 10, 4096, engine="static")
+    assert static == greedy_answers(target, prompts, 10, 4096, engine="generate")
+    assert all(len(a) == 10 for a in static)
+
+
 def test_fallback_is_logged_once_with_its_reason(tiny, capsys):
     """A target FastLM does not run (a tiny GPT-NeoX: partial rotary, parallel residual) falls back to transformers
     in regen, the decoder and greedy validation, each saying so once per process with the reason; an explicit hf
