@@ -42,6 +42,53 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
     ]
 
 
+# --random-target shapes: (model type, config fields); the vocabulary is the tokenizer's
+RANDOM_SHAPES = {
+    # Qwen3-0.6B's shape: q/k norm, head size 128 (not hidden / heads), tied head
+    "qwen3": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                            max_position_embeddings=40960, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 1000000.0})),
+}
+
+
+def random_target(spec: str, tokenizer_from: str, dtype: str = "auto", device: str = "auto"):
+    """A target of random weights (seed 0) for timing an architecture without its checkpoint: `spec` a name in
+    RANDOM_SHAPES or a transformers config.json (any model type; its vocab_size is replaced by the tokenizer's), the
+    tokenizer (chat template, turn ends) that of the target `tokenizer_from` (a preset or an HF folder). Its greedy
+    text is noise, but the same noise on every engine, so tokens/s and token-for-token agreement compare."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas.config import TargetConfig
+    from eyas.target import Target, _pick_device, _pick_dtype, default_aux_layers, find_eot_ids, load_tokenizer
+
+    if spec in RANDOM_SHAPES:
+        model_type, fields = RANDOM_SHAPES[spec]
+    else:
+        from pathlib import Path
+
+        path = Path(spec)
+        if not path.is_file():
+            raise SystemExit(f"--random-target {spec}: neither a shape ({', '.join(RANDOM_SHAPES)}) "
+                             f"nor a config.json file")
+        fields = json.loads(path.read_text())
+        model_type = fields.pop("model_type", None)
+        if not model_type:
+            raise SystemExit(f"--random-target {spec}: the config has no model_type")
+    cfg = TargetConfig(name=tokenizer_from, dtype=dtype, device=device)
+    tok = load_tokenizer(cfg)
+    dev = _pick_device(device)
+    conf = AutoConfig.for_model(model_type, **{**fields, "vocab_size": len(tok)})
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(conf, dtype=_pick_dtype(dtype, dev))
+    model.eval().requires_grad_(False)
+    n = conf.num_hidden_layers
+    return Target(model=model, tokenizer=tok, name=f"random:{spec}", source="random (seed 0)", sha256="",
+                  aux_layers=default_aux_layers(n), eot_token_ids=find_eot_ids(tok, None))
+
+
 def _sync(device):
     import torch
 
@@ -178,7 +225,14 @@ def main(argv=None) -> int:
                     help="drafter folder (eyas, or SGLang/vLLM via eyas.export), or `untrained` (SmolLM2's GPU shape, "
                          "random: rounds of about one token, for timing and the lossless check; `untrained:N` with N "
                          "decoder layers)")
-    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--target", default="smollm2",
+                    help="the target: a preset, an HF folder, a .gguf file (with --random-target: whose tokenizer it takes)")
+    ap.add_argument("--random-target", default="",
+                    help="time a target of random weights (seed 0) instead: a shape (" + ", ".join(RANDOM_SHAPES) + ": "
+                         "Qwen3-0.6B's) or a transformers config.json of any model type, with --target's tokenizer "
+                         "(e.g. --random-target qwen3 --engine fast,hf: the fast engine against transformers' fallback)")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                    help="the target's dtype: auto (bf16 on a GPU, fp32 on a CPU)")
     ap.add_argument("--prompts", default="sharegpt",
                     help="sharegpt | humaneval | a .jsonl/.txt file | greedy:RUN (the validation prompts a training in "
                          "RUN answered greedily for greedy_tau, train.greedy_val: their τ here is what greedy_tau "
@@ -191,8 +245,12 @@ def main(argv=None) -> int:
                     help="seconds per transformers baseline (default: --budget); they are 10x slower, so a shorter "
                          "box still measures them while eyas' methods finish every prompt")
     ap.add_argument("--no-compile", action="store_true", help="no CUDA graphs (eager steps) on GPU")
-    ap.add_argument("--engine", default="auto", choices=("auto", "fast", "hf"),
-                    help="target forward: eyas' static-cache forward (fast), transformers' StaticCache (hf)")
+    ap.add_argument("--engine", default="auto",
+                    help="target forward: auto (fast where FastLM runs the target), eyas' static-cache forward "
+                         "(fast), transformers' StaticCache (hf, the fallback's engine), or a comma list timing each "
+                         "(fast,hf): the methods of every engine after the first get its name as a suffix "
+                         "(eyas_plain_hf), and their plain entries say how many prompts gave the first engine's "
+                         "tokens (same_as_first_engine)")
     ap.add_argument("--round", default="fused", choices=("fused", "stepwise", "both"),
                     help="speculative round: fused (the default, as eval.round=auto on a GPU: drafts, verify and rebuild as one "
                          "step, one CUDA graph per round), stepwise (each part its own step; methods named "
@@ -232,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
+    engines = a.engine.split(",")
+    if any(e not in ("auto", "fast", "hf") for e in engines) or len(set(engines)) != len(engines):
+        ap.error(f"--engine {a.engine}: give auto, fast or hf, or a comma list of them without repeats")
 
     import torch
 
@@ -243,7 +304,10 @@ def main(argv=None) -> int:
 
     from eyas.target import load_target
 
-    target = load_target(TargetConfig(name=a.target))
+    if a.random_target:
+        target = random_target(a.random_target, a.target, a.dtype)
+    else:
+        target = load_target(TargetConfig(name=a.target, dtype=a.dtype))
     dev = target.device
     drafter = bench_drafter(a.draft, target)
     stored = None  # greedy:RUN: the target's greedy answers the training scored greedy_tau on
@@ -274,7 +338,9 @@ def main(argv=None) -> int:
         print(f"{name:28s} {res['tokens_per_s']:9.1f} tok/s  ({res['prompts']} prompts"
               + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "")
               + (f", SM {g['sm_mhz_median']:.0f} MHz, {g.get('temp_c_max', 0):.0f} C" if "sm_mhz_median" in g else "")
-              + (f", same as plain {res['same_as_plain']}" if "same_as_plain" in res else "") + ")", flush=True)
+              + (f", same as plain {res['same_as_plain']}" if "same_as_plain" in res else "")
+              + (f", same as {engines[0]} {res['same_as_first_engine']}" if "same_as_first_engine" in res else "")
+              + ")", flush=True)
         atomic_write_json(a.out, results)
 
     def watched(fn, *args, **kw) -> dict:
@@ -307,26 +373,33 @@ def main(argv=None) -> int:
     variants = target_variants(FastLM, Decoder)
     saved = {key: getattr(*key) for _, sets, _ in variants for key in sets(1)}
     saved[(Decoder, "fuse_drafter")] = Decoder.fuse_drafter
-    for values in itertools.product(*[[int(v) for v in getattr(a, flag).split(",")] for flag, _, _ in variants]):
+    first_engine_outputs = {}  # variant suffix -> the first engine's plain tokens
+    values_of = [[int(v) for v in getattr(a, flag).split(",")] for flag, _, _ in variants]
+    for engine, values in itertools.product(engines, itertools.product(*values_of)):
         sfx = ""
         for (_, sets, suffix), v in zip(variants, values):
             for (cls, name), value in sets(v).items():
                 setattr(cls, name, value)
             sfx += suffix(v)
-        plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=a.engine)
+        vsfx, sfx = sfx, sfx + ("" if engine == engines[0] else f"_{engine}")
+        plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=engine)
         warm_s = warm_up(plain, False)
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
         reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
         if stored is not None:  # the training's greedy text (eyas.greedyval, made in a batch) against the decoder's
             plain_res["same_as_greedy_val"] = f"{sum(o == r for o, r in zip(reference, stored))}/{len(reference)}"
+        first = first_engine_outputs.setdefault(vsfx, reference)
+        if engine != engines[0]:  # the engines' greedy tokens, prompt for prompt (on the prompts both finished)
+            both = min(len(first), len(reference))
+            plain_res["same_as_first_engine"] = f"{sum(o == r for o, r in zip(reference, first))}/{both}"
         record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx, "warm_up_s": warm_s})
         plain.close()
         for k in ks:
             for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
                 for dfuse in [int(x) for x in a.draft_fuse.split(",")]:
                     Decoder.fuse_drafter = bool(dfuse)
-                    dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=a.engine, fused=fused)
+                    dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=engine, fused=fused)
                     warm_s = warm_up(dec, True)
                     run_engine(dec, warm, 32, stop, True, 1e9)
                     res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
@@ -349,6 +422,11 @@ def main(argv=None) -> int:
     plains = {n: r for n, r in results["methods"].items() if n.startswith("eyas_plain")}
     plain_of = {n: r["tokens_per_s"] for n, r in plains.items()}
     hf_best = max([r.get("tokens_per_s", 0) for n, r in results["methods"].items() if n.startswith("hf_")] or [0])
+    for e in engines[1:]:  # an engine's plain tok/s over the first engine's, per variant
+        for name, r in plains.items():
+            first = plains.get(name.removesuffix(f"_{e}")) if name.endswith(f"_{e}") else None
+            if first and first.get("tokens_per_s"):
+                r["tokens_per_s_vs_first_engine"] = r["tokens_per_s"] / first["tokens_per_s"]
     for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
         r = results["methods"][name]
         plain_name = "eyas_plain" + r.get("variant", "")  # the same target forward
@@ -362,7 +440,8 @@ def main(argv=None) -> int:
     atomic_write_json(a.out, results)
     print(json.dumps({n: {k: v for k, v in r.items() if k in ("tokens_per_s", "acceptance_length", "speedup_vs_plain",
                                                               "speedup_vs_plain_same_prompts",
-                                                              "speedup_vs_fastest_plain", "speedup_vs_best_hf", "same_as_plain")}
+                                                              "speedup_vs_fastest_plain", "speedup_vs_best_hf", "same_as_plain",
+                                                              "same_as_first_engine", "tokens_per_s_vs_first_engine")}
                       for n, r in results["methods"].items()}, indent=1))
     return 0
 

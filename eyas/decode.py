@@ -19,10 +19,11 @@ sampling is lossless in distribution. `Decoder.generate(..., speculative=False)`
 on the same caches and code path, the baseline for speedups. Batch size 1.
 
 The target runs on eyas' own static-cache forward (`eyas.fastlm`) where it supports the
-architecture (Llama, Mistral, Qwen2), else on transformers with its StaticCache. On CUDA, the
-fixed-shape steps (verify, drafter step, plain decode step) are captured as CUDA graphs on first
-use; the first replays of each are checked against an eager run and any difference or failure
-turns graphs off for the rest of the run (logged), so a graph can cost speed, never correctness.
+architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: fastlm.supported), else on transformers
+with its StaticCache (logged once, with the reason). On CUDA, the fixed-shape steps (verify,
+drafter step, plain decode step) are captured as CUDA graphs on first use; the first replays of
+each are checked against an eager run and any difference or failure turns graphs off for the rest
+of the run (logged), so a graph can cost speed, never correctness.
 """
 from __future__ import annotations
 
@@ -337,11 +338,13 @@ class Decoder:
         self.max_len = max_len
         if engine not in ("auto", "fast", "hf"):
             raise EyasError(f"decoder engine must be auto, fast or hf, got {engine!r}")
-        from .fastlm import supported
+        from .fastlm import fast_engine_runs, supported
 
         ok, why = supported(target.model)
         if engine == "fast" and not ok:
             raise EyasError(f"the fast decoder cannot run this target: {why}")
+        if engine == "auto":
+            fast_engine_runs(target.model, "decoder")  # logs the fallback and why
         self.engine = "fast" if ok and engine != "hf" else "hf"
         self.runner = FastTargetRunner(target, max_len) if self.engine == "fast" else TargetRunner(target, max_len)
         if self.engine == "fast":

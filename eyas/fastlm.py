@@ -1,5 +1,5 @@
-"""A fast batched forward with a static KV cache for Llama-family targets (regeneration now,
-speculative decoding later).
+"""A fast batched forward with a static KV cache for Llama-family targets (Llama, Mistral, Qwen2, Qwen3,
+Qwen3-MoE; see SUPPORTED_TYPES) for regeneration, speculative decoding and greedy validation.
 
 It reuses the loaded HF model's own modules and weights (embedding, norms, q/k/v/o projections with
 their biases, MLPs, rotary embedding, lm_head) and implements only rope application, the cache and
@@ -38,11 +38,28 @@ import torch.nn.functional as F
 from .util import EyasError, compile_failure, log
 
 # model types whose forward is exactly what FastLM computes: unscaled embeddings; per layer
-# x + o_proj(attn(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))) with n = input_layernorm(x), then
-# x + mlp(post_attention_layernorm(x)); final norm; lm_head. Other families with the same module names
-# differ in ways the layout does not show (Gemma scales embeddings, Granite residuals, StableLM ropes
-# part of each head; Qwen3 adds q_norm/k_norm, Gemma2 soft-caps), so they are refused by type.
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+# x + o_proj(attn(rope(qn(q_proj(n))), rope(kn(k_proj(n))), v_proj(n))) with n = input_layernorm(x), qn and kn the
+# identity or (Qwen3) the per-head RMSNorms q_norm/k_norm, then x + mlp(post_attention_layernorm(x)); final norm;
+# lm_head. The MLP is the model's own module (Qwen3-MoE's sparse block included), its gate/up fused where it is a
+# plain gated MLP. Other families with the same module names differ in ways the layout does not show (Gemma scales
+# embeddings, Granite residuals, StableLM and Phi ropes part of each head; Gemma2 soft-caps), so they are refused
+# by type.
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # q_norm/k_norm on each head, before rope (transformers' Qwen3Attention)
+# rope types whose cos/sin depend on the position only (a fixed inv_freq, times the rotary module's
+# attention_scaling, which its forward applies): FastLM calls the model's own rotary module. dynamic and longrope
+# change inv_freq with the sequence length, so they are refused, as is any type not checked against transformers
+STATIC_ROPES = ("default", "linear", "llama3", "yarn")
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each decoder layer's sliding attention window (None: full attention), as transformers applies it: a query at
+    position p sees keys at p - window < s <= p. Qwen2/Qwen3 set it per layer (self_attn.sliding_window, from
+    use_sliding_window and layer_types); Mistral's attention reads config.sliding_window in every layer."""
+    c = model.config
+    if getattr(c, "model_type", None) == "mistral":
+        return [getattr(c, "sliding_window", None)] * len(model.model.layers)
+    return [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
 
 
 def supported(model) -> tuple[bool, str]:
@@ -53,13 +70,34 @@ def supported(model) -> tuple[bool, str]:
     if mt not in SUPPORTED_TYPES:
         return False, (f"{arch} (model_type '{mt}') is not an architecture FastLM implements "
                        f"(it runs {', '.join(SUPPORTED_TYPES)})")
-    for i, layer in enumerate(model.model.layers):
-        if getattr(layer.self_attn, "sliding_window", getattr(c, "sliding_window", None)):
-            return False, f"{arch}: layer {i} uses a sliding attention window, which FastLM does not implement"
+    if mt in QK_NORM_TYPES and any(llama_norm_eps(getattr(layer.self_attn, n, None)) is None
+                                   for layer in model.model.layers for n in ("q_norm", "k_norm")):
+        return False, f"{arch}: an attention layer lacks the RMSNorm q_norm/k_norm its model type has"
+    for i, w in enumerate(layer_windows(model)):
+        if w is not None and not (isinstance(w, int) and w >= 1):
+            return False, f"{arch}: layer {i} has sliding window {w!r}; FastLM takes a whole number >= 1 or none"
     rope = getattr(model.model.rotary_emb, "rope_type", "default")
-    if not isinstance(rope, str) or "dynamic" in rope or rope == "longrope":
-        return False, f"{arch}: rope type {rope!r} changes with the sequence length, which FastLM does not implement"
+    if not isinstance(rope, str) or rope not in STATIC_ROPES:
+        why = ("changes with the sequence length" if isinstance(rope, str) and ("dynamic" in rope or rope == "longrope")
+               else "is not one FastLM has been checked against")
+        return False, (f"{arch}: rope type {rope!r} {why}, which FastLM does not implement "
+                       f"(it runs {', '.join(STATIC_ROPES)})")
     return True, ""
+
+
+_FALLBACK_LOGGED: set = set()
+
+
+def fast_engine_runs(model, where: str) -> bool:
+    """supported(model)[0] for a caller that picks its engine automatically (`where` names it: regen, the decoder,
+    greedy validation): when FastLM cannot run the target, one log line per caller and reason and process says the
+    target falls back to transformers (no static cache of eyas' own, no CUDA graphs: slower) and why."""
+    ok, why = supported(model)
+    if not ok and (where, why) not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add((where, why))
+        log(f"{where}: the target runs on transformers, not on eyas' fast engine (FastLM: static cache, CUDA graphs), "
+            f"so it is slower: {why}")
+    return ok
 
 
 # attention kernels for a call whose shape is seen once (a batched prompt prefill): every kernel that takes
@@ -109,6 +147,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rope on x [b, T, h, D] with cos/sin [b, T, 1, D] (halves layout, as HF Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _norm_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 one_kernel: bool) -> torch.Tensor:
+    """Qwen3's q/k path: RMSNorm over each head's D values, then rope (x [b, T, h, D])."""
+    return _rotate(llama_rms_norm(x, weight, eps, one_kernel=one_kernel), cos, sin)
 
 
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -196,7 +240,7 @@ def fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 class FastLM:
-    """`model` (an HF Llama/Mistral/Qwen2 causal LM, already on its device) with a static KV cache of
+    """`model` (an HF causal LM of a type in SUPPORTED_TYPES, already on its device) with a static KV cache of
     `batch_size` rows x `max_len` slots in the model's dtype. aux_layers: ids whose states
     `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
     fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
@@ -245,6 +289,9 @@ class FastLM:
         self.head_dim = attn.head_dim
         self.n_heads, self.n_kv = c.num_attention_heads, c.num_key_value_heads
         self.scaling = attn.scaling
+        self.qk_norm = getattr(c, "model_type", None) in QK_NORM_TYPES
+        # each layer's sliding window (None: full attention); layers share a mask per distinct window
+        self.windows = layer_windows(model)
         self.batch_size, self.max_len = batch_size, max_len
         n = len(self.layers)
         self.aux_layers = list(aux_layers or [])
@@ -364,13 +411,14 @@ class FastLM:
         idx = self._rows(rows, b)
         qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
         flex = (self.flex_decode and T == 1 and not one_off and self.groups is None
-                and (rows is None or isinstance(rows, slice)))
+                and (rows is None or isinstance(rows, slice)) and not any(self.windows))
         if flex:
             fmask, fattn = self._flex_mask(qpos[:, 0]), self._flex_attention()
-        # additive masks, shared by all layers: slot s is visible to the query at position p iff s <= p.
-        # Query heads of one KV head are folded into the query length (no repeated keys/values):
-        # q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; or, for short multi-token calls, q [b, H, T, D]
-        # with enable_gqa (see the module docstring). One mask per row group (a, z, upto).
+        # additive masks, shared by the layers of one window: slot s is visible to the query at position p iff
+        # s <= p (and p - window < s in a sliding-window layer). Query heads of one KV head are folded into the query
+        # length (no repeated keys/values): q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; or, for short
+        # multi-token calls, q [b, H, T, D] with enable_gqa (see the module docstring). One mask per row group
+        # (a, z, upto) and window.
         rep = self.n_heads // self.n_kv
         gqa = self._use_gqa(T, one_off)
         fold = 1 if gqa else rep  # query rows per KV head and token in the attention call
@@ -380,13 +428,17 @@ class FastLM:
             parts = [(a, z, min(int(u), self.max_len)) for (a, z), u in zip(self.groups, upto)]
         else:
             parts = [(0, b, self.max_len if upto is None else min(int(upto), self.max_len))]
-        masks = []
-        for a, z, u in ([] if flex else parts):
-            vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
-            m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
-            if fold > 1:
-                m = m[:, None].expand(z - a, fold, T, u).reshape(z - a, fold * T, u)
-            masks.append(m[:, None])
+        masks: dict = {}  # window -> one mask per part
+        for w in ([] if flex else dict.fromkeys(self.windows)):
+            masks[w] = []
+            for a, z, u in parts:
+                vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
+                if w is not None:
+                    vis &= self.slots[None, None, :u] > qpos[a:z, :, None] - w
+                m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
+                if fold > 1:
+                    m = m[:, None].expand(z - a, fold, T, u).reshape(z - a, fold * T, u)
+                masks[w].append(m[:, None])
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, T, 1, D]
@@ -402,6 +454,13 @@ class FastLM:
         ew = self.compile_elementwise and not one_off
         rotate = compiled(_rotate) if ew else _rotate
         pend = None  # the last MLP's output, added to h together with the next norm (add_norm)
+
+        def norm_rotate(x, module):
+            """rope(module's RMSNorm of each head of x): Qwen3's q and k, one compiled kernel with `ew`."""
+            eps = llama_norm_eps(module)
+            if ew and self.fused_norm and eps is not None:
+                return compiled(_norm_rotate)(x, module.weight, eps, cos, sin, self.norm_one_kernel)
+            return rotate(self._norm(module, x), cos, sin)
 
         def add_norm(h, d, module):
             """(h + d, module's norm of it): one compiled kernel with `ew` where the norm is Llama-style."""
@@ -421,12 +480,17 @@ class FastLM:
             attn = layer.self_attn
             if self.qkv[i] is not None:
                 qkv = F.linear(x, *self.qkv[i]).view(b, T, nh + 2 * nkv, D)
-                qk = rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
-                q, k, v = qk[:, :, :nh], qk[:, :, nh:], qkv[:, :, nh + nkv:]
+                q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
+                if not self.qk_norm:
+                    qk = rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
+                    q, k = qk[:, :, :nh], qk[:, :, nh:]
             else:
-                q = rotate(attn.q_proj(x).view(b, T, nh, D), cos, sin)
-                k = rotate(attn.k_proj(x).view(b, T, nkv, D), cos, sin)
+                q, k = attn.q_proj(x).view(b, T, nh, D), attn.k_proj(x).view(b, T, nkv, D)
                 v = attn.v_proj(x).view(b, T, nkv, D)
+                if not self.qk_norm:
+                    q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            if self.qk_norm:
+                q, k = norm_rotate(q, attn.q_norm), norm_rotate(k, attn.k_norm)
             kc, vc = self.k[i], self.v[i]
             kc[write_at] = k
             vc[write_at] = v
@@ -438,7 +502,7 @@ class FastLM:
                 if not gqa:
                     q = q.reshape(b, nkv, rep * T, D)
                 outs = []
-                for (a, z, u), m in zip(parts, masks):
+                for (a, z, u), m in zip(parts, masks[self.windows[i]]):
                     if rows is None or isinstance(rows, slice):  # a view, no copy
                         sel = slice(a, z) if rows is None else rows
                         ks, vs = kc[sel, :, :u], vc[sel, :, :u]

@@ -49,9 +49,9 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
     (all prompts in its rows at once); "generate", transformers' generate on prompts left-padded in batches of about
     `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target. On the H200 generate took 59.5 s for
     256 answers (51,659 tokens, twenty-eighth session), where the regeneration's static loop writes about 21k tok/s."""
-    from .fastlm import supported
+    from .fastlm import fast_engine_runs
 
-    if engine == "static" or (engine == "auto" and supported(target.model)[0]):
+    if engine == "static" or (engine == "auto" and fast_engine_runs(target.model, "greedy validation")):
         return _static_answers(target, prompts, max_new_tokens)
     from transformers import GenerationConfig
 

@@ -188,18 +188,19 @@ def test_matches_hf_qwen2_with_biases(gqa, ew, monkeypatch):
 
 
 def test_refuses_what_it_does_not_implement():
-    from transformers import (AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig,
-                              Qwen3Config)
+    from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, MistralConfig
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=64)
     cases = [
-        (Qwen3Config(**small), "Qwen3ForCausalLM.*not an architecture FastLM implements"),  # q_norm/k_norm
         (Gemma2Config(**small, head_dim=8), "Gemma2ForCausalLM.*not an architecture"),  # soft-capping
         (GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4), "GPT2LMHeadModel.*model_type 'gpt2'"),
-        (MistralConfig(**small, sliding_window=16), "MistralForCausalLM: layer 0 uses a sliding attention window"),
         (LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-         "LlamaForCausalLM: rope type 'dynamic'"),
+         "LlamaForCausalLM: rope type 'dynamic' changes with the sequence length"),
+        (LlamaConfig(**small, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                               "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                                               "original_max_position_embeddings": 32}),
+         "LlamaForCausalLM: rope type 'longrope' changes with the sequence length"),
     ]
     for conf, msg in cases:
         model = AutoModelForCausalLM.from_config(conf)
@@ -207,7 +208,8 @@ def test_refuses_what_it_does_not_implement():
         assert not ok
         with pytest.raises(EyasError, match="FastLM cannot run this target: " + msg):
             FastLM(model, 1, 8)
-    assert supported(AutoModelForCausalLM.from_config(MistralConfig(**small, sliding_window=None))) == (True, "")
+    for conf in (MistralConfig(**small, sliding_window=None), MistralConfig(**small, sliding_window=16)):
+        assert supported(AutoModelForCausalLM.from_config(conf)) == (True, "")
 
 
 def test_bad_rows_are_refused(tiny):
@@ -429,3 +431,286 @@ def test_multi_token_calls_copy_nothing_on_gpu(monkeypatch):
     logits0, clones0 = run(False)
     torch.testing.assert_close(logits.float(), logits0.float(), atol=3e-2, rtol=3e-2)
     assert clones == 0 and clones0 >= 2 * conf.num_hidden_layers, (clones, clones0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3 (q/k norm), Qwen3-MoE, sliding windows and scaled ropes, against transformers
+
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def random_model(model_type: str, **kw):
+    """A small random causal LM of `model_type` (seed 0) whose norm weights are random too (their init is ones, which
+    would hide a norm applied to the wrong axis or skipped)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SMALL, **kw})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("gqa,ew,fuse", [(True, False, True), (False, False, True), (True, True, True),
+                                         (True, False, False)], ids=["gqa", "folded", "gqa_compiled", "unfused"])
+def test_matches_hf_qwen3(gqa, ew, fuse, monkeypatch):
+    """FastLM on a small random Qwen3 (q_norm/k_norm over each head before rope, a head size other than
+    hidden/heads) gives transformers' logits and states for prefills, decode steps and rollbacks: with the verify's
+    attention through enable_gqa or folded, the elementwise work compiled (q/k norm and rope one kernel each), and
+    q/k/v unfused."""
+    import eyas.fastlm
+
+    monkeypatch.setattr(FastLM, "gqa_steps", gqa)
+    monkeypatch.setattr(FastLM, "compile_elementwise", ew)
+    monkeypatch.setattr(FastLM, "fuse", fuse)
+    model = random_model("qwen3", head_dim=24)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is None and attn.q_norm.weight.shape == (24,)
+    assert supported(model) == (True, "")
+    run_checks(model, [1, 2, 4], 256)
+    if ew:  # compiled, not fallen back to the eager functions
+        assert eyas.fastlm._norm_rotate in eyas.fastlm._COMPILED and not eyas.fastlm._EAGER
+
+
+def test_matches_hf_qwen3_moe():
+    """Qwen3-MoE: Qwen3's attention, and a sparse MLP block (or, in mlp_only_layers, a plain one) that FastLM runs
+    through the model's own module."""
+    model = random_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
+    assert type(model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    assert supported(model) == (True, "")
+    run_checks(model, [1, 2, 4], 256)
+
+
+@pytest.mark.parametrize("model_type,kw", [
+    ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=3)),  # layers 3-5 slide
+    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)),
+    ("mistral", dict(sliding_window=6)),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32)),
+], ids=["qwen3_alternating", "qwen2", "mistral", "qwen3_moe"])
+def test_sliding_windows_match_hf(model_type, kw):
+    """Sliding-window attention as transformers applies it (a query at p sees p - window < s <= p; Qwen2/Qwen3 per
+    layer from layer_types, Mistral and Qwen3-MoE in every layer), over rows longer than the window."""
+    model = random_model(model_type, **kw)
+    windows = FastLM(model, 1, 8).windows
+    if model_type == "qwen3":
+        assert windows == [None] * 3 + [4] * 3
+    else:
+        assert set(windows) == {kw["sliding_window"]}
+    run_checks(model, [1, 2, 4], 256)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "factor": 2.0},
+], ids=lambda r: r["rope_type"])
+def test_scaled_ropes_match_hf(rope):
+    """Llama with llama3, yarn and linear rope: FastLM takes cos/sin from the model's rotary module, whose inv_freq
+    they change and whose attention_scaling (yarn's, here not 1) it applies as transformers does."""
+    model = random_model("llama", rope_parameters={**rope, "rope_theta": 10000.0})
+    rot = model.model.rotary_emb
+    assert rot.rope_type == rope["rope_type"]
+    assert (rot.attention_scaling != 1.0) == (rope["rope_type"] == "yarn")
+    assert supported(model) == (True, "")
+    run_checks(model, [1, 2, 4], 256)
+
+
+class _Scripted:
+    """Drafts for a Decoder subclass: the target's own greedy tokens (`reference`), wrong at one position per round
+    in turn (round r rejects at r % (K+1); K+1: all accepted), so a generation takes every acceptance length."""
+
+    def _script(self, L: int, device) -> torch.Tensor:
+        start = L - self.n
+        oracle = list(self.reference[start:start + self.k]) + [0] * self.k
+        oracle = oracle[:self.k]
+        err = self.round % (self.k + 1)
+        if err < self.k:
+            oracle[err] = (oracle[err] + 1) % self.target.vocab_size
+        self.round += 1
+        return torch.tensor([oracle], device=device)
+
+    def draft(self, h_last, logits_last, L):
+        drafts, q = super().draft(h_last, logits_last, L)
+        return self._script(L, drafts.device), q
+
+    def _draft_chain(self, h_last, logits_last, pos0, upto):
+        drafts = super()._draft_chain(h_last, logits_last, pos0, upto)
+        return self._script(int(pos0[0]) + 1, drafts.device)
+
+
+def random_target(model, tiny):
+    """An eyas Target around a random model, with the tiny preset's tokenizer (whose vocabulary the model shares)."""
+    from eyas.target import Target
+
+    return Target(model=model, tokenizer=tiny.tokenizer, name=model.config.model_type, source="", sha256="",
+                  aux_layers=[1, 2, 4], eot_token_ids=list(tiny.eot_token_ids))
+
+
+LLAMA3 = {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 16, "rope_theta": 10000.0}}
+YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                            "rope_theta": 10000.0}}
+
+
+@pytest.mark.parametrize("model_type,kw,fused", [("qwen3", {}, False), ("qwen3", {}, True), ("llama", LLAMA3, True),
+                                                 ("llama", YARN, True)],
+                         ids=["qwen3-steps", "qwen3-fused", "llama3_rope-fused", "yarn_rope-fused"])
+def test_greedy_speculative_decoding_is_lossless(tiny, model_type, kw, fused):
+    """On the fast engine, plain greedy decoding gives transformers' generate token for token, and speculative
+    decoding (drafts accepted up to every length, rolled back at every position) gives plain decoding's tokens."""
+    from eyas.decode import Decoder
+    from eyas.draft import build_drafter
+    from eyas.evaluate import prompt_ids
+
+    model = random_model(model_type, vocab_size=tiny.vocab_size, max_position_embeddings=256, initializer_range=0.2)
+    target = random_target(model, tiny)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "Tell me about hawks."}])
+    plain = Decoder(target, None, k=1, max_len=128)
+    assert plain.engine == "fast"
+    want = plain.generate(ids, 24, (), speculative=False).tokens
+    x = torch.tensor([ids])
+    ref = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False)[0, len(ids):]
+    assert want == ref.tolist()
+
+    class Dec(_Scripted, Decoder):
+        pass
+
+    torch.manual_seed(0)
+    dec = Dec(target, build_drafter(target, 512), k=3, max_len=128, fused=fused)
+    dec.reference, dec.n, dec.round = want, len(ids), 0
+    out = dec.generate(ids, 24, (), speculative=True)
+    assert out.tokens == want
+    assert set(out.accepted) == {0, 1, 2, 3}, out.accepted
+
+
+def test_greedy_validation_on_qwen3_equals_generate(tiny):
+    """The trainer's greedy validation (and regen's static engine under it) on a Qwen3 with alternating sliding
+    windows, prompts of different lengths in one batch, gives transformers' generate answers token for token."""
+    from eyas.greedyval import greedy_answers
+
+    model = random_model("qwen3", vocab_size=tiny.vocab_size, max_position_embeddings=256, initializer_range=0.2,
+                         use_sliding_window=True, sliding_window=6, max_window_layers=3)
+    target = random_target(model, tiny)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, tiny.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    static = greedy_answers(target, prompts, 10, 4096, engine="static")
+    assert static == greedy_answers(target, prompts, 10, 4096, engine="generate")
+    assert all(len(a) == 10 for a in static)
+
+
+def test_fallback_is_logged_once_with_its_reason(tiny, capsys):
+    """A target FastLM does not run (a tiny GPT-NeoX: partial rotary, parallel residual) falls back to transformers
+    in regen, the decoder and greedy validation, each saying so once per process with the reason; an explicit hf
+    engine is a choice, not a fallback, and says nothing."""
+    import eyas.fastlm
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, embedded_engine
+    from eyas.decode import Decoder
+    from eyas.greedyval import greedy_answers
+
+    eyas.fastlm._FALLBACK_LOGGED.clear()
+    model = random_model("gpt_neox", vocab_size=tiny.vocab_size, max_position_embeddings=128)
+    target = random_target(model, tiny)
+    Decoder(target, None, k=1, max_len=64, engine="hf")
+    assert "fast engine" not in capsys.readouterr().err
+    for _ in range(2):
+        assert embedded_engine(target, RegenConfig()) is GenerateEngine
+        assert Decoder(target, None, k=1, max_len=64).engine == "hf"
+        greedy_answers(target, [[1, 2, 3]], 2, 64)
+    err = capsys.readouterr().err
+    why = "GPTNeoXForCausalLM (model_type 'gpt_neox') is not an architecture FastLM implements"
+    for where in ("regen", "decoder", "greedy validation"):
+        lines = [ln for ln in err.splitlines() if ln.startswith(f"{where}: the target runs on transformers")]
+        assert len(lines) == 1 and why in lines[0], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_qwen3_decodes_in_cuda_graphs_on_gpu(model_type):
+    """On a GPU (fp32), a random Qwen3 (and Qwen3-MoE) on the fast engine with CUDA graphs and compiled elementwise
+    kernels (the GPU defaults) decodes transformers' greedy tokens, plainly and speculatively (drafts accepted up to
+    every length); for Qwen3 every graph stays on and the compiled q/k norm + rope ran. The regen decode step's graph
+    replays the eager step."""
+    import eyas.fastlm
+    from eyas.decode import Decoder
+    from eyas.draft import build_drafter
+    from eyas.target import Target
+
+    kw = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else {}
+    model = random_model(model_type, vocab_size=512, max_position_embeddings=512, initializer_range=0.2, **kw).cuda()
+    target = Target(model=model, tokenizer=None, name=model_type, source="", sha256="", aux_layers=[1, 2, 4])
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (9, 200)]
+
+    class Dec(_Scripted, Decoder):
+        pass
+
+    torch.manual_seed(0)
+    drafter = build_drafter(target, 256)
+    for ids in prompts:
+        x = torch.tensor([ids], device="cuda")
+        want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40, do_sample=False)[0, len(ids):]
+        plain = Decoder(target, None, k=1, max_len=300, compile=True)
+        assert plain.engine == "fast" and plain.elementwise_compiled
+        assert plain.generate(ids, 40, (), speculative=False).tokens == want.tolist()
+        dec = Dec(target, drafter, k=3, max_len=300, compile=True)
+        dec.reference, dec.n, dec.round = want.tolist(), len(ids), 0
+        out = dec.generate(ids, 40, (), speculative=True)
+        assert out.tokens == want.tolist() and set(out.accepted) == {0, 1, 2, 3}
+        if model_type == "qwen3":
+            assert plain.graphs.enabled and plain.graphs.replays and dec.graphs.enabled and dec.graphs.replays
+    if model_type == "qwen3":
+        assert eyas.fastlm._norm_rotate in eyas.fastlm._COMPILED and not eyas.fastlm._EAGER
+    graphed, eager = FastLM(model, 2, 64), FastLM(model, 2, 64)
+    step = DecodeGraph(graphed, lambda logits: logits.argmax(-1), span=8)
+    if model_type == "qwen3":  # (the MoE's expert loop may sync, which no graph can hold: then steps run eagerly)
+        assert step.graph is not None
+    ids = torch.randint(0, 512, (2, 5), device="cuda")
+    for lm in (graphed, eager):
+        lm.forward(ids, torch.zeros(2, dtype=torch.long, device="cuda"))
+    tok, pos = ids[:, -1:], torch.tensor([5, 5], device="cuda")
+    for _ in range(6):
+        step.ids.copy_(tok)
+        step.pos.copy_(pos)
+        want = eager.forward(tok, pos, last_only=True)[0][:, -1].argmax(-1)
+        assert torch.equal(step(upto=int(pos.max()) + 1), want)
+        tok, pos = want[:, None], pos + 1
+
+
+def test_bench_decode_builds_a_random_qwen3_target(tiny, tmp_path):
+    """bench/bench_decode.py --random-target: Qwen3-0.6B's shape (built on the meta device here: no weights) is one
+    FastLM runs; a config.json of any shape gives a random target of the tokenizer's vocabulary that the fast engine
+    decodes; engines are given as a list of known names."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas.decode import Decoder
+
+    path = Path(__file__).parents[1] / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    model_type, fields = bd.RANDOM_SHAPES["qwen3"]
+    with torch.device("meta"):
+        shaped = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields,
+                                                                       vocab_size=tiny.vocab_size))
+    assert shaped.model.layers[0].self_attn.q_proj.out_features == 2048 and supported(shaped) == (True, "")
+    conf = tmp_path / "config.json"
+    conf.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96, "head_dim": 32,
+                                "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    target = bd.random_target(str(conf), "tiny", "float32", "cpu")
+    assert target.vocab_size == len(tiny.tokenizer) and target.model.config.model_type == "qwen3"
+    dec = Decoder(target, None, k=1, max_len=64)
+    assert dec.engine == "fast" and len(dec.generate([1, 2, 3], 4, (), speculative=False).tokens) == 4
+    for bad in ("fast,fast", "vllm"):
+        with pytest.raises(SystemExit):
+            bd.main(["--draft", "untrained", "--engine", bad])

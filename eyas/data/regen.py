@@ -704,9 +704,9 @@ def embedded_engine(target, rc: RegenConfig) -> type[_Embedded]:
     # auto never picks continuous: on an H200 (SmolLM2, batch 256) transformers 5.17's continuous batching ran
     # at 0.44x the speed of the padded, length-grouped generate engine (bench/bench_regen.py)
     if engine == "auto":  # static wherever it runs the target (on an idle CPU: 1.16x the generate engine)
-        from ..fastlm import supported
+        from ..fastlm import fast_engine_runs
 
-        engine = "static" if supported(target.model)[0] else "generate"
+        engine = "static" if fast_engine_runs(target.model, "regen") else "generate"
     if engine == "continuous" and not hasattr(target.model, "init_continuous_batching"):
         raise EyasError("this transformers version has no continuous batching; use --engine generate")
     return {"static": StaticEngine, "continuous": ContinuousEngine}.get(engine, GenerateEngine)
