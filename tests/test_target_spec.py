@@ -222,9 +222,9 @@ def test_training_on_stored_features_holds_only_the_head(kind, tmp_path, tokeniz
     def cfg(run: Path):
         return resolve(preset_name="tiny", overrides={
             "out": str(run), "target.name": name, "target.device": "cpu", "target.dtype": "float32",
-            "data.source": str(write_chats(tmp_path / "chats.jsonl")), "data.limit": 0, "data.test_ratio": 0.0,
-            "train.val_ratio": 0.2, "train.online": False, "train.greedy_val": 0, "train.max_steps": 3,
-            "train.eval_every": 3, "train.batch_tokens": 256, "vocab.draft_vocab_size": 256})
+            "data.source": str(write_chats(tmp_path / "chats.jsonl", 16)), "data.limit": 0, "data.test_ratio": 0.0,
+            "train.val_ratio": 0.25, "train.online": False, "train.greedy_val": 0, "train.max_steps": 2,
+            "train.eval_every": 2, "train.batch_tokens": 256, "vocab.draft_vocab_size": 256})
 
     whole = load_target(cfg(base).target)
     run_tokenize(cfg(base))
@@ -245,7 +245,7 @@ def test_training_on_stored_features_holds_only_the_head(kind, tmp_path, tokeniz
     assert json.loads((runs["whole"] / "train" / "summary.json").read_text())["target_bytes_held"] == sum(
         p.numel() * 4 for p in whole.model.parameters())
     head_losses, whole_losses = _losses(runs["head"]), _losses(runs["whole"])
-    assert len(head_losses) >= 4 and head_losses == whole_losses
+    assert len(head_losses) >= 3 and head_losses == whole_losses
 
 
 def qwen2_5_vl(vocab: int):
