@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fastlm import fuse_linears, held_fusion, llama_rms_norm
+from .rope import RopeFrequencies, check_rope_scaling, target_rope
 from .util import EyasError, atomic_path, atomic_write_json, read_json
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,24 +55,29 @@ class DraftConfig:
     target_num_layers: int = 0
     target: dict = field(default_factory=dict)  # the target's identity (name, sha256, ...)
     num_hidden_layers: int = 1  # decoder layers: the first reads the embedding and the hidden state, the rest plain
+    # the rope kind and its settings as the engines read them (eyas.rope); None: plain rope of rope_theta
+    rope_scaling: dict | None = None
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int, intermediate_size: int = 0,
                     num_layers: int = 1) -> "DraftConfig":
         c = target.config
         heads = c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise EyasError(f"target rope type {rope.get('rope_type')!r} is not supported by the eyas drafter yet")
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        if getattr(c, "kv_lora_rank", None) and getattr(c, "v_head_dim", None):
+            # MLA (DeepSeek-V3, Kimi-K2): its head_dim is the rope part of a query head alone; the drafter's Llama
+            # layer takes whole heads of the value width over the hidden size instead (DeepSeek-V3: 56 of 128)
+            head_dim = c.v_head_dim
+            heads = kv_heads = max(1, c.hidden_size // head_dim)
+        theta, rope_scaling = target_rope(c, f"target '{getattr(target, 'name', '?')}'")
         return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-                   num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", heads),
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                    target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
                    draft_vocab_size=min(draft_vocab_size, c.vocab_size), aux_layers=list(target.aux_layers),
                    rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
                    max_position_embeddings=c.max_position_embeddings, target_num_layers=c.num_hidden_layers,
-                   target=target.identity(), num_hidden_layers=int(num_layers))
+                   target=target.identity(), num_hidden_layers=int(num_layers), rope_scaling=rope_scaling)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +98,8 @@ class DraftConfig:
             v = known[f.name]
             if f.name == "aux_layers":
                 check_drafter_aux_layers(v, where, field="aux_layers")
+            elif f.name == "rope_scaling":
+                known[f.name] = check_rope_scaling(v, where)
             elif f.name == "target":
                 if not isinstance(v, dict):
                     raise EyasError(f"{where}: field 'target' must be an object, got {json_kind(v)}; {DAMAGED}")
@@ -319,7 +327,13 @@ class Eagle3Drafter(nn.Module):
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+        """cos and sin [B, 1, T, head_dim] of the drafter's rope (its kind: eyas.rope) at these positions."""
+        freqs = self.__dict__.get("_rope_freqs")
+        if freqs is None:  # from transformers' rope function, once (not a buffer: the checkpoint does not hold it)
+            c = self.config
+            freqs = self.__dict__["_rope_freqs"] = RopeFrequencies(c.head_dim, c.num_attention_heads, c.rope_theta,
+                                                                   c.max_position_embeddings, c.rope_scaling)
+        return freqs.cos_sin(position_ids, dtype)
 
     def fuse(self, max_len: int) -> None:
         """For decoding, after the drafter has its device and dtype: q/k/v and gate/up each as one product

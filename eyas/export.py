@@ -27,6 +27,7 @@ import torch
 
 from .draft import (DAMAGED, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits, is_eyas_config, is_int,
                     json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
+from .rope import check_rope_scaling
 from .util import EyasError, atomic_path, atomic_write_json, log, read_json
 
 FORMATS = ("sglang", "vllm")
@@ -184,7 +185,8 @@ def _llama_fields(c: DraftConfig, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": None,
+        # rope_type and that kind's settings as both engines' get_rope reads them (and transformers 4 and 5)
+        "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.target_vocab_size,
         "attention_bias": False,
@@ -537,14 +539,26 @@ def _refuse_unsupported(lc: dict, raw: dict, where: str, layers: int) -> None:
         problems.append(f"hidden_act {lc['hidden_act']!r} (eyas uses silu)")
     if lc.get("attention_bias") or lc.get("mlp_bias") or raw.get("bias"):
         problems.append("biases in attention/MLP/fc (eyas drafters have none)")
-    rope = lc.get("rope_scaling") or lc.get("rope_parameters") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        problems.append(f"rope type {rope.get('rope_type', rope.get('type'))!r} (eyas supports plain RoPE)")
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         if raw.get(flag):
             problems.append(f"{flag}=true (eyas' drafter does not do this)")
     if problems:
         raise EyasError(f"{where}: this drafter uses features eyas cannot run: " + "; ".join(problems))
+
+
+def _engine_rope(f: "_Fields", cfg_file: Path) -> tuple[float, dict | None]:
+    """The rope_theta and rope settings of an engine-format drafter config: `rope_scaling` (transformers 4's and the
+    engines' spelling) or `rope_parameters` (transformers 5's, with rope_theta inside), checked by
+    eyas.rope.check_rope_scaling: a kind or setting the eyas drafter does not run is refused naming it."""
+    params = f.obj("rope_parameters")
+    theta = f.number("rope_theta") or _Fields(params, cfg_file, f.prefix + "rope_parameters.").number(
+        "rope_theta", 10000.0)
+    key = "rope_scaling" if f.d.get("rope_scaling") is not None else "rope_parameters"
+    scaling = f.obj(key)
+    mrope = "mrope_section" in scaling
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default" and not mrope:
+        return theta, None
+    return theta, check_rope_scaling(scaling, str(cfg_file), f"{f.prefix}{key}.")
 
 
 class _Fields:
@@ -660,8 +674,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
                         f"[2, N//2, N-3] can be used")
     else:
         aux = list(target.aux_layers)  # engines and EAGLE then use [2, N//2, N-3] of the target
-    rope = _Fields(f.obj("rope_parameters"), cfg_file, f.prefix + "rope_parameters.")
-    theta = f.number("rope_theta") or rope.number("rope_theta", 10000.0)
+    theta, rope_scaling = _engine_rope(f, cfg_file)
     meta = _Fields(top.obj("eyas"), cfg_file, "eyas.")
     c = DraftConfig(hidden_size=hidden, intermediate_size=f.whole("intermediate_size"),
                     num_attention_heads=heads, num_key_value_heads=f.whole("num_key_value_heads", default=heads),
@@ -671,7 +684,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
                     max_position_embeddings=f.whole("max_position_embeddings", default=8192),
                     target_num_layers=meta.whole("target_num_layers", default=0, minimum=0),
                     target=dict(meta.obj("target")),
-                    num_hidden_layers=layers)
+                    num_hidden_layers=layers, rope_scaling=rope_scaling)
     if target is not None:
         check_fits(c, target, where)
         c.target, c.target_num_layers = target.identity(), target.num_layers

@@ -38,6 +38,7 @@ from .config import KEYED_WHEN_CHANGED, Config, check_settings
 from .draft import Eagle3Drafter, build_drafter, check_fits, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
+from .rope import target_rope
 from .stepgraph import AccumGraph, StepGraph, graph_unfit
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, share,
                    stable_hash, text_lines)
@@ -811,6 +812,8 @@ def run_train(cfg: Config, target=None) -> dict:
     if target is None:
         tcfg = replace(cfg.target, device=str(d.device))
         target = load_target(tcfg)
+    if not tc.finetune_from:  # a target rope the drafter cannot have is refused before tokens and features
+        target_rope(target.config, f"target '{cfg.target.name}'")
     if d.main:  # made now if missing; see ensure_tokens and ensure_vocab for what a standalone `eyas train` reuses
         precheck_checkpoint(cfg, target, d.world)
         ensure_tokens(cfg, target)
