@@ -304,3 +304,16 @@ def test_unsupported_rope_refused_at_preflight(tiny, tmp_path):
     run_cfg.data.source, run_cfg.regen.enabled, run_cfg.eval.prompts = str(data), False, str(data)
     with pytest.raises(EyasError, match="partial_rotary_factor=0.5"):
         preflight(run_cfg, tmp_path / "run", {})
+
+
+@pytest.mark.parametrize("which", ["llama31", "deepseek"])
+def test_scaled_rope_drafter_decodes_losslessly(request, which):
+    """eyas' decoder runs a scaled-rope drafter through its fused rope table, past the target's
+    original_max_position_embeddings, and reproduces plain greedy decoding."""
+    from eyas.decode import Decoder
+
+    target = request.getfixturevalue(which)
+    d = build_drafter(target, 300, torch.arange(300))
+    prompt = list(range(100, 112))  # 12 + 14 tokens: past original_max_position_embeddings (16)
+    ref = Decoder(target, None, max_len=64).generate(prompt, 14, [], speculative=False).tokens
+    assert Decoder(target, d, k=3, max_len=64).generate(prompt, 14, [], speculative=True).tokens == ref
