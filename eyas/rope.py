@@ -77,8 +77,9 @@ def target_rope(config, where: str = "target") -> tuple[float, dict | None]:
         scaling["factor"] = config.max_position_embeddings / scaling["original_max_position_embeddings"]
     dropped = {k: scaling.pop(k) for k in _DROPPED.get(kind, ()) if k in scaling}
     if dropped:
-        log(f"{where}: the drafter's {kind} rope leaves out {dropped}: SGLang's and vLLM's Llama draft layer does not "
-            f"read them (they are the target's attention's), so the drafter trains with what the engines serve")
+        log(f"{where}: the drafter's {kind} rope leaves out {dropped}: settings of the target's own attention that "
+            f"SGLang's Llama draft layer does not read (vLLM's reads truncate, defaulting to SGLang's only behaviour), "
+            f"so the drafter trains with what both engines serve")
     return theta, check_rope_scaling({"rope_type": kind, **scaling}, where, "rope_parameters.")
 
 
