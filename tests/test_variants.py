@@ -2,11 +2,11 @@
 exports to the speculators format and imports back equal; SGLang refuses them clearly; a drafter written the way
 speculators 0.9.0 writes its defaults (a Qwen3 layer, its config a to_diff_dict) imports, fine-tunes and decodes."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config
 
 from eyas.decode import Decoder
 from eyas.draft import DraftConfig, build_drafter, load_drafter, save_drafter
@@ -113,21 +113,16 @@ def _base_cfg():
                 target_hidden_size=64, target_vocab_size=100, draft_vocab_size=50, aux_layers=[1, 2, 3])
 
 
+FIXTURE = Path(__file__).parent / "fixtures" / "speculators_0.9.0_eagle3_defaults.json"
+
+
 def speculators_default_folder(tiny, path, ids):
-    """A drafter folder as speculators 0.9.0 saves one trained with its defaults: Eagle3SpeculatorConfig's flags
-    all false, transformer_layer_config a Qwen3Config written by to_diff_dict (values equal to Qwen3's defaults
-    left out: head_dim 128 is not written where the layer has it), weights `layers.0.*` with q_norm/k_norm and the
-    embedding (its _keys_to_ignore_on_save leaves out only the verifier's tensors)."""
-    lc = Qwen3Config(hidden_size=tiny.hidden_size, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, num_hidden_layers=1, vocab_size=tiny.vocab_size, max_position_embeddings=2048,
-                     rms_norm_eps=1e-6).to_diff_dict()
-    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": lc,
-           "draft_vocab_size": ids.numel(), "norm_before_residual": False, "target_hidden_size": None,
-           "eagle_aux_hidden_state_layer_ids": list(tiny.aux_layers), "norm_before_fc": False, "fc_norm": False,
-           "norm_output": False, "embed_requires_grad": False, "speculators_version": "0.9.0",
-           "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
-                                  "verifier": {"name_or_path": "tiny", "architectures": ["LlamaForCausalLM"]}}}
+    """A drafter folder as speculators 0.9.0 saves one made with its defaults for the tiny target: config.json is
+    the one its Eagle3DraftModel.save_pretrained wrote (Qwen3 layer, every flag false; only the verifier path
+    replaced), the weights random under the names it wrote (`layers.0.*` with q_norm/k_norm, the embedding,
+    d2t/t2d)."""
+    cfg = json.loads(FIXTURE.read_text())
+    assert cfg["draft_vocab_size"] == ids.numel() and cfg["eagle_aux_hidden_state_layer_ids"] == tiny.aux_layers
     H, q, kv = tiny.hidden_size, 4 * 16, 2 * 16
     g = torch.Generator().manual_seed(7)
 
@@ -161,6 +156,11 @@ def test_speculators_defaults_import_finetune_decode(tiny, tmp_path):
     assert torch.equal(d.draft_ids, ids)
     assert torch.equal(d.midlayer.self_attn.q_norm.weight,
                        load_file(str(src / "model.safetensors"))["layers.0.self_attn.q_norm.weight"])
+    # a value equal to the layer class's default may be left out (to_diff_dict): Qwen3's default is read for it
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["transformer_layer_config"]["max_position_embeddings"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert import_drafter(src, target=tiny).config.max_position_embeddings == 32768  # Qwen3Config's
     _train(d, tiny)  # fine-tunes
     plain = Decoder(tiny, None, max_len=128)
     dec = Decoder(tiny, d, k=3, max_len=128)
