@@ -185,6 +185,18 @@ class TrainConfig:
     draft_layers: int = opt(1, "drafter decoder layers: 1 is EAGLE-3's drafter (served by SGLang and vLLM); more adds "
                             "plain Llama layers after it, each step costing a layer more (vLLM serves these, SGLang "
                             "does not: export then writes the vllm format only)")
+    # the speculators format's drafter variants (eyas.variants; vLLM serves each, SGLang none: export then writes
+    # the vllm format only)
+    draft_norm_before_residual: bool = opt(False, "drafter variant: the first layer's residual is the normed hidden "
+                                           "state (speculators' norm_before_residual)")
+    draft_norm_before_fc: bool = opt(False, "drafter variant: one RMSNorm over the three concatenated aux states "
+                                     "before fc (speculators' norm_before_fc, gpt-oss style)")
+    draft_fc_norm: bool = opt(False, "drafter variant: an RMSNorm on each aux state before fc (speculators' fc_norm; "
+                              "not with draft_norm_before_fc)")
+    draft_norm_output: bool = opt(False, "drafter variant: feed the final-normed state back to the next step "
+                                  "(speculators' norm_output, EAGLE 3.1)")
+    draft_layer_type: str = opt("llama", "drafter decoder layer: llama, or qwen3 (an RMSNorm on each query and key "
+                                "head; speculators' transformer_layer_config.model_type)", choices=("llama", "qwen3"))
     precision: str = opt("auto", "autocast for the drafter's forward: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32 "
                          "(bf16 on a CPU with AVX512-BF16 trains 1.6x faster; README)", choices=("auto", "bf16", "fp32"))
     cuda_graph: bool = opt(True, "on a GPU, run each training step (labels, TTT unroll, loss, backward, clipping, "
@@ -251,7 +263,9 @@ SECTIONS = ["target", "data", "regen", "vocab", "features", "train", "eval", "ex
 # (train.fingerprint), so a run folder or checkpoint made before them resumes instead of starting over
 KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.label_temperature": 1.0,
                       "train.loss_positions": "answers", "train.loss_path": "all", "train.draft_layers": 1,
-                      "eval.turns": 0}
+                      "eval.turns": 0, "train.draft_norm_before_residual": False,
+                      "train.draft_norm_before_fc": False, "train.draft_fc_norm": False,
+                      "train.draft_norm_output": False, "train.draft_layer_type": "llama"}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fastlm import fuse_linears, held_fusion, llama_rms_norm
+from .rope import RopeFrequencies, check_rope_scaling, target_rope
+from .variants import VARIANTS, check_variants
 from .util import EyasError, atomic_path, atomic_write_json, read_json
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,24 +56,37 @@ class DraftConfig:
     target_num_layers: int = 0
     target: dict = field(default_factory=dict)  # the target's identity (name, sha256, ...)
     num_hidden_layers: int = 1  # decoder layers: the first reads the embedding and the hidden state, the rest plain
+    # the rope kind and its settings as the engines read them (eyas.rope); None: plain rope of rope_theta
+    rope_scaling: dict | None = None
+    # the speculators format's drafter variants (its Eagle3SpeculatorConfig flags, same names and meaning):
+    norm_before_residual: bool = False  # the first layer's residual is hidden_norm(h), not h
+    norm_before_fc: bool = False        # one RMSNorm over concat(aux) before fc (`input_norm`)
+    fc_norm: bool = False               # an RMSNorm on each aux state before fc (`fc_norm.<i>`)
+    norm_output: bool = False           # the state fed back is norm(h''), the one lm_head reads
+    layer_type: str = "llama"           # decoder layer: llama, or qwen3 (RMSNorm on each q and k head)
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int, intermediate_size: int = 0,
-                    num_layers: int = 1) -> "DraftConfig":
+                    num_layers: int = 1, variants: dict | None = None) -> "DraftConfig":
+        """A drafter for `target`; `variants`: DraftConfig's variant fields to set (norm_before_residual, ...)."""
         c = target.config
         heads = c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise EyasError(f"target rope type {rope.get('rope_type')!r} is not supported by the eyas drafter yet")
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        if getattr(c, "kv_lora_rank", None) and getattr(c, "v_head_dim", None):
+            # MLA (DeepSeek-V3, Kimi-K2): its head_dim is the rope part of a query head alone; the drafter's Llama
+            # layer takes whole heads of the value width over the hidden size instead (DeepSeek-V3: 56 of 128)
+            head_dim = c.v_head_dim
+            heads = kv_heads = max(1, c.hidden_size // head_dim)
+        theta, rope_scaling = target_rope(c, f"target '{getattr(target, 'name', '?')}'")
         return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-                   num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", heads),
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                    target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
                    draft_vocab_size=min(draft_vocab_size, c.vocab_size), aux_layers=list(target.aux_layers),
                    rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
                    max_position_embeddings=c.max_position_embeddings, target_num_layers=c.num_hidden_layers,
-                   target=target.identity(), num_hidden_layers=int(num_layers))
+                   target=target.identity(), num_hidden_layers=int(num_layers), rope_scaling=rope_scaling,
+                   **check_variants(variants or {}, "drafter variants"))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +107,10 @@ class DraftConfig:
             v = known[f.name]
             if f.name == "aux_layers":
                 check_drafter_aux_layers(v, where, field="aux_layers")
+            elif f.name == "rope_scaling":
+                known[f.name] = check_rope_scaling(v, where)
+            elif f.name in VARIANTS:
+                continue  # checked together below (some exclude others)
             elif f.name == "target":
                 if not isinstance(v, dict):
                     raise EyasError(f"{where}: field 'target' must be an object, got {json_kind(v)}; {DAMAGED}")
@@ -103,6 +122,7 @@ class DraftConfig:
             elif not is_int(v) or v < (0 if f.name == "target_num_layers" else 1):
                 want = "a whole number, 0 or more" if f.name == "target_num_layers" else "a positive whole number"
                 raise EyasError(f"{where}: field '{f.name}' must be {want}, got {json_kind(v)}; {DAMAGED}")
+        check_variants({k: known[k] for k in VARIANTS if k in known}, where)
         return cls(**known)
 
 
@@ -162,13 +182,6 @@ class RMSNorm(nn.Module):
         return llama_rms_norm(x, self.weight, self.eps, one_kernel=self.one_kernel)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[..., None] * inv  # [B, T, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, hd]
-
-
 def _rotate_half(x):
     a, b = x.chunk(2, dim=-1)
     return torch.cat([-b, a], dim=-1)
@@ -191,6 +204,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(width * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.layer_type == "qwen3":  # Qwen3's attention: an RMSNorm over each q and k head before rope
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x, cos, sin, attend: Attend):
         return self.out(attend(*self.qkv(x, cos, sin)))
@@ -201,14 +217,20 @@ class Attention(nn.Module):
         c = self.c
         nh, nkv = c.num_attention_heads, c.num_key_value_heads
         qkv = _fused(self, ("q_proj", "k_proj", "v_proj"))
+        qk_norm = "q_norm" in self._modules
         if qkv is not None:  # one product, and rope on q and k at once (Eagle3Drafter.fuse)
             y = F.linear(x, qkv).view(B, T, nh + 2 * nkv, c.head_dim).transpose(1, 2)
+            if qk_norm:
+                q, k = self.q_norm(y[:, :nh]), self.k_norm(y[:, nh:nh + nkv])
+                return apply_rope(q, cos, sin), apply_rope(k, cos, sin), y[:, nh + nkv:]
             qk = apply_rope(y[:, :nh + nkv], cos, sin)
             return qk[:, :nh], qk[:, nh:], y[:, nh + nkv:]
-        q = self.q_proj(x).view(B, T, nh, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, nh, c.head_dim)
+        k = self.k_proj(x).view(B, T, nkv, c.head_dim)
         v = self.v_proj(x).view(B, T, nkv, c.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
     def out(self, o):
         """The attention's output [B,h,T,d] through o_proj: [B,T,H]."""
@@ -256,6 +278,7 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
         self.first = first
+        self.norm_before_residual = first and c.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, attend: Attend):
         return self.post(hidden, attend(*self.pre(embeds, hidden, cos, sin)))
@@ -270,7 +293,8 @@ class MidLayer(nn.Module):
 
     def post(self, hidden, o):
         """Everything after it, from its output o and the layer's input hidden: the layer's output."""
-        h = hidden + self.self_attn.out(o)
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn.out(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -286,6 +310,10 @@ class Eagle3Drafter(nn.Module):
         if embed_weight is not None:
             self.set_embeddings(embed_weight)
         self.fc = nn.Linear(len(c.aux_layers) * c.target_hidden_size, c.hidden_size, bias=False)
+        if c.norm_before_fc:  # speculators' names: input_norm over concat(aux), fc_norm.<i> over aux state i
+            self.input_norm = RMSNorm(len(c.aux_layers) * c.target_hidden_size, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in c.aux_layers)
         if c.num_hidden_layers < 1:
             raise EyasError(f"a drafter needs at least one decoder layer, got num_hidden_layers={c.num_hidden_layers}")
         self.midlayer = MidLayer(c)
@@ -319,7 +347,13 @@ class Eagle3Drafter(nn.Module):
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, dtype)
+        """cos and sin [B, 1, T, head_dim] of the drafter's rope (its kind: eyas.rope) at these positions."""
+        freqs = self.__dict__.get("_rope_freqs")
+        if freqs is None:  # from transformers' rope function, once (not a buffer: the checkpoint does not hold it)
+            c = self.config
+            freqs = self.__dict__["_rope_freqs"] = RopeFrequencies(c.head_dim, c.num_attention_heads, c.rope_theta,
+                                                                   c.max_position_embeddings, c.rope_scaling)
+        return freqs.cos_sin(position_ids, dtype)
 
     def fuse(self, max_len: int) -> None:
         """For decoding, after the drafter has its device and dtype: q/k/v and gate/up each as one product
@@ -402,12 +436,20 @@ class Eagle3Drafter(nn.Module):
         step in two parts that hold no state, so each can be compiled whole while the attention (which keeps
         the keys of the steps before) runs between them (`eyas.ttt.DRAFTER_COMPILE`)."""
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = self.fc(hidden)
+            hidden = self.fc(self.fc_input(hidden))
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand(input_ids.shape[0], -1)
         cos, sin = self._cos_sin(position_ids, hidden, rope_table)
         return (hidden, *self.midlayer.pre(embeds, hidden, cos, sin))
+
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's aux states [.., 3·H_t] as fc reads them: normed first where norm_before_fc or fc_norm."""
+        if "input_norm" in self._modules:
+            return self.input_norm(aux)
+        if "fc_norm" in self._modules:
+            return torch.cat([n(a) for n, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return aux
 
     def _cos_sin(self, position_ids, hidden, rope_table: bool):
         table = self.__dict__.get("_rope_table") if rope_table else None
@@ -429,6 +471,9 @@ class Eagle3Drafter(nn.Module):
         """forward after the last layer's attention: (next hidden, draft-vocab logits) from that layer's input
         hidden (pre_attention's, or between_layers') and the attention's output o."""
         h = self.decoder_layers()[-1].post(hidden, o)
+        if self.config.norm_output:  # the normed state is both what lm_head reads and what is fed back
+            h = self.norm(h)
+            return h, self.lm_head(h)
         return h, self.lm_head(self.norm(h))
 
     FROZEN = "embed_tokens.weight"  # the target's embedding: shared, never trained or saved with the drafter
@@ -460,8 +505,8 @@ def _post_attention(drafter: Eagle3Drafter, hidden, o):
 
 
 def build_drafter(target, draft_vocab_size: int, draft_ids: torch.Tensor | None = None,
-                  intermediate_size: int = 0, num_layers: int = 1) -> Eagle3Drafter:
-    cfg = DraftConfig.from_target(target, draft_vocab_size, intermediate_size, num_layers)
+                  intermediate_size: int = 0, num_layers: int = 1, variants: dict | None = None) -> Eagle3Drafter:
+    cfg = DraftConfig.from_target(target, draft_vocab_size, intermediate_size, num_layers, variants)
     d = Eagle3Drafter(cfg, target.embed_tokens().weight.detach().float())
     if draft_ids is not None:
         d.set_vocab(draft_ids)

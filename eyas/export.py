@@ -28,6 +28,8 @@ import torch
 
 from .draft import (DAMAGED, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits, is_eyas_config, is_int,
                     json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
+from .rope import check_rope_scaling
+from .variants import LAYER_ARCHS, from_speculators, sglang_refusal, speculators_fields, variant_tensors
 from .util import EyasError, atomic_path, atomic_write_json, log, read_json
 
 FORMATS = ("sglang", "vllm")
@@ -77,6 +79,7 @@ def expected_tensors(c: DraftConfig, include_embeddings: bool = False) -> dict[s
                   p + "mlp.gate_proj.weight": ((c.intermediate_size, H), "float"),
                   p + "mlp.up_proj.weight": ((c.intermediate_size, H), "float"),
                   p + "mlp.down_proj.weight": ((H, c.intermediate_size), "float")})
+    t.update(variant_tensors(c))  # input_norm, fc_norm.<i>, q_norm/k_norm (eyas.variants)
     if include_embeddings:
         t["embed_tokens.weight"] = ((c.target_vocab_size, H), "float")
     return t
@@ -175,7 +178,7 @@ def _check_format(fmt: str) -> None:
 def _llama_fields(c: DraftConfig, dtype: torch.dtype) -> dict:
     """The decoder-layer fields both engines build the draft layer from, written explicitly."""
     return {
-        "model_type": "llama",
+        "model_type": c.layer_type,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads,
@@ -185,7 +188,8 @@ def _llama_fields(c: DraftConfig, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_scaling": None,
+        # rope_type and that kind's settings as both engines' get_rope reads them (and transformers 4 and 5)
+        "rope_scaling": dict(c.rope_scaling) if c.rope_scaling else None,
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.target_vocab_size,
         "attention_bias": False,
@@ -208,6 +212,8 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
     c = drafter.config
     if fmt == "sglang" and c.num_hidden_layers > 1:
         raise EyasError(SGLANG_MULTI_LAYER.format(n=c.num_hidden_layers))
+    if fmt == "sglang" and sglang_refusal(c):
+        raise EyasError(f"this drafter cannot be served by SGLang: {sglang_refusal(c)}")
     sd = drafter.trainable_state_dict(include_embeddings=include_embeddings)
     check_tensors(_shapes_of(sd), c, "drafter", include_embeddings)
     n_layers = c.target_num_layers or int(c.target.get("num_layers", 0) or 0)
@@ -226,15 +232,12 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
         config = {
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": VLLM_MODEL_TYPE,
-            "transformer_layer_config": {**_llama_fields(c, dtype), "architectures": ["LlamaForCausalLM"]},
+            "transformer_layer_config": {**_llama_fields(c, dtype), "architectures": [LAYER_ARCHS[c.layer_type]]},
             "draft_vocab_size": c.draft_vocab_size,
             "target_hidden_size": c.target_hidden_size,
-            # vLLM's speculators adapter defaults norm_before_residual to True when it is absent;
-            # the eyas drafter keeps the un-normed hidden state as the residual, so say so
-            "norm_before_residual": False,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            # the variants' flags, each written: vLLM's speculators adapter reads an absent norm_before_residual
+            # as true (eyas.variants)
+            **speculators_fields(c),
             "embed_requires_grad": False,
             "eagle_aux_hidden_state_layer_ids": ids,
             "speculators_config": {
@@ -421,6 +424,9 @@ def run_export(cfg) -> dict:
     if c.num_hidden_layers > 1 and "sglang" in formats:  # the run's default asks for both formats
         log("export: skipping sglang, " + SGLANG_MULTI_LAYER.format(n=c.num_hidden_layers))
         formats = [f for f in formats if f != "sglang"]
+    if sglang_refusal(c) and "sglang" in formats:
+        log("export: skipping sglang, " + sglang_refusal(c))
+        formats = [f for f in formats if f != "sglang"]
     for f in formats:  # every layer the engines would capture exists in this target, before anything is written
         engine_aux_ids(list(c.aux_layers), f, fit.num_layers)
     target = None
@@ -525,14 +531,43 @@ def _refuse_unsupported(lc: dict, raw: dict, where: str, layers: int) -> None:
         problems.append(f"hidden_act {lc['hidden_act']!r} (eyas uses silu)")
     if lc.get("attention_bias") or lc.get("mlp_bias") or raw.get("bias"):
         problems.append("biases in attention/MLP/fc (eyas drafters have none)")
-    rope = lc.get("rope_scaling") or lc.get("rope_parameters") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        problems.append(f"rope type {rope.get('rope_type', rope.get('type'))!r} (eyas supports plain RoPE)")
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-        if raw.get(flag):
-            problems.append(f"{flag}=true (eyas' drafter does not do this)")
+        if raw.get(flag) and "speculators_model_type" not in raw:  # the speculators format's variants are read
+            problems.append(f"{flag}=true outside the speculators format (SGLang's layout has no such setting)")
     if problems:
         raise EyasError(f"{where}: this drafter uses features eyas cannot run: " + "; ".join(problems))
+
+
+def _with_defaults(lc: dict, layer_type: str) -> dict:
+    """A speculators transformer_layer_config with the defaults of its model type filled in: speculators writes it
+    as transformers' to_diff_dict, which leaves out every value equal to the config class's default (Qwen3's
+    head_dim 128, rms_norm_eps 1e-6, ...)."""
+    from transformers import AutoConfig
+
+    if layer_type == "llama":  # eyas writes every Llama field; older files relied on the defaults import used
+        return lc
+    full = AutoConfig.for_model(layer_type).to_dict()
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "max_position_embeddings", "vocab_size", "hidden_act", "attention_bias")
+    out = {k: full[k] for k in keep if full.get(k) is not None}
+    if "rope_scaling" not in lc and "rope_parameters" not in lc and "rope_theta" not in lc:
+        out["rope_parameters"] = full.get("rope_parameters")
+    return {**out, **lc}
+
+
+def _engine_rope(f: "_Fields", cfg_file: Path) -> tuple[float, dict | None]:
+    """The rope_theta and rope settings of an engine-format drafter config: `rope_scaling` (transformers 4's and the
+    engines' spelling) or `rope_parameters` (transformers 5's, with rope_theta inside), checked by
+    eyas.rope.check_rope_scaling: a kind or setting the eyas drafter does not run is refused naming it."""
+    params = f.obj("rope_parameters")
+    theta = f.number("rope_theta") or _Fields(params, cfg_file, f.prefix + "rope_parameters.").number(
+        "rope_theta", 10000.0)
+    key = "rope_scaling" if f.d.get("rope_scaling") is not None else "rope_parameters"
+    scaling = f.obj(key)
+    mrope = "mrope_section" in scaling
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default" and not mrope:
+        return theta, None
+    return theta, check_rope_scaling(scaling, str(cfg_file), f"{f.prefix}{key}.")
 
 
 class _Fields:
@@ -608,12 +643,14 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
         lc = raw.get("transformer_layer_config")
         if not isinstance(lc, dict):
             raise EyasError(f"{cfg_file}: field 'transformer_layer_config' is missing")
+        variants = from_speculators(raw, lc, cfg_file)
+        lc = _with_defaults(lc, variants["layer_type"])
         f = _Fields(lc, cfg_file, "transformer_layer_config.")
         ids = top.ids("eagle_aux_hidden_state_layer_ids")
         aux = eyas_aux_ids(ids, "vllm") if ids else None
         aux_field = "eagle_aux_hidden_state_layer_ids"
     else:
-        lc, f = raw, top
+        lc, f, variants = raw, top, {}
         nested = _Fields(top.obj("eagle_config"), cfg_file, "eagle_config.").ids("eagle_aux_hidden_state_layer_ids")
         top.ids("eagle_aux_hidden_state_layer_ids")
         aux = config_aux_ids(raw)  # the ids checked above
@@ -648,8 +685,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
                         f"[2, N//2, N-3] can be used")
     else:
         aux = list(target.aux_layers)  # engines and EAGLE then use [2, N//2, N-3] of the target
-    rope = _Fields(f.obj("rope_parameters"), cfg_file, f.prefix + "rope_parameters.")
-    theta = f.number("rope_theta") or rope.number("rope_theta", 10000.0)
+    theta, rope_scaling = _engine_rope(f, cfg_file)
     meta = _Fields(top.obj("eyas"), cfg_file, "eyas.")
     c = DraftConfig(hidden_size=hidden, intermediate_size=f.whole("intermediate_size"),
                     num_attention_heads=heads, num_key_value_heads=f.whole("num_key_value_heads", default=heads),
@@ -659,7 +695,7 @@ def import_drafter(path: str | Path, target=None) -> Eagle3Drafter:
                     max_position_embeddings=f.whole("max_position_embeddings", default=8192),
                     target_num_layers=meta.whole("target_num_layers", default=0, minimum=0),
                     target=dict(meta.obj("target")),
-                    num_hidden_layers=layers)
+                    num_hidden_layers=layers, rope_scaling=rope_scaling, **variants)
     if target is not None:
         check_fits(c, target, where)
         c.target, c.target_num_layers = target.identity(), target.num_layers

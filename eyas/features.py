@@ -888,6 +888,10 @@ def run_extract(cfg: Config, target=None) -> dict:
                 torch.cuda.set_device(local)
                 tcfg = dataclasses.replace(tcfg, device=f"cuda:{local}")
             target = load_target(tcfg, allow_tp=True)
+        if not cfg.train.finetune_from:  # features for a drafter that cannot be built would be wasted
+            from .rope import target_rope
+
+            target_rope(target.config, f"target '{cfg.target.name}'")
         if rank == 0:  # made now if missing; refused if made from other data or given settings (ensure_tokens)
             ensure_tokens(cfg, target)
         dist_barrier()

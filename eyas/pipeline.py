@@ -266,6 +266,7 @@ def stage_runs_target(name: str, cfg: C.Config) -> bool:
 def preflight(cfg: C.Config, run: Path, manifest: dict):
     """Stop on bad inputs before any expensive stage."""
     from .data import read_dataset
+    from .rope import target_rope
     from .target_spec import load_spec
 
     from .evaluate import check_eval_settings, load_prompt_set
@@ -307,6 +308,8 @@ def preflight(cfg: C.Config, run: Path, manifest: dict):
         from .train import finetune_source
 
         finetune_source(cfg, load_target_head(cfg.target, target))
+    else:  # the target's rope is one the drafter can have (eyas.rope), before hours of regen
+        target_rope(target.config, f"target '{cfg.target.name}'")
     old = manifest.get("target")
     if old and (old.get("name"), old.get("sha256")) != (target.name, target.sha256):
         raise EyasError(f"run directory {run} was made with target '{old.get('name')}' ({str(old.get('sha256'))[:12]}), "

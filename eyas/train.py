@@ -38,6 +38,7 @@ from .config import KEYED_WHEN_CHANGED, Config, check_settings
 from .draft import Eagle3Drafter, build_drafter, check_fits, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
+from .rope import target_rope
 from .stepgraph import AccumGraph, StepGraph, graph_unfit
 from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, share,
                    stable_hash, text_lines)
@@ -253,6 +254,13 @@ def finetune_source(cfg: Config, target) -> tuple[Eagle3Drafter, Path]:
     return d, p
 
 
+def draft_variants(cfg: Config) -> dict:
+    """The drafter variants (eyas.variants) the train.draft_* settings ask for."""
+    tc = cfg.train
+    return {"norm_before_residual": tc.draft_norm_before_residual, "norm_before_fc": tc.draft_norm_before_fc,
+            "fc_norm": tc.draft_fc_norm, "norm_output": tc.draft_norm_output, "layer_type": tc.draft_layer_type}
+
+
 def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Drafter:
     """A fresh drafter, or the one --finetune-from names (eyas draft folder, run directory,
     checkpoint folder, or an SGLang/EAGLE/vLLM-speculators folder via eyas.export)."""
@@ -261,7 +269,7 @@ def initial_drafter(cfg: Config, target, draft_ids: torch.Tensor) -> Eagle3Draft
         if cfg.train.draft_layers < 1:
             raise EyasError(f"train.draft_layers must be at least 1, got {cfg.train.draft_layers}")
         d = build_drafter(target, draft_ids.numel(), draft_ids, cfg.train.draft_intermediate_size,
-                          cfg.train.draft_layers)
+                          cfg.train.draft_layers, draft_variants(cfg))
         if cfg.train.init_head:
             init_head_from_target(d, target)
         return d
@@ -788,6 +796,8 @@ def check_train_settings(cfg: Config) -> None:
         ("train.num_workers", tc.num_workers >= 0, "0 (read in the loop) or above"),
         ("train.draft_intermediate_size", tc.draft_intermediate_size >= 0, "0 (the target's) or above"),
         ("train.draft_layers", tc.draft_layers >= 1, "at least 1"),
+        ("train.draft_fc_norm", not (tc.draft_fc_norm and tc.draft_norm_before_fc),
+         "false while train.draft_norm_before_fc is true (two ways to norm fc's input: choose one)"),
         ("train.greedy_val", tc.greedy_val >= 0, "0 (off) or above"),
         ("train.feature_cache_gb", tc.feature_cache_gb >= 0 or tc.feature_cache_gb == -1, "-1 (auto), 0 or above"),
         ("train.feature_cache_host_gb", tc.feature_cache_host_gb >= 0 or tc.feature_cache_host_gb == -1,
@@ -810,6 +820,8 @@ def run_train(cfg: Config, target=None) -> dict:
     random.seed(tc.seed)
     if target is None or not hasattr(target, "lm_head"):  # none, or a description (TargetSpec) without weights
         target = load_for_training(cfg, replace(cfg.target, device=str(d.device)), spec=target)
+    if not tc.finetune_from:  # a target rope the drafter cannot have is refused before tokens and features
+        target_rope(target.config, f"target '{cfg.target.name}'")
     if d.main:  # made now if missing; see ensure_tokens and ensure_vocab for what a standalone `eyas train` reuses
         precheck_checkpoint(cfg, target, d.world)
         ensure_tokens(cfg, target)
@@ -899,7 +911,8 @@ def run_train(cfg: Config, target=None) -> dict:
     drafter.float()
     resuming = (ckpt_dir(run) / "latest.json").exists()  # its weights replace any init
     # same batches on every rank (DDP also broadcasts)
-    if not tc.finetune_from and tc.fc_init == "scaled" and not resuming:
+    normed_fc_input = drafter.config.norm_before_fc or drafter.config.fc_norm  # each aux state already at scale 1
+    if not tc.finetune_from and tc.fc_init == "scaled" and not resuming and not normed_fc_input:
         first = train.slot_bins(tc.seed, group)[0][:2]  # slot 0 (rank 0) owns these sequences
         rms = scale_fc_init(drafter, [train.batch(b, d.device, multiple) for b in first])
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")

@@ -344,10 +344,22 @@ def test_import_refuses_what_eyas_cannot_run(tiny, drafter, tmp_path):
     p = export_drafter(drafter, tmp_path / "vl", "vllm", "x")
     raw = json.loads((p / "config.json").read_text())
     bad = copy.deepcopy(raw)
-    bad["norm_before_residual"] = True
+    bad["transformer_layer_config"]["model_type"] = "gemma2"
     (p / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(EyasError, match="norm_before_residual=true"):
+    with pytest.raises(EyasError, match="model_type 'gemma2' is a decoder layer eyas does not build"):
         import_drafter(p, target=tiny)
+    bad = copy.deepcopy(raw)
+    bad["transformer_layer_config"]["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7,
+                                                       "original_max_position_embeddings": 64}
+    (p / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(EyasError, match=r"transformer_layer_config.rope_scaling.mscale=0.7"):
+        import_drafter(p, target=tiny)
+    sg = export_drafter(drafter, tmp_path / "sg", "sglang", "x")  # SGLang's layout has no such flag
+    bad = json.loads((sg / "config.json").read_text())
+    bad["norm_before_residual"] = True
+    (sg / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(EyasError, match="norm_before_residual=true outside the speculators format"):
+        import_drafter(sg, target=tiny)
     sd = load_file(str(p / "model.safetensors"))
     sd["layers.0.self_attn.q_proj.weight"] = sd["layers.0.self_attn.q_proj.weight"][:, :64].contiguous()
     save_file(sd, str(p / "model.safetensors"))
