@@ -110,6 +110,7 @@ class FakeOpenAI:
 
     def __init__(self, delay: float = 0.0, hang: float = 0.0):
         self.hang = hang  # [hangxN]: the first N attempts wait this long before answering
+        self.broken = ""  # every request answered the same wrong way: a key of BROKEN
         self.attempts: Counter = Counter()
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -128,6 +129,10 @@ class FakeOpenAI:
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    BROKEN = {"400": (400, b'{"error": "unknown model"}'), "no_choices": (200, b'{"object": "chat.completion"}'),
+              "null": (200, b'{"choices": [{"message": {"role": "assistant", "content": null}}]}'),
+              "html": (200, b"<html><body>Bad Gateway</body></html>")}
 
     def close(self):
         self.httpd.shutdown()
@@ -155,6 +160,9 @@ class FakeOpenAI:
             self.requests.append(body)
         if self.delay:
             time.sleep(self.delay)
+        if self.broken:
+            code, payload = self.BROKEN[self.broken]
+            return self.send(h, code, payload)
 
         def first(tag):
             for part in user.split("["):
@@ -391,6 +399,52 @@ def test_server_down_stops_with_progress_kept(tmp_path, server):
     cfg.regen.temperature = 0.1  # a finished folder refuses other settings instead of mixing them
     with pytest.raises(EyasError, match="different 'settings'"):
         run_regen(cfg)
+
+
+@pytest.mark.parametrize("broken,said", [("400", r"http_400: 5\), e\.g\. http://\S+: HTTP 400 .*unknown model"),
+                                          ("no_choices", r"the server's answers unreadable: 5\).*KeyError"),
+                                          ("null", r"the server's answers unreadable: 5\).*content is null"),
+                                          ("html", r"the server's answers unreadable: 5\).*<html>")],
+                         ids=["http_400", "no_choices", "null_content", "html"])
+def test_a_server_failing_every_request_fails_the_call_and_a_rerun_asks_again(tmp_path, server, broken, said):
+    """A server answering every request wrongly (HTTP 400; a 200 without `choices`, with null content, or HTML) makes
+    regen stop with the server's error and how many conversations failed, leaving nothing a rerun takes for finished
+    work: once the server is fixed, the same call regenerates every conversation."""
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"q{i}"] for i in range(5)])
+    cfg = server_cfg(tmp_path, src, server.url, retries=1)
+    server.broken = broken
+    with pytest.raises(EyasError, match=r"regen stopped, no usable answer: all 5 conversations failed \(" + said):
+        run_regen(cfg)
+    d = regen_dir(tmp_path / "run")
+    assert not list(d.glob("shard-*.jsonl")) and not list(d.glob("*.errors.json"))
+    server.broken = ""
+    rep = run_regen(cfg)
+    assert rep["records"] == 5 and rep["complete"] and not rep["errors"]
+
+
+def test_a_server_failing_every_request_stops_early(tmp_path, server):
+    """With many conversations, the call stops once FAIL_FAST of them failed in a row, instead of asking the broken
+    server for every one and recording them all as left out; answers made by an earlier call stay (a shard holding
+    some of them and failures is reopened, its answers kept in its journal) and the failed ones are asked again."""
+    from eyas.data.regen_failed import FAIL_FAST
+
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"q{i}"] for i in range(8 * FAIL_FAST)])
+    cfg = server_cfg(tmp_path, src, server.url, concurrency=2, limit=4)
+    assert run_regen(cfg)["records"] == 4
+    server.broken, cfg.regen.limit = "400", 8 * FAIL_FAST
+    n = len(server.requests)
+    with pytest.raises(EyasError, match=rf"stopped, {FAIL_FAST} conversations in a row failed \(http_400: {FAIL_FAST}\)"
+                                        r".*HTTP 400.*Nothing was recorded as done"):
+        run_regen(cfg)
+    assert len(server.requests) - n < 2 * FAIL_FAST
+    d = regen_dir(tmp_path / "run")
+    assert [f.name for f in sorted(d.glob("shard-*.jsonl"))] == ["shard-00000.jsonl"]
+    assert [json.loads(x)["id"] for x in (d / "shard-00001.partial").read_text().splitlines()] == ["c3"]
+    server.broken = ""
+    n = len(server.requests)
+    rep = run_regen(cfg)
+    assert len(server.requests) - n == 8 * FAIL_FAST - 4
+    assert rep["records"] == 8 * FAIL_FAST and rep["complete"] and not rep["errors"]
 
 
 def _kill_and_resume(tmp_path, args: list[str], out: Path, n_shards: int, env=None) -> dict:

@@ -45,6 +45,7 @@ from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrie
 from .conversation import Conversation, Turn, split_reasoning
 from .prepare import check_data_settings, regen_dir
 from .readers import LATER_SUFFIX, SAMPLE_SUFFIX, read_dataset, select_split
+from .regen_failed import CallOutcomes, failure_error, folder_failures
 from .server import ServerBackend, TurnResult
 
 PLAN_VERSION = 1
@@ -951,6 +952,8 @@ def run_regen(cfg: Config, target=None) -> dict:
         if rank != 0:  # rank 0 reads every shard for the report; the others need not read them again
             return {"rank": rank, "world_size": world, "report": str(d / "report.json")}
         report = validation_report(d)
+        if not report["records"]:  # nothing to train on: not a finished stage, and a rerun asks again
+            raise failure_error(d, folder_failures(d), ident["backend"], report["planned"])
         made_words = ""
         if made[0] and world == 1:  # what this call generated (a resumed run generates only what was left)
             report["this_call"] = {"generated_tokens": made[0], "seconds": round(made[1], 2),
@@ -1041,6 +1044,7 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
             + (f" (rank {rank} of {world})" if world > 1 else ""))
     work = [(k, i) for k, i in work if i not in done_by_shard[k]]
     active: dict[str, ConvState] = {}
+    outcomes = CallOutcomes()  # this call's failures in a row: a server failing request after request stops it
     nxt = 0
     t0, toks = time.time(), 0
     bar = progress(total=len(work) + kept, initial=kept,
@@ -1062,6 +1066,9 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         done_by_shard[k][st.index] = o
         bar.update(1)
         shard_done(k)
+        outcomes.add(o)
+        if outcomes.hopeless() and ident["backend"] == "server":
+            raise failure_error(d, outcomes, ident["backend"])
 
     def ask(st: ConvState) -> None:
         msgs = st.next_messages()

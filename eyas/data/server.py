@@ -210,12 +210,16 @@ def parse_chat_response(raw: bytes) -> TurnResult:
         d = json.loads(raw)
         choice = d["choices"][0]
         msg = choice["message"]
-        content = msg.get("content") or ""
+        content = msg.get("content")
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if content is None and not reasoning:  # a refusal or tool call, not an answer
+            raise TypeError("the message's content is null")
+        content = content or ""
         if not isinstance(content, str):
             raise TypeError("content is not a string")
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise _Retry("bad_response", f"unreadable answer ({type(e).__name__}: {str(e)[:100]})") from None
-    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise _Retry("bad_response", f"unreadable answer ({type(e).__name__}: {str(e)[:100]}; "
+                     f"the answer began {raw[:80].decode('utf-8', 'replace')!r})") from None
     if not isinstance(reasoning, str) or not reasoning.strip():
         reasoning = None
     answer, inline = split_reasoning(content)
