@@ -5,8 +5,8 @@ before it, and of the content of the files a setting names (a data file, a promp
 fine-tune from), so that a file edited in place counts as changed. `manifest.json` records, per stage, its
 key, status, counts, timing and versions.
 A stage whose key matches a finished record is skipped; one that was cut short runs again (each
-stage resumes its own partial work); one whose key changed has its outputs cleared and reruns,
-and so, through the keys, does every stage after it. One exception: when regen.samples is the only change
+stage resumes its own partial work); one whose key changed reruns, its old outputs kept aside until the new ones are
+complete (eyas.stage_outputs), and so, through the keys, does every stage after it. One exception: when regen.samples is the only change
 to regen's key, the samples both counts share keep their answers (the others are regenerated or removed), and
 so do the conversations already answered when regen.limit grows.
 """
@@ -18,12 +18,12 @@ import importlib
 import inspect
 import os
 import platform
-import shutil
 import time
 from pathlib import Path
 
 from . import __version__
 from . import config as C
+from . import stage_outputs
 from .draft import is_int
 from .util import (EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json,
                    release_memory, sha256_file, sha256_json)
@@ -361,6 +361,7 @@ def run_pipeline(cfg: C.Config) -> dict:
                      "inputs": {k: {"value": C.get_key(cfg, k), "sha256": fp} for k, fp in inputs.items()},
                      "input_files": files})
     keys = stage_keys(cfg, inputs)
+    stage_outputs.settle(run, manifest, mpath, keys, {n: o for n, _, _, o in STAGES})
     summary = {}
     missing = []
     for name, spec, _, outputs in STAGES:
@@ -388,18 +389,16 @@ def run_pipeline(cfg: C.Config) -> dict:
         kept = _regen_kept(cfg, inputs, rec) if name == "regen" else None
         if kept:
             _keep_regen(cfg, run / outputs[0], kept)
-        elif rec.get("key") and rec.get("key") != keys[name]:
-            log(f"[{name}] config or inputs changed: clearing its old outputs")
-            for o in outputs:
-                p = run / o
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
+        elif rec.get("key") and rec.get("key") != keys[name]:  # kept until the new ones are complete
+            stage_outputs.move_aside(run, name, outputs, rec)
         manifest["stages"][name] = {"key": keys[name], "status": "running", "started": time.time()}
         atomic_write_json(mpath, manifest)
         t0 = time.perf_counter()
-        result = fn(cfg, target=target) if "target" in inspect.signature(fn).parameters else fn(cfg)
+        try:
+            result = fn(cfg, target=target) if "target" in inspect.signature(fn).parameters else fn(cfg)
+        except BaseException:
+            stage_outputs.after_failure(run, name, outputs, manifest, mpath)
+            raise
         dt = time.perf_counter() - t0
         release_memory()  # the stage's freed buffers (regen's KV cache, training's pinned feature tier) back
         line = one_line(name, result or {})
@@ -409,6 +408,7 @@ def run_pipeline(cfg: C.Config) -> dict:
                                     **({"settings": {k: C.get_key(cfg, k) for k in REGEN_KEEPS}} if name == "regen"
                                        else {})}
         atomic_write_json(mpath, manifest)
+        stage_outputs.drop_aside(run, name)
         log(f"[{name}] done in {dt:.0f}s: {line}")
         summary[name] = line
     manifest["missing"] = missing
