@@ -586,6 +586,25 @@ def test_embedded_tiny_kill9_resume(tmp_path, tiny, engine):
     assert sorted(a) == sorted(b)
 
 
+def test_sampled_regen_killed_and_resumed_equals_an_uninterrupted_one(tmp_path, tiny):
+    """At temperature 0.8 (two samples of each conversation), a regen killed in the middle and resumed writes, for
+    every conversation, the answers an uninterrupted regen writes: each answer is drawn from the conversation's own
+    seed, not from a stream shared by whatever was decoded before it in the process."""
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}"] for i in range(12)], system="S")
+    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=10, temperature=0.8, samples=2), target=tiny)
+    assert ref["records"] == 24
+    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split", "all", "--max-new-tokens", "10",
+            "--temperature", "0.8", "--samples", "2", "--batch-size", "4", "--shard-size", "3"]
+    rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 8)
+    assert rep["records"] == 24 and rep["complete"]
+
+    def answers(out):
+        return {c.id: [(t.role, t.content) for t in c.turns] for c in read_dataset(str(regen_dir(out)))[0]}
+
+    a, b = answers(tmp_path / "killed"), answers(tmp_path / "run")
+    assert a == b and len(set(map(str, a.values()))) == 24
+
+
 def test_a_conversation_left_out_says_why(tmp_path, tiny, capsys):
     """A first prompt too long for the context leaves its conversation out, and the errors file, the log and the
     report say so in words; the report also gives what this call generated and how fast."""
@@ -883,6 +902,37 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     assert all(len(runs[0][r]) <= len(tokens[r]) for r in tokens)
 
 
+def test_sampling_is_seeded_per_request_whatever_the_batch(tiny):
+    """At a temperature above 0, each answer depends on its request's seed alone: the static engine (2 rows, refilled)
+    and the generate engine (batches of 2, and each prompt alone) draw the same tokens for the same seeds, and another
+    seed draws others."""
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, StaticEngine
+
+    prompts = ["hi", "a somewhat longer question about a few things", "x", "why?", "tell me more"]
+
+    def answers(engine, seeds, only=None):
+        got = {}
+        for i in only if only is not None else range(len(prompts)):
+            engine.submit(f"r{i}", [{"role": "user", "content": prompts[i]}], seeds[i])
+        want = 1 if only is not None else len(prompts)
+        while len(got) < want:
+            got.update({r.rid: (r.content, r.completion_tokens) for r in engine.poll(0.1)})
+        return got
+
+    rc = RegenConfig(temperature=1.0, max_new_tokens=8, batch_size=2)
+    seeds = [11, 22, 33, 44, 55]
+    static = answers(StaticEngine(tiny, rc, "keep", 0), seeds)
+    gen = GenerateEngine(tiny, rc, "keep", 0)
+    assert answers(gen, seeds) == static
+    alone = {}
+    for i in reversed(range(len(prompts))):  # other batches, another order
+        alone.update(answers(gen, seeds, only=[i]))
+    assert alone == static
+    other = answers(StaticEngine(tiny, rc, "keep", 0), [s + 1 for s in seeds])
+    assert all(other[r] != static[r] for r in static)
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_static_engine_overlapped_checks(tiny, monkeypatch, overlap):
     """With the next steps queued before the finished rows are read (from a host copy of the row state taken
@@ -937,7 +987,7 @@ def test_static_engine_row_groups(tiny, monkeypatch):
     admit = eng._prefill
 
     def spy(rows, items):
-        placed.update({rid: row for row, (rid, _, _) in zip(rows, items)})
+        placed.update({rid: row for row, (rid, *_) in zip(rows, items)})
         return admit(rows, items)
 
     eng._prefill = spy
