@@ -183,6 +183,8 @@ class FakeOpenAI:
         if "[400]" in user:
             return self.send(h, 400, b'{"error": "prompt too long"}')
         content = f"answer {turn} to {user}"
+        if "[huge" in user:  # a server that ignores max_tokens, saying so in its usage or not
+            content = "many words " * 20000
         msg = {"role": "assistant", "content": content}
         if "[reasoning_content]" in user:
             msg["reasoning_content"] = f"thinking {turn}"
@@ -192,7 +194,7 @@ class FakeOpenAI:
             msg["content"] = f"<think>\ninline {turn}\n</think>\n\n{content}"
         out = {"id": "x", "object": "chat.completion", "model": body["model"],
                "choices": [{"index": 0, "message": msg, "finish_reason": "length" if "[long]" in user else "stop"}],
-               "usage": {"prompt_tokens": 10 + turn, "completion_tokens": 5}}
+               "usage": {"prompt_tokens": 10 + turn, "completion_tokens": 40000 if "[huge]" in user else 5}}
         return self.send(h, 200, json.dumps(out).encode())
 
 
@@ -259,6 +261,25 @@ def test_server_backend_retries_reasoning_and_records(tmp_path, server):
     made_now = ("this_call", "tokens_per_s")  # what the call itself did, beside the report of the data
     assert validation_report(tmp_path / "run") == {k: v for k, v in rep.items() if k not in made_now}
     assert rep["this_call"]["generated_tokens"] == rep["completion_tokens"]["total"]
+
+
+def test_answers_are_cut_at_max_new_tokens_whatever_the_server_sends(tmp_path, server):
+    """A server that ignores max_tokens (its usage saying so, or not): each answer is cut to regen.max_new_tokens
+    tokens of the target's tokenizer and counted as cut at the length limit; a short answer is kept whole."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_tokenizer
+
+    src = write_jsonl(tmp_path / "d.jsonl", [["[huge] talk"], ["[huge-quiet] talk"], ["short"]])
+    rep = run_regen(server_cfg(tmp_path, src, server.url, max_new_tokens=16))
+    assert rep["records"] == 3 and rep["truncated_turns"] == 2 and rep["completion_tokens"]["max"] == 16
+    tok = load_tokenizer(TargetConfig(name="smollm2"))
+    by_id = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
+    for cid in ("c0", "c1"):
+        answer = by_id[cid].turns[-1].content
+        assert answer.startswith("many words many") and len(tok(answer, add_special_tokens=False).input_ids) <= 16
+        assert by_id[cid].meta["turns"][0]["finish_reason"] == "length"
+    assert by_id["c2"].turns[-1].content == "answer 0 to short"
+    assert by_id["c2"].meta["turns"][0] == {"finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 5}
 
 
 def test_server_samples_ask_with_seeds_of_their_own(tmp_path, server):

@@ -923,7 +923,7 @@ def run_regen(cfg: Config, target=None) -> dict:
             own_pg = True
     try:
         if rc.backend == "server":
-            backend = ServerBackend(rc)
+            backend = ServerBackend(rc, cfg.target)
         else:
             from ..target import load_target
 
