@@ -345,6 +345,7 @@ def run_pipeline(cfg: C.Config) -> dict:
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
     mpath = run / "manifest.json"
+    settle_pending(run)  # a standalone stage command killed on this run
     manifest = read_json(mpath) if mpath.exists() else {"stages": {}}
     want_cuda = cfg.target.device.startswith("cuda") or (cfg.target.device == "auto" and torch.cuda.is_available())
     auto = autosize(cfg, "cuda" if want_cuda else "cpu")
@@ -443,11 +444,14 @@ def closing_line(run: Path) -> str:
     return "; ".join(parts)
 
 
-def mark_replaced(run: Path, command: str) -> dict:
+def mark_replaced(run: Path, command: str, snapshot: dict | None = None) -> dict:
     """A stage command (`eyas eval --out R`, ...) is about to write over the outputs of run R's stage of the same
     name, perhaps with other settings: that stage and the ones after it, which read its outputs, no longer hold
     what the run made, so the next `eyas run` makes them again instead of skipping them (and the run report does
-    not show another command's eval as the run's). -> the marked stages' records as they were."""
+    not show another command's eval as the run's). -> the marked stages' records as they were.
+    With `snapshot` (output_snapshot before the command), the manifest also keeps them under "pending" until the
+    command ends (end_pending): a command killed before it wrote any output is then undone by the next command on
+    the run (settle_pending)."""
     mpath = run / "manifest.json"
     names = [n for n, *_ in STAGES]
     if command not in names or not mpath.exists():
@@ -463,8 +467,46 @@ def mark_replaced(run: Path, command: str) -> dict:
             before[n] = dict(stages[n])
             stages[n]["status"], stages[n]["by"] = "replaced", command
     if before:
+        if snapshot is not None:
+            manifest["pending"] = {"command": command, "before": before, "snapshot": snapshot}
         atomic_write_json(mpath, manifest)
     return before
+
+
+def _same_snapshot(a: dict, b: dict) -> bool:
+    """Two output_snapshots, one of them perhaps read back from JSON (lists for tuples), are the same."""
+    return {k: list(v) for k, v in a.items()} == {k: list(v) for k, v in b.items()}
+
+
+def end_pending(run: Path) -> None:
+    """The stage command mark_replaced marked for has ended (done, or failed and unmark_if_untouched has run)."""
+    mpath = run / "manifest.json"
+    if mpath.exists():
+        manifest = read_json(mpath)
+        if manifest.pop("pending", None) is not None:
+            atomic_write_json(mpath, manifest)
+
+
+def settle_pending(run: Path) -> None:
+    """A stage command marked the run's stages replaced and never ended (killed): where it wrote none of its
+    stage's outputs, their records come back (else the next `eyas run` would remake them, and the report call the
+    run's own eval another command's). Called under the run's lock, so no such command is running now."""
+    mpath = run / "manifest.json"
+    if not mpath.exists():
+        return
+    manifest = read_json(mpath)
+    pending = manifest.get("pending")
+    if not isinstance(pending, dict):
+        return
+    command = pending.get("command")
+    if _same_snapshot(output_snapshot(run, command), pending.get("snapshot") or {}):
+        stages = manifest.get("stages", {})
+        for n, rec in (pending.get("before") or {}).items():
+            if stages.get(n, {}).get("status") == "replaced" and stages[n].get("by") == command:
+                stages[n] = rec
+        log(f"a standalone `eyas {command}` on {run} stopped before writing anything: the run's own records are back")
+    manifest.pop("pending")
+    atomic_write_json(mpath, manifest)
 
 
 def output_snapshot(run: Path, command: str) -> dict[str, tuple[int, int]]:
@@ -481,7 +523,7 @@ def unmark_if_untouched(run: Path, command: str, before: dict, snapshot: dict) -
     the run made after all, so their records come back (else the next `eyas run` would say a standalone command
     wrote over them, and remake them)."""
     mpath = run / "manifest.json"
-    if not before or not mpath.exists() or output_snapshot(run, command) != snapshot:
+    if not before or not mpath.exists() or not _same_snapshot(output_snapshot(run, command), snapshot):
         return
     manifest = read_json(mpath)
     stages = manifest.get("stages", {})

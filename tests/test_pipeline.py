@@ -302,3 +302,39 @@ def test_a_changed_stage_keeps_its_old_outputs_until_the_new_ones_are_complete(t
     assert "[regen] its outputs of these settings, kept aside" in r.stderr and "[train] unchanged, skipped" in r.stderr
     assert "[regen] unchanged, skipped" in r.stderr and not aside.exists()
     assert files("data/regen") == regen and files("ckpt", "draft", "train") == trained
+
+
+def test_a_killed_standalone_eval_leaves_the_runs_records(tmp_path, monkeypatch, capsys):
+    """A standalone `eyas eval` marks the run's eval replaced while it runs; killed (-9) before it wrote anything,
+    the next command on the run puts the run's own record back instead of leaving it called replaced."""
+    from eyas import config as C
+    from eyas.cli import main
+    from eyas.util import EyasError
+
+    run = tmp_path / "run"
+    cfg = C.resolve(None, "tiny", {"out": str(run)})
+    C.save(cfg, run)
+    stages = {"eval": {"key": "e", "status": "done", "summary": "acceptance_length=2"},
+              "export": {"key": "x", "status": "done"}}
+    (run / "manifest.json").write_text(json.dumps({"stages": stages}))
+    (run / "eval").mkdir()
+    (run / "eval" / "report.json").write_text("{}")
+    hang = ("import sys, time, eyas.evaluate as e\n"
+            "def hang(cfg):\n    time.sleep(120)\n"
+            "e.run_eval = hang\nfrom eyas.cli import main\nsys.exit(main(['eval', '--out', sys.argv[1]]))\n")
+    p = subprocess.Popen([sys.executable, "-c", hang, str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and "pending" not in json.loads((run / "manifest.json").read_text()):
+        time.sleep(0.02)
+    p.kill()
+    p.wait()
+    assert json.loads((run / "manifest.json").read_text())["stages"]["eval"]["status"] == "replaced"
+
+    def refused(cfg):
+        raise EyasError("refused")
+
+    monkeypatch.setattr("eyas.evaluate.run_eval", refused)
+    assert main(["eval", "--out", str(run)]) == 2
+    assert "a standalone `eyas eval` on" in capsys.readouterr().err
+    man = json.loads((run / "manifest.json").read_text())
+    assert man["stages"] == stages and "pending" not in man
