@@ -508,14 +508,14 @@ class StaticEngine(_Embedded):
         if self.long_rows:
             self.lm.set_groups([0, self.long_rows])
         self.stop = torch.tensor(sorted(self.eot), device=dev)
-        self.step = DecodeGraph(self.lm, self._pick)
         B = self.batch
         self.done = torch.ones(B, dtype=torch.bool, device=dev)  # idle rows count as done
         self.nnew = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated so far
         self.limit = torch.ones(B, dtype=torch.long, device=dev)  # max new tokens of the row
         self.out = torch.zeros(B, rc.max_new_tokens + 1, dtype=torch.long, device=dev)  # last column: spare
         self.seed = torch.zeros(B, dtype=torch.long, device=dev)  # each row's request's seed (seeded.py)
-        self.pick_rows: slice | None = None  # the rows a decode step advances (eager steps: the busy span)
+        self.pick_rows: slice | None = None  # the rows an eager decode step advances (the busy span)
+        self.step = DecodeGraph(self.lm, self._pick)  # after the buffers _pick reads: a GPU captures it here
         self.pending: deque[tuple[str, list[int], int, int]] = deque()
         self.slot: list[tuple[str, int] | None] = [None] * B  # (rid, prompt length) of each busy row
         self.hpos = [0] * B  # host-side bound on each busy row's next position
@@ -558,8 +558,8 @@ class StaticEngine(_Embedded):
 
         if self.rc.temperature == 0:
             return logits.argmax(-1)
-        if rows is None:  # a decode step: the token numbered nnew of each row
-            rows = self.pick_rows if self.pick_rows is not None else slice(None)
+        if rows is None:  # a decode step: the token numbered nnew of each row, of every row (a graph) or the span
+            rows = slice(None) if logits.shape[0] == self.batch or self.pick_rows is None else self.pick_rows
             steps = self.nnew[rows]
         else:  # a prefill: each row's first token
             steps = self.nnew.new_zeros(logits.shape[0])
