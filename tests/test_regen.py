@@ -1008,7 +1008,7 @@ def test_static_engine_row_groups(tiny, monkeypatch):
     admit = eng._prefill
 
     def spy(rows, items):
-        placed.update({rid: row for row, (rid, *_) in zip(rows, items)})
+        placed.update({rid: row for row, (rid, _, _) in zip(rows, items)})
         return admit(rows, items)
 
     eng._prefill = spy

@@ -516,7 +516,8 @@ class StaticEngine(_Embedded):
         self.seed = torch.zeros(B, dtype=torch.long, device=dev)  # each row's request's seed (seeded.py)
         self.pick_rows: slice | None = None  # the rows an eager decode step advances (the busy span)
         self.step = DecodeGraph(self.lm, self._pick)  # after the buffers _pick reads: a GPU captures it here
-        self.pending: deque[tuple[str, list[int], int, int]] = deque()
+        self.pending: deque[tuple[str, list[int], int]] = deque()  # (rid, prompt, max new): greedyval fills it too
+        self.seeds: dict[str, int] = {}  # each waiting request's seed (0 where none was given)
         self.slot: list[tuple[str, int] | None] = [None] * B  # (rid, prompt length) of each busy row
         self.hpos = [0] * B  # host-side bound on each busy row's next position
         self.cap = [0] * B  # ... and the last position it can reach
@@ -568,7 +569,8 @@ class StaticEngine(_Embedded):
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
         p = self.prepare(rid, messages)
         if p is not None:
-            self.pending.append((rid, *p, seed))
+            self.pending.append((rid, *p))
+            self.seeds[rid] = seed
 
     def _admit(self) -> None:
         """Fill free rows with waiting prompts: long prompts into the long rows (short ones into the
@@ -590,18 +592,18 @@ class StaticEngine(_Embedded):
             self._prefill(rows[i:j], take[i:j])
             i = j
 
-    def _prefill(self, rows: list[int], items: list[tuple[str, list[int], int, int]]) -> None:
+    def _prefill(self, rows: list[int], items: list[tuple[str, list[int], int]]) -> None:
         import torch
 
         def send(data):  # without waiting for the decode steps queued on a GPU
             return to_device(torch.tensor(data), self.t.device)
 
-        width = max(len(p) for _, p, _, _ in items)
-        ids = send([p + [0] * (width - len(p)) for _, p, _, _ in items])
-        lens = send([len(p) for _, p, _, _ in items])
-        limit = send([m for _, _, m, _ in items])
+        width = max(len(p) for _, p, _ in items)
+        ids = send([p + [0] * (width - len(p)) for _, p, _ in items])
+        lens = send([len(p) for _, p, _ in items])
+        limit = send([m for _, _, m in items])
         r = send(rows)
-        self.seed[r] = send([s for *_, s in items])
+        self.seed[r] = send([self.seeds.pop(rid, 0) for rid, _, _ in items])
         logits, _ = self.lm.forward(ids, torch.zeros_like(lens), rows=r, upto=width, last_idx=lens - 1, one_off=True)
         tok = self._pick(logits[:, 0], r)
         self.step.ids[r, 0] = tok
@@ -610,7 +612,7 @@ class StaticEngine(_Embedded):
         self.nnew[r] = 1
         self.limit[r] = limit
         self.done[r] = (tok[:, None] == self.stop).any(-1) | (limit <= 1)
-        for row, (rid, p, m, _) in zip(rows, items):
+        for row, (rid, p, m) in zip(rows, items):
             self.slot[row] = (rid, len(p))
             self.hpos[row], self.cap[row] = len(p), len(p) + m - 1
             if self.overlap:
