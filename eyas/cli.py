@@ -86,6 +86,7 @@ def add_config_flags(p: argparse.ArgumentParser, sections: list[str], own: str |
             else:
                 kw["metavar"] = getattr(tp, "__name__", "VALUE").upper()
             g.add_argument(f"--{flag}", **kw)
+            p.set_defaults(**{f"flag__{dest}": f"--{flag}"})  # what config_from_args calls it in an error
             mapping[dest] = f"{sec}.{name}"
     for name, secs in owners.items():  # a plain flag no section owns here: say which ones there are
         flag = name.replace("_", "-")
@@ -166,6 +167,13 @@ def common(sp: argparse.ArgumentParser) -> None:
                     help="set any config field, e.g. --set train.lr=1e-4 (repeatable)")
 
 
+def _typed(key: str, value: Any) -> Any:
+    """A setting's value as its field's type (a --set string, a flag's parsed value), to compare two of them."""
+    scratch = C.Config()
+    C.set_key(scratch, key, value)
+    return C.get_key(scratch, key)
+
+
 def config_from_args(args: argparse.Namespace, mapping: dict[str, str]) -> C.Config:
     overrides: dict[str, Any] = {}
     for item in args.overrides:
@@ -179,11 +187,22 @@ def config_from_args(args: argparse.Namespace, mapping: dict[str, str]) -> C.Con
             continue
         if isinstance(v, list):
             v = [x for item in v for x in str(item).split(",") if x]
+        if key in overrides and _typed(key, overrides[key]) != _typed(key, v):  # neither silently wins
+            flag = getattr(args, f"flag__{dest}", "its flag")
+            shown = ",".join(map(str, v)) if isinstance(v, list) else v
+            raise EyasError(f"{key} is given twice with different values, {flag} {shown} and --set "
+                            f"{key}={overrides[key]}: give one")
         overrides[key] = v
-    if args.target_name:
-        overrides["target.name"] = args.target_name
-    if args.out:
-        overrides["out"] = args.out
+    if args.out is not None and not args.out.strip():
+        raise EyasError("--out is empty: give a run directory (leave --out out for runs/default)")
+    if "out" in overrides and not str(overrides["out"]).strip():
+        raise EyasError("--set out= is empty: give a run directory (leave it out for runs/default)")
+    for key, flag, v in (("target.name", "--target", args.target_name), ("out", "--out", args.out)):
+        if v and key in overrides and str(overrides[key]) != v:
+            raise EyasError(f"{key} is given twice with different values, {flag} {v} and --set {key}={overrides[key]}: "
+                            f"give one")
+        if v:
+            overrides[key] = v
     saved = Path(args.out or C.Config().out) / "eyas.toml"
     if args.config or args.preset or not saved.is_file():
         return C.resolve(args.config, args.preset, overrides)
@@ -289,6 +308,8 @@ def _main(args, maps) -> int:
         if args.command == "report":
             from .pipeline import run_report
 
+            if args.out is not None and not args.out.strip():
+                raise EyasError("--out is empty: give a run directory (leave --out out for runs/default)")
             if args.run_dir and args.out and Path(args.run_dir) != Path(args.out):
                 raise EyasError(f"two run directories given, {args.run_dir} and --out {args.out}: give one")
             return _print_result(run_report(C.Config(out=args.run_dir or args.out or C.Config().out)))
@@ -306,10 +327,11 @@ def _main(args, maps) -> int:
             fn = stage_function(COMMANDS[args.command][2], args.command)
             if args.command == "run":
                 return _print_result(fn(cfg))
-            from .pipeline import mark_replaced, output_snapshot, unmark_if_untouched
+            from .pipeline import end_pending, mark_replaced, output_snapshot, settle_pending, unmark_if_untouched
 
+            settle_pending(out)  # an earlier stage command killed on this run
             snapshot = output_snapshot(out, args.command)
-            before = mark_replaced(out, args.command)
+            before = mark_replaced(out, args.command, snapshot)
             # a run a stage command starts remembers its settings, as one `eyas run` starts does: the next command
             # on it (`eyas tokenize --out R` after `eyas regen --preset tiny --out R`) starts from them
             saved = out / "eyas.toml"
@@ -317,9 +339,12 @@ def _main(args, maps) -> int:
             if new:
                 C.save(cfg, out)
             try:
-                return _print_result(fn(cfg))
+                result = fn(cfg)
+                end_pending(out)
+                return _print_result(result)
             except BaseException:
                 unmark_if_untouched(out, args.command, before, snapshot)
+                end_pending(out)
                 if new and not any(p.name not in ("eyas.toml", RUN_LOCK) for p in out.iterdir()):
                     saved.unlink(missing_ok=True)  # refused before it made anything: the folder is not a run yet
                 raise

@@ -5,8 +5,8 @@ before it, and of the content of the files a setting names (a data file, a promp
 fine-tune from), so that a file edited in place counts as changed. `manifest.json` records, per stage, its
 key, status, counts, timing and versions.
 A stage whose key matches a finished record is skipped; one that was cut short runs again (each
-stage resumes its own partial work); one whose key changed has its outputs cleared and reruns,
-and so, through the keys, does every stage after it. One exception: when regen.samples is the only change
+stage resumes its own partial work); one whose key changed reruns, its old outputs kept aside until the new ones are
+complete (eyas.stage_outputs), and so, through the keys, does every stage after it. One exception: when regen.samples is the only change
 to regen's key, the samples both counts share keep their answers (the others are regenerated or removed), and
 so do the conversations already answered when regen.limit grows.
 """
@@ -18,12 +18,12 @@ import importlib
 import inspect
 import os
 import platform
-import shutil
 import time
 from pathlib import Path
 
 from . import __version__
 from . import config as C
+from . import stage_outputs
 from .draft import is_int
 from .util import (EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json,
                    release_memory, sha256_file, sha256_json)
@@ -358,6 +358,7 @@ def run_pipeline(cfg: C.Config) -> dict:
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
     mpath = run / "manifest.json"
+    settle_pending(run)  # a standalone stage command killed on this run
     manifest = read_json(mpath) if mpath.exists() else {"stages": {}}
     want_cuda = cfg.target.device.startswith("cuda") or (cfg.target.device == "auto" and torch.cuda.is_available())
     auto = autosize(cfg, "cuda" if want_cuda else "cpu")
@@ -374,6 +375,7 @@ def run_pipeline(cfg: C.Config) -> dict:
                      "inputs": {k: {"value": C.get_key(cfg, k), "sha256": fp} for k, fp in inputs.items()},
                      "input_files": files})
     keys = stage_keys(cfg, inputs)
+    stage_outputs.settle(run, manifest, mpath, keys, {n: o for n, _, _, o in STAGES})
     summary = {}
     missing = []
     for name, spec, _, outputs in STAGES:
@@ -401,25 +403,23 @@ def run_pipeline(cfg: C.Config) -> dict:
         kept = _regen_kept(cfg, inputs, rec) if name == "regen" else None
         if kept:
             _keep_regen(cfg, run / outputs[0], kept)
-        elif rec.get("key") and rec.get("key") != keys[name]:
-            log(f"[{name}] config or inputs changed: clearing its old outputs")
-            for o in outputs:
-                p = run / o
-                if p.is_dir():
-                    shutil.rmtree(p)
-                elif p.exists():
-                    p.unlink()
+        elif rec.get("key") and rec.get("key") != keys[name]:  # kept until the new ones are complete
+            stage_outputs.move_aside(run, name, outputs, rec)
         manifest["stages"][name] = {"key": keys[name], "status": "running", "started": time.time()}
         atomic_write_json(mpath, manifest)
         t0 = time.perf_counter()
-        if "target" in inspect.signature(fn).parameters:
-            if stage_runs_target(name, cfg) and not hasattr(target, "model"):  # loaded once, kept for later stages
-                from .target import load_target
+        try:
+            if "target" in inspect.signature(fn).parameters:
+                if stage_runs_target(name, cfg) and not hasattr(target, "model"):  # loaded once, kept for later stages
+                    from .target import load_target
 
-                target = load_target(cfg.target)
-            result = fn(cfg, target=target)
-        else:
-            result = fn(cfg)
+                    target = load_target(cfg.target)
+                result = fn(cfg, target=target)
+            else:
+                result = fn(cfg)
+        except BaseException:
+            stage_outputs.after_failure(run, name, outputs, manifest, mpath)
+            raise
         dt = time.perf_counter() - t0
         release_memory()  # the stage's freed buffers (regen's KV cache, training's pinned feature tier) back
         line = one_line(name, result or {})
@@ -429,6 +429,7 @@ def run_pipeline(cfg: C.Config) -> dict:
                                     **({"settings": {k: C.get_key(cfg, k) for k in REGEN_KEEPS}} if name == "regen"
                                        else {})}
         atomic_write_json(mpath, manifest)
+        stage_outputs.drop_aside(run, name)
         log(f"[{name}] done in {dt:.0f}s: {line}")
         summary[name] = line
     manifest["missing"] = missing
@@ -463,11 +464,14 @@ def closing_line(run: Path) -> str:
     return "; ".join(parts)
 
 
-def mark_replaced(run: Path, command: str) -> dict:
+def mark_replaced(run: Path, command: str, snapshot: dict | None = None) -> dict:
     """A stage command (`eyas eval --out R`, ...) is about to write over the outputs of run R's stage of the same
     name, perhaps with other settings: that stage and the ones after it, which read its outputs, no longer hold
     what the run made, so the next `eyas run` makes them again instead of skipping them (and the run report does
-    not show another command's eval as the run's). -> the marked stages' records as they were."""
+    not show another command's eval as the run's). -> the marked stages' records as they were.
+    With `snapshot` (output_snapshot before the command), the manifest also keeps them under "pending" until the
+    command ends (end_pending): a command killed before it wrote any output is then undone by the next command on
+    the run (settle_pending)."""
     mpath = run / "manifest.json"
     names = [n for n, *_ in STAGES]
     if command not in names or not mpath.exists():
@@ -483,8 +487,46 @@ def mark_replaced(run: Path, command: str) -> dict:
             before[n] = dict(stages[n])
             stages[n]["status"], stages[n]["by"] = "replaced", command
     if before:
+        if snapshot is not None:
+            manifest["pending"] = {"command": command, "before": before, "snapshot": snapshot}
         atomic_write_json(mpath, manifest)
     return before
+
+
+def _same_snapshot(a: dict, b: dict) -> bool:
+    """Two output_snapshots, one of them perhaps read back from JSON (lists for tuples), are the same."""
+    return {k: list(v) for k, v in a.items()} == {k: list(v) for k, v in b.items()}
+
+
+def end_pending(run: Path) -> None:
+    """The stage command mark_replaced marked for has ended (done, or failed and unmark_if_untouched has run)."""
+    mpath = run / "manifest.json"
+    if mpath.exists():
+        manifest = read_json(mpath)
+        if manifest.pop("pending", None) is not None:
+            atomic_write_json(mpath, manifest)
+
+
+def settle_pending(run: Path) -> None:
+    """A stage command marked the run's stages replaced and never ended (killed): where it wrote none of its
+    stage's outputs, their records come back (else the next `eyas run` would remake them, and the report call the
+    run's own eval another command's). Called under the run's lock, so no such command is running now."""
+    mpath = run / "manifest.json"
+    if not mpath.exists():
+        return
+    manifest = read_json(mpath)
+    pending = manifest.get("pending")
+    if not isinstance(pending, dict):
+        return
+    command = pending.get("command")
+    if _same_snapshot(output_snapshot(run, command), pending.get("snapshot") or {}):
+        stages = manifest.get("stages", {})
+        for n, rec in (pending.get("before") or {}).items():
+            if stages.get(n, {}).get("status") == "replaced" and stages[n].get("by") == command:
+                stages[n] = rec
+        log(f"a standalone `eyas {command}` on {run} stopped before writing anything: the run's own records are back")
+    manifest.pop("pending")
+    atomic_write_json(mpath, manifest)
 
 
 def output_snapshot(run: Path, command: str) -> dict[str, tuple[int, int]]:
@@ -501,7 +543,7 @@ def unmark_if_untouched(run: Path, command: str, before: dict, snapshot: dict) -
     the run made after all, so their records come back (else the next `eyas run` would say a standalone command
     wrote over them, and remake them)."""
     mpath = run / "manifest.json"
-    if not before or not mpath.exists() or output_snapshot(run, command) != snapshot:
+    if not before or not mpath.exists() or not _same_snapshot(output_snapshot(run, command), snapshot):
         return
     manifest = read_json(mpath)
     stages = manifest.get("stages", {})

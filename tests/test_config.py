@@ -474,3 +474,36 @@ def test_a_flag_shared_by_two_settings_says_which(capsys):
     assert train.features.dtype == "fp8" and train.target.dtype == "auto"
     ext = config_from_args(parser.parse_args(["extract", "--dtype", "fp8", "--batch-tokens", "1024"]), maps["extract"])
     assert ext.features.dtype == "fp8" and ext.features.batch_tokens == 1024
+
+
+def test_a_flag_and_set_with_different_values_are_refused_naming_both():
+    """A setting given by its flag and by --set: the same value is taken, different ones stop naming both (the flag
+    used to win silently); so for --target and --out."""
+    parser, maps = build_parser()
+
+    def cfg(*argv):
+        args = parser.parse_args(list(argv))
+        return config_from_args(args, maps[args.command])
+
+    assert cfg("regen", "--max-new-tokens", "64", "--set", "regen.max_new_tokens=64").regen.max_new_tokens == 64
+    assert cfg("train", "--lr", "1e-4", "--set", "train.lr=0.0001").train.lr == 1e-4
+    with pytest.raises(EyasError, match=r"^regen.max_new_tokens is given twice with different values, "
+                                        r"--max-new-tokens 64 and --set regen.max_new_tokens=32: give one$"):
+        cfg("regen", "--max-new-tokens", "64", "--set", "regen.max_new_tokens=32")
+    with pytest.raises(EyasError, match=r"train.seed is given twice .* --train-seed 1 and --set train.seed=2"):
+        cfg("run", "--train-seed", "1", "--set", "train.seed=2")
+    with pytest.raises(EyasError, match=r"target.name is given twice .* --target tiny and --set target.name=smollm2"):
+        cfg("regen", "--target", "tiny", "--set", "target.name=smollm2")
+    with pytest.raises(EyasError, match=r"out is given twice .* --out a and --set out=b"):
+        cfg("regen", "--out", "a", "--set", "out=b")
+
+
+def test_an_empty_out_is_refused(capsys):
+    """`--out ""` meant runs/default; it is refused, for a stage command and for `eyas report`."""
+    parser, maps = build_parser()
+    with pytest.raises(EyasError, match=r"--out is empty: give a run directory"):
+        config_from_args(parser.parse_args(["regen", "--out", ""]), maps["regen"])
+    with pytest.raises(EyasError, match=r"--set out= is empty"):
+        config_from_args(parser.parse_args(["regen", "--set", "out= "]), maps["regen"])
+    assert main(["report", "--out", ""]) == 2
+    assert "--out is empty" in capsys.readouterr().err

@@ -339,3 +339,75 @@ def test_data_refuses_settings_out_of_range(tmp_path, capsys, flags, said):
     assert main(["data", "--source", str(src), *flags]) == 2
     captured = capsys.readouterr()
     assert said in captured.err and "records read" not in captured.out
+
+
+def test_data_reports_duplicate_record_ids(tmp_path, capsys):
+    """`eyas data` names the record ids that occur more than once, which regen refuses."""
+    from eyas.cli import main
+
+    src = tmp_path / "dup.jsonl"
+    ids = ["a", "b", "a", "c", "a", "b"]
+    src.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": f"q {n}"}]}) + "\n"
+                           for n, i in enumerate(ids)))
+    assert main(["data", "--source", str(src)]) == 0
+    assert "duplicate record ids: 2 ids occur more than once (3 extra records): 'a' (3x), 'b' (2x)" in \
+        capsys.readouterr().out
+    src.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": "q"}]}) + "\n" for i in "abc"))
+    assert main(["data", "--source", str(src)]) == 0
+    assert "duplicate record ids" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_a_byte_that_is_not_utf8_is_located_by_line(tmp_path, gz):
+    """A Latin-1 byte in a data file, plain or gzipped, is named by its line and its place in the line."""
+    lines = [json.dumps({"id": f"r{i}", "messages": [{"role": "user", "content": "caf\u00e9" if i == 2 else "tea"}]},
+                        ensure_ascii=False) for i in range(4)]
+    raw = "\n".join(lines).encode("latin-1") + b"\n"
+    path = tmp_path / ("latin.jsonl.gz" if gz else "latin.jsonl")
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+    col = lines[2].encode("latin-1").index(b"\xe9") + 1
+    with pytest.raises(EyasError, match=rf"latin\.jsonl(\.gz)?: not UTF-8 text: line 3, byte {col} of the line is 0xe9"
+                                        + (r" \(in the decompressed text\)" if gz else "") + "; save the file as UTF-8"):
+        read_dataset(str(path))
+
+
+def test_a_data_folder_says_which_files_it_does_not_read(tmp_path, capsys):
+    """A data folder reads its .jsonl and .parquet files; its .json and .txt files are named as not read (regen's own
+    plan, report and error lists aside), and a folder holding only those says so in its error."""
+    from eyas.cli import main
+
+    d = tmp_path / "mixed"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "q"}]}) + "\n")
+    (d / "more.json").write_text(json.dumps([{"id": "s", "conversations": [{"from": "human", "value": "hi"}]}]))
+    (d / "prompts.txt").write_text("a prompt\n")
+    for f in ("plan.json", "report.json", "shard-00000.errors.json"):
+        (d / f).write_text("{}")
+    convs, _ = read_dataset(str(d))
+    assert [c.id for c in convs] == ["x"]
+    err = capsys.readouterr().err
+    assert f"data folder {d}: reading its 1 .jsonl/.parquet file(s), not more.json, prompts.txt" in err
+    (d / "a.jsonl").unlink()
+    with pytest.raises(EyasError, match=r"holds no data files .*; a folder's \.json and \.txt files \(more\.json, "
+                                        r"prompts\.txt\) are not read: give one as --source"):
+        read_dataset(str(d))
+
+
+def test_the_parquet_hint_pastes_a_file_name_as_a_name(tmp_path, monkeypatch):
+    """Without pyarrow, the Parquet error suggests a pandas command; pasted into a shell, a file name holding `$(...)`
+    or quotes stays a name (the command fails for want of pandas or pyarrow, or converts the file), and runs nothing."""
+    import re
+    import subprocess
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    for name in ("$(touch PWNED).parquet", "it's \"$(touch PWNED)\".parquet"):
+        (tmp_path / name).write_bytes(b"PAR1")
+        with pytest.raises(EyasError) as e:
+            read_dataset(str(tmp_path / name))
+        cmd = re.search(r"with pandas: (python -c .*)$", str(e.value))[1]
+        subprocess.run(["bash", "-c", cmd.replace("python -c", f"{sys.executable} -c", 1)], cwd=tmp_path,
+                       capture_output=True, timeout=60)
+        assert not (tmp_path / "PWNED").exists(), cmd
+        code = subprocess.run(["bash", "-c", f"printf %s {cmd.removeprefix('python -c ')}"], capture_output=True,
+                              text=True).stdout
+        assert repr(str(tmp_path / name)) in code  # the shell hands Python the name as a literal

@@ -247,7 +247,94 @@ def test_a_changed_sample_count_or_larger_limit_keeps_the_answers_made(tmp_path)
     assert "the plan grows from 8 to 11 conversations" in err and "8 finished conversations of unfinished shards" in err
     regen = json.loads((out / "manifest.json").read_text())["stages"]["regen"]
     assert regen["result"]["planned"] == 11 and regen["settings"] == {"regen.samples": 1, "regen.limit": 11}
-    err = run("--set", "regen.samples=1", "--set", "regen.limit=10")  # fewer: what was made for 11 is cleared
-    assert "[regen] config or inputs changed: clearing its old outputs" in err
+    err = run("--set", "regen.samples=1", "--set", "regen.limit=10")  # fewer: what was made for 11 is made again
+    assert "[regen] config or inputs changed: its old outputs moved to" in err
     err = run("--set", "regen.samples=2", "--set", "regen.top_p=0.9")
-    assert "[regen] config or inputs changed: clearing its old outputs" in err and "only regen.samples" not in err
+    assert "[regen] config or inputs changed: its old outputs moved to" in err and "only regen.samples" not in err
+    assert not (out / ".replaced").exists()  # removed once the new ones were complete
+
+
+def test_a_changed_stage_keeps_its_old_outputs_until_the_new_ones_are_complete(tmp_path, monkeypatch):
+    """A changed setting moves the stage's outputs aside instead of deleting them: training that fails right after a
+    change to its settings, having written nothing, puts the old drafter and checkpoints back at once; a regen killed
+    right after a change to its settings leaves the old answers aside, and a run with the old settings puts them back
+    and skips every stage as before. On the tiny random target."""
+    from eyas.cli import main
+    from eyas.util import EyasError
+
+    out = tmp_path / "run"
+    base = ["run", "--out", str(out), "--preset", "tiny", "--set", "regen.limit=4", "--set", "eval.limit=1",
+            "--set", "eval.max_new_tokens=8"]
+
+    def files(*dirs):
+        return {f.relative_to(out).as_posix(): f.read_bytes() for d in dirs for f in sorted((out / d).rglob("*"))
+                if f.is_file()}
+
+    def stages():
+        return json.loads((out / "manifest.json").read_text())["stages"]
+
+    r = subprocess.run([sys.executable, "-m", "eyas", *base], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    trained, regen, before = files("ckpt", "draft", "train"), files("data/regen"), stages()
+    assert trained and regen
+
+    def boom(cfg, **kw):
+        raise EyasError("training refused")
+
+    monkeypatch.setattr("eyas.train.run_train", boom)
+    assert main([*base, "--set", "train.lr=5e-4"]) == 2
+    assert files("ckpt", "draft", "train") == trained and stages()["train"] == before["train"]
+    assert not (out / ".replaced").exists()
+
+    p = subprocess.Popen([sys.executable, "-m", "eyas", *base, "--set", "regen.max_new_tokens=20"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    aside = out / ".replaced" / "regen"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None and not (
+            (aside / "data" / "regen").exists() and (out / "data" / "regen" / "plan.json").exists()):  # the new regen
+        time.sleep(0.01)
+    p.kill()
+    p.wait()
+    assert {k.removeprefix(".replaced/regen/"): v for k, v in files(".replaced/regen/data/regen").items()} == regen
+    assert stages()["regen"]["status"] == "running"
+    r = subprocess.run([sys.executable, "-m", "eyas", *base], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[regen] its outputs of these settings, kept aside" in r.stderr and "[train] unchanged, skipped" in r.stderr
+    assert "[regen] unchanged, skipped" in r.stderr and not aside.exists()
+    assert files("data/regen") == regen and files("ckpt", "draft", "train") == trained
+
+
+def test_a_killed_standalone_eval_leaves_the_runs_records(tmp_path, monkeypatch, capsys):
+    """A standalone `eyas eval` marks the run's eval replaced while it runs; killed (-9) before it wrote anything,
+    the next command on the run puts the run's own record back instead of leaving it called replaced."""
+    from eyas import config as C
+    from eyas.cli import main
+    from eyas.util import EyasError
+
+    run = tmp_path / "run"
+    cfg = C.resolve(None, "tiny", {"out": str(run)})
+    C.save(cfg, run)
+    stages = {"eval": {"key": "e", "status": "done", "summary": "acceptance_length=2"},
+              "export": {"key": "x", "status": "done"}}
+    (run / "manifest.json").write_text(json.dumps({"stages": stages}))
+    (run / "eval").mkdir()
+    (run / "eval" / "report.json").write_text("{}")
+    hang = ("import sys, time, eyas.evaluate as e\n"
+            "def hang(cfg):\n    time.sleep(120)\n"
+            "e.run_eval = hang\nfrom eyas.cli import main\nsys.exit(main(['eval', '--out', sys.argv[1]]))\n")
+    p = subprocess.Popen([sys.executable, "-c", hang, str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and "pending" not in json.loads((run / "manifest.json").read_text()):
+        time.sleep(0.02)
+    p.kill()
+    p.wait()
+    assert json.loads((run / "manifest.json").read_text())["stages"]["eval"]["status"] == "replaced"
+
+    def refused(cfg):
+        raise EyasError("refused")
+
+    monkeypatch.setattr("eyas.evaluate.run_eval", refused)
+    assert main(["eval", "--out", str(run)]) == 2
+    assert "a standalone `eyas eval` on" in capsys.readouterr().err
+    man = json.loads((run / "manifest.json").read_text())
+    assert man["stages"] == stages and "pending" not in man

@@ -110,6 +110,7 @@ class FakeOpenAI:
 
     def __init__(self, delay: float = 0.0, hang: float = 0.0):
         self.hang = hang  # [hangxN]: the first N attempts wait this long before answering
+        self.broken = ""  # every request answered the same wrong way: a key of BROKEN
         self.attempts: Counter = Counter()
         self.requests: list[dict] = []
         self.lock = threading.Lock()
@@ -128,6 +129,10 @@ class FakeOpenAI:
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    BROKEN = {"400": (400, b'{"error": "unknown model"}'), "no_choices": (200, b'{"object": "chat.completion"}'),
+              "null": (200, b'{"choices": [{"message": {"role": "assistant", "content": null}}]}'),
+              "html": (200, b"<html><body>Bad Gateway</body></html>")}
 
     def close(self):
         self.httpd.shutdown()
@@ -155,6 +160,9 @@ class FakeOpenAI:
             self.requests.append(body)
         if self.delay:
             time.sleep(self.delay)
+        if self.broken:
+            code, payload = self.BROKEN[self.broken]
+            return self.send(h, code, payload)
 
         def first(tag):
             for part in user.split("["):
@@ -175,6 +183,8 @@ class FakeOpenAI:
         if "[400]" in user:
             return self.send(h, 400, b'{"error": "prompt too long"}')
         content = f"answer {turn} to {user}"
+        if "[huge" in user:  # a server that ignores max_tokens, saying so in its usage or not
+            content = "many words " * 20000
         msg = {"role": "assistant", "content": content}
         if "[reasoning_content]" in user:
             msg["reasoning_content"] = f"thinking {turn}"
@@ -184,7 +194,7 @@ class FakeOpenAI:
             msg["content"] = f"<think>\ninline {turn}\n</think>\n\n{content}"
         out = {"id": "x", "object": "chat.completion", "model": body["model"],
                "choices": [{"index": 0, "message": msg, "finish_reason": "length" if "[long]" in user else "stop"}],
-               "usage": {"prompt_tokens": 10 + turn, "completion_tokens": 5}}
+               "usage": {"prompt_tokens": 10 + turn, "completion_tokens": 40000 if "[huge]" in user else 5}}
         return self.send(h, 200, json.dumps(out).encode())
 
 
@@ -251,6 +261,25 @@ def test_server_backend_retries_reasoning_and_records(tmp_path, server):
     made_now = ("this_call", "tokens_per_s")  # what the call itself did, beside the report of the data
     assert validation_report(tmp_path / "run") == {k: v for k, v in rep.items() if k not in made_now}
     assert rep["this_call"]["generated_tokens"] == rep["completion_tokens"]["total"]
+
+
+def test_answers_are_cut_at_max_new_tokens_whatever_the_server_sends(tmp_path, server):
+    """A server that ignores max_tokens (its usage saying so, or not): each answer is cut to regen.max_new_tokens
+    tokens of the target's tokenizer and counted as cut at the length limit; a short answer is kept whole."""
+    from eyas.config import TargetConfig
+    from eyas.target import load_tokenizer
+
+    src = write_jsonl(tmp_path / "d.jsonl", [["[huge] talk"], ["[huge-quiet] talk"], ["short"]])
+    rep = run_regen(server_cfg(tmp_path, src, server.url, max_new_tokens=16))
+    assert rep["records"] == 3 and rep["truncated_turns"] == 2 and rep["completion_tokens"]["max"] == 16
+    tok = load_tokenizer(TargetConfig(name="smollm2"))
+    by_id = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
+    for cid in ("c0", "c1"):
+        answer = by_id[cid].turns[-1].content
+        assert answer.startswith("many words many") and len(tok(answer, add_special_tokens=False).input_ids) <= 16
+        assert by_id[cid].meta["turns"][0]["finish_reason"] == "length"
+    assert by_id["c2"].turns[-1].content == "answer 0 to short"
+    assert by_id["c2"].meta["turns"][0] == {"finish_reason": "stop", "prompt_tokens": 10, "completion_tokens": 5}
 
 
 def test_server_samples_ask_with_seeds_of_their_own(tmp_path, server):
@@ -393,6 +422,52 @@ def test_server_down_stops_with_progress_kept(tmp_path, server):
         run_regen(cfg)
 
 
+@pytest.mark.parametrize("broken,said", [("400", r"http_400: 5\), e\.g\. http://\S+: HTTP 400 .*unknown model"),
+                                          ("no_choices", r"the server's answers unreadable: 5\).*KeyError"),
+                                          ("null", r"the server's answers unreadable: 5\).*content is null"),
+                                          ("html", r"the server's answers unreadable: 5\).*<html>")],
+                         ids=["http_400", "no_choices", "null_content", "html"])
+def test_a_server_failing_every_request_fails_the_call_and_a_rerun_asks_again(tmp_path, server, broken, said):
+    """A server answering every request wrongly (HTTP 400; a 200 without `choices`, with null content, or HTML) makes
+    regen stop with the server's error and how many conversations failed, leaving nothing a rerun takes for finished
+    work: once the server is fixed, the same call regenerates every conversation."""
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"q{i}"] for i in range(5)])
+    cfg = server_cfg(tmp_path, src, server.url, retries=1)
+    server.broken = broken
+    with pytest.raises(EyasError, match=r"regen stopped, no usable answer: all 5 conversations failed \(" + said):
+        run_regen(cfg)
+    d = regen_dir(tmp_path / "run")
+    assert not list(d.glob("shard-*.jsonl")) and not list(d.glob("*.errors.json"))
+    server.broken = ""
+    rep = run_regen(cfg)
+    assert rep["records"] == 5 and rep["complete"] and not rep["errors"]
+
+
+def test_a_server_failing_every_request_stops_early(tmp_path, server):
+    """With many conversations, the call stops once FAIL_FAST of them failed in a row, instead of asking the broken
+    server for every one and recording them all as left out; answers made by an earlier call stay (a shard holding
+    some of them and failures is reopened, its answers kept in its journal) and the failed ones are asked again."""
+    from eyas.data.regen_failed import FAIL_FAST
+
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"q{i}"] for i in range(8 * FAIL_FAST)])
+    cfg = server_cfg(tmp_path, src, server.url, concurrency=2, limit=4)
+    assert run_regen(cfg)["records"] == 4
+    server.broken, cfg.regen.limit = "400", 8 * FAIL_FAST
+    n = len(server.requests)
+    with pytest.raises(EyasError, match=rf"stopped, {FAIL_FAST} conversations in a row failed \(http_400: {FAIL_FAST}\)"
+                                        r".*HTTP 400.*Nothing was recorded as done"):
+        run_regen(cfg)
+    assert len(server.requests) - n < 2 * FAIL_FAST
+    d = regen_dir(tmp_path / "run")
+    assert [f.name for f in sorted(d.glob("shard-*.jsonl"))] == ["shard-00000.jsonl"]
+    assert [json.loads(x)["id"] for x in (d / "shard-00001.partial").read_text().splitlines()] == ["c3"]
+    server.broken = ""
+    n = len(server.requests)
+    rep = run_regen(cfg)
+    assert len(server.requests) - n == 8 * FAIL_FAST - 4
+    assert rep["records"] == 8 * FAIL_FAST and rep["complete"] and not rep["errors"]
+
+
 def _kill_and_resume(tmp_path, args: list[str], out: Path, n_shards: int, env=None) -> dict:
     """Start `python -m eyas regen ARGS`, kill -9 it once a shard is written, check the shards then
     present stay byte-identical after resuming."""
@@ -530,6 +605,25 @@ def test_embedded_tiny_kill9_resume(tmp_path, tiny, engine):
     a = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "killed")))[0]}
     b = {c.id: c for c in read_dataset(str(regen_dir(tmp_path / "run")))[0]}
     assert sorted(a) == sorted(b)
+
+
+def test_sampled_regen_killed_and_resumed_equals_an_uninterrupted_one(tmp_path, tiny):
+    """At temperature 0.8 (two samples of each conversation), a regen killed in the middle and resumed writes, for
+    every conversation, the answers an uninterrupted regen writes: each answer is drawn from the conversation's own
+    seed, not from a stream shared by whatever was decoded before it in the process."""
+    src = write_jsonl(tmp_path / "d.jsonl", [[f"question {i}"] for i in range(12)], system="S")
+    ref = run_regen(tiny_cfg(tmp_path, src, max_new_tokens=10, temperature=0.8, samples=2), target=tiny)
+    assert ref["records"] == 24
+    args = ["--target", "tiny", "--device", "cpu", "--source", str(src), "--split", "all", "--max-new-tokens", "10",
+            "--temperature", "0.8", "--samples", "2", "--batch-size", "4", "--shard-size", "3"]
+    rep = _kill_and_resume(tmp_path, args, tmp_path / "killed", 8)
+    assert rep["records"] == 24 and rep["complete"]
+
+    def answers(out):
+        return {c.id: [(t.role, t.content) for t in c.turns] for c in read_dataset(str(regen_dir(out)))[0]}
+
+    a, b = answers(tmp_path / "killed"), answers(tmp_path / "run")
+    assert a == b and len(set(map(str, a.values()))) == 24
 
 
 def test_a_conversation_left_out_says_why(tmp_path, tiny, capsys):
@@ -827,6 +921,37 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     runs = [drain(StaticEngine(tiny, rc, "keep", 0), prompts)[1] for _ in range(2)]
     assert runs[0] == runs[1] and runs[0] != tokens
     assert all(len(runs[0][r]) <= len(tokens[r]) for r in tokens)
+
+
+def test_sampling_is_seeded_per_request_whatever_the_batch(tiny):
+    """At a temperature above 0, each answer depends on its request's seed alone: the static engine (2 rows, refilled)
+    and the generate engine (batches of 2, and each prompt alone) draw the same tokens for the same seeds, and another
+    seed draws others."""
+    from eyas.config import RegenConfig
+    from eyas.data.regen import GenerateEngine, StaticEngine
+
+    prompts = ["hi", "a somewhat longer question about a few things", "x", "why?", "tell me more"]
+
+    def answers(engine, seeds, only=None):
+        got = {}
+        for i in only if only is not None else range(len(prompts)):
+            engine.submit(f"r{i}", [{"role": "user", "content": prompts[i]}], seeds[i])
+        want = 1 if only is not None else len(prompts)
+        while len(got) < want:
+            got.update({r.rid: (r.content, r.completion_tokens) for r in engine.poll(0.1)})
+        return got
+
+    rc = RegenConfig(temperature=1.0, max_new_tokens=8, batch_size=2)
+    seeds = [11, 22, 33, 44, 55]
+    static = answers(StaticEngine(tiny, rc, "keep", 0), seeds)
+    gen = GenerateEngine(tiny, rc, "keep", 0)
+    assert answers(gen, seeds) == static
+    alone = {}
+    for i in reversed(range(len(prompts))):  # other batches, another order
+        alone.update(answers(gen, seeds, only=[i]))
+    assert alone == static
+    other = answers(StaticEngine(tiny, rc, "keep", 0), [s + 1 for s in seeds])
+    assert all(other[r] != static[r] for r in static)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

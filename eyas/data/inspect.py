@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 
 from ..config import Config
 from ..util import EyasError, NotBuiltError
@@ -40,6 +41,12 @@ def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, toke
     for c in convs:
         splits[split_of(c.id, cfg.data.val_ratio, cfg.data.test_ratio)] += 1
     print("splits:", ", ".join(f"{k} {v}" for k, v in splits.items()))
+    counts = Counter(c.id for c in convs)
+    dup = {i: n for i, n in counts.items() if n > 1}
+    if dup:  # regen refuses them (it resumes by id), and records of one id share a split
+        shown = ", ".join(f"{i!r} ({n}x)" for i, n in list(dup.items())[:5]) + (" ..." if len(dup) > 5 else "")
+        print(f"  duplicate record ids: {len(dup)} ids occur more than once ({sum(dup.values()) - len(dup)} extra "
+              f"records): {shown}; `eyas regen` refuses such a data set (it needs unique ids to resume safely)")
     if convs and not splits["test"]:
         print(f"  no conversation falls in the test split at data.test_ratio {cfg.data.test_ratio}: the eval, which "
               f"takes its prompts from it, would have none (raise --test-ratio, or give the eval prompts of its own "

@@ -21,12 +21,13 @@ from __future__ import annotations
 import gzip
 import json
 import re
+import shlex
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..util import EyasError, installed_file, stable_hash, text_lines
+from ..util import EyasError, installed_file, log, stable_hash, text_lines
 from .conversation import ROLES, THINK_CLOSE, THINK_OPEN, Conversation, Turn, split_reasoning
 
 # role names as either layout writes them -> eyas' roles
@@ -78,7 +79,8 @@ def _open_text(path: Path) -> str:
         raise EyasError(f"data file not found: {path}") from None
     except OSError as e:
         raise EyasError(f"cannot read data file {path}: {e}") from None
-    if raw[:2] == b"\x1f\x8b":
+    gz = raw[:2] == b"\x1f\x8b"
+    if gz:
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError, zlib.error) as e:
@@ -86,7 +88,11 @@ def _open_text(path: Path) -> str:
     try:
         return raw.decode("utf-8-sig")  # a byte-order mark, as some Windows tools write, is not part of the data
     except UnicodeDecodeError as e:
-        raise EyasError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise EyasError(f"{path}: not UTF-8 text: line {line}, byte {col} of the line is {raw[e.start]:#04x}"
+                        + (" (in the decompressed text)" if gz else "") + "; save the file as UTF-8 (a Latin-1 "
+                        f"file: iconv -f latin1 -t utf-8)") from None
 
 
 MESSAGE_LISTS = ("messages", "conversations")  # a record's list of messages, under either layout's name
@@ -411,8 +417,11 @@ def _one_object(path: Path, strict: bool):
     return convs, rep
 
 
-PARQUET_CONVERT = ("python -c \"import pandas as pd; pd.read_parquet('{src}').to_json('{dst}', orient='records', "
-                   "lines=True)\"")
+def parquet_convert(src: Path, dst: Path) -> str:
+    """A shell command converting Parquet file src to JSONL dst with pandas. The paths are Python literals inside
+    one shell-quoted argument, so a file name holding quotes or `$(...)` is pasted as a name, never run."""
+    code = f"import pandas as pd; pd.read_parquet({str(src)!r}).to_json({str(dst)!r}, orient='records', lines=True)"
+    return f"python -c {shlex.quote(code)}"
 
 
 def read_parquet(path: str | Path, strict: bool = False, limit: int = 0) -> tuple[list[Conversation], ReadReport]:
@@ -424,7 +433,7 @@ def read_parquet(path: str | Path, strict: bool = False, limit: int = 0) -> tupl
         import pyarrow.parquet as pq
     except ImportError:
         raise EyasError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert the file to JSONL "
-                        f"with pandas: " + PARQUET_CONVERT.format(src=path, dst=path.with_suffix(".jsonl"))) from None
+                        f"with pandas: " + parquet_convert(path, path.with_suffix(".jsonl"))) from None
     rep = ReadReport(str(path))
     out: list[Conversation] = []
     row = 0
@@ -450,14 +459,32 @@ def read_parquet(path: str | Path, strict: bool = False, limit: int = 0) -> tupl
 FOLDER_DATA = ("*.jsonl", "*.jsonl.gz", "*.parquet")
 
 
+# files a folder holds beside its data that are not read as data: a regen folder's plans, report and error lists
+FOLDER_BOOKKEEPING = re.compile(r"(plan(-\w+)?|report|.*\.errors)\.json")
+
+
+def _not_read_in_folder(path: Path) -> list[str]:
+    """The .json and .txt files directly in `path` (a data folder reads only FOLDER_DATA), less regen's own files."""
+    return sorted(f.name for f in path.iterdir() if f.is_file() and f.name.lower().endswith((".json", ".json.gz", ".txt"))
+                  and not FOLDER_BOOKKEEPING.fullmatch(f.name))
+
+
 def _read_folder(path: Path, strict: bool, limit: int) -> tuple[list[Conversation], ReadReport]:
-    """Every data file directly in `path`, in name order, as one data set."""
+    """Every data file directly in `path`, in name order, as one data set. A folder's .json and .txt files are not
+    read (a JSON array or a prompt list beside one-record-a-line files is rarely meant as more of them): said, with
+    how to read one."""
     files = sorted(f for pat in FOLDER_DATA for f in path.glob(pat) if f.is_file())
+    others = _not_read_in_folder(path)
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
     if not files:
         below = sorted({f.parent.relative_to(path).as_posix() for pat in FOLDER_DATA for f in path.glob("*/" + pat)})
         raise EyasError(f"data folder {path} holds no data files (.jsonl, .jsonl.gz or .parquet)" + (
             f"; its subfolder{'s' if len(below) > 1 else ''} {', '.join(below)} do{'' if len(below) > 1 else 'es'}: "
-            f"give {'one of them' if len(below) > 1 else 'it'} as --source" if below else ""))
+            f"give {'one of them' if len(below) > 1 else 'it'} as --source" if below else "") + (
+            f"; a folder's .json and .txt files ({shown}) are not read: give one as --source" if others else ""))
+    if others:
+        log(f"data folder {path}: reading its {len(files)} .jsonl/.parquet file(s), not {shown} (a folder's .json and "
+            f".txt files are not read: give one as --source, or convert it to .jsonl)")
     convs, total = [], ReadReport(str(path))
     for f in files:
         reader = read_parquet if f.name.endswith(".parquet") else read_messages_jsonl

@@ -45,6 +45,7 @@ from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrie
 from .conversation import Conversation, Turn, split_reasoning
 from .prepare import check_data_settings, regen_dir
 from .readers import LATER_SUFFIX, SAMPLE_SUFFIX, read_dataset, select_split
+from .regen_failed import CallOutcomes, failure_error, folder_failures
 from .server import ServerBackend, TurnResult
 
 PLAN_VERSION = 1
@@ -282,9 +283,10 @@ class _Embedded:
     gpu_batch = 256  # regen.batch_size=0 on a GPU (32 on a CPU)
 
     def reseed(self, seed: int) -> None:
-        """Restart the sampling stream (each engine draws from torch's default generator, seeded with regen.seed
-        when built): regen.samples' later samples start from a seed of their own, so a sample regenerated in a later
-        process than the first does not replay the first's draws over the same prompts."""
+        """Restart the sampling stream of an engine that draws from one (the continuous engine; the static and
+        generate engines seed each request's draws from its own seed, seeded.py): regen.samples' later samples start
+        from a seed of their own, so a sample regenerated in a later process than the first does not replay the
+        first's draws over the same prompts."""
         import torch
 
         torch.manual_seed(seed)
@@ -322,12 +324,13 @@ class _Embedded:
         answer, reasoning = split_reasoning(text)
         return TurnResult(rid, answer, reasoning, finish, prompt_len, len(tokens))
 
-    def generation_config(self):
+    def generation_config(self, sampled: bool = True):
+        """`sampled=False`: greedy whatever regen.temperature, for an engine that samples through SeededSampling."""
         from transformers import GenerationConfig
 
         rc = self.rc
         kw = dict(max_new_tokens=rc.max_new_tokens, eos_token_id=sorted(self.eot), pad_token_id=sorted(self.eot)[0])
-        if rc.temperature > 0:
+        if rc.temperature > 0 and sampled:
             kw.update(do_sample=True, temperature=rc.temperature, top_p=rc.top_p, top_k=0)
         else:
             kw.update(do_sample=False)
@@ -414,14 +417,14 @@ class GenerateEngine(_Embedded):
         super().__init__(target, rc, reasoning, ctx_limit)
         import torch
 
-        self.pending: list[tuple[str, list[int], int]] = []
-        self.gen = self.generation_config()
+        self.pending: list[tuple[str, list[int], int, int]] = []
+        self.gen = self.generation_config(sampled=False)  # sampling: each row from its request's seed (seeded.py)
         torch.manual_seed(rc.seed)
 
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
         p = self.prepare(rid, messages)
         if p is not None:
-            self.pending.append((rid, *p))
+            self.pending.append((rid, *p, seed))
 
     def poll(self, timeout: float) -> list[TurnResult]:
         import torch
@@ -433,12 +436,21 @@ class GenerateEngine(_Embedded):
         batch, self.pending = self.pending[: self.batch], self.pending[self.batch:]
         width = max(len(b[1]) for b in batch)
         pad = self.gen.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _ in batch], device=self.t.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in batch], device=self.t.device)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _, _ in batch], device=self.t.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _, _ in batch], device=self.t.device)
+        sampling = {}
+        if self.rc.temperature > 0:
+            from transformers import LogitsProcessorList
+
+            from .seeded import SeededSampling
+
+            seeds = torch.tensor([s for *_, s in batch], device=self.t.device)
+            sampling["logits_processor"] = LogitsProcessorList(
+                [SeededSampling(self.rc.temperature, self.rc.top_p, seeds, width)])
         with torch.no_grad():
             res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
-                                        max_new_tokens=max(b[2] for b in batch))
-        for row, (rid, p, max_new) in zip(res[:, width:].tolist(), batch):
+                                        max_new_tokens=max(b[2] for b in batch), **sampling)
+        for row, (rid, p, max_new, _) in zip(res[:, width:].tolist(), batch):
             out.append(self.result(rid, len(p), row[:max_new]))
         return out
 
@@ -496,13 +508,16 @@ class StaticEngine(_Embedded):
         if self.long_rows:
             self.lm.set_groups([0, self.long_rows])
         self.stop = torch.tensor(sorted(self.eot), device=dev)
-        self.step = DecodeGraph(self.lm, self._pick)
         B = self.batch
         self.done = torch.ones(B, dtype=torch.bool, device=dev)  # idle rows count as done
         self.nnew = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated so far
         self.limit = torch.ones(B, dtype=torch.long, device=dev)  # max new tokens of the row
         self.out = torch.zeros(B, rc.max_new_tokens + 1, dtype=torch.long, device=dev)  # last column: spare
-        self.pending: deque[tuple[str, list[int], int]] = deque()
+        self.seed = torch.zeros(B, dtype=torch.long, device=dev)  # each row's request's seed (seeded.py)
+        self.pick_rows: slice | None = None  # the rows an eager decode step advances (the busy span)
+        self.step = DecodeGraph(self.lm, self._pick)  # after the buffers _pick reads: a GPU captures it here
+        self.pending: deque[tuple[str, list[int], int]] = deque()  # (rid, prompt, max new): greedyval fills it too
+        self.seeds: dict[str, int] = {}  # each waiting request's seed (0 where none was given)
         self.slot: list[tuple[str, int] | None] = [None] * B  # (rid, prompt length) of each busy row
         self.hpos = [0] * B  # host-side bound on each busy row's next position
         self.cap = [0] * B  # ... and the last position it can reach
@@ -536,22 +551,26 @@ class StaticEngine(_Embedded):
                 f"for {max_len} tokens; {human_bytes(free)} free)")
         return rows
 
-    def _pick(self, logits):
-        """Next token per row from logits [b, V], on the device without a host sync: argmax, or a draw
-        from the temperature/top-p distribution as argmax(p / Exp(1)) (the default RNG, graph-safe)."""
-        import torch
-
-        from ..decode import probs_from_logits
+    def _pick(self, logits, rows=None):
+        """Next token per row from logits [b, V] of rows `rows` (an index tensor; None: the rows a decode step
+        advances), on the device without a host sync: argmax, or a draw from the temperature/top-p distribution
+        seeded by each row's request and step (seeded.py: graph-safe)."""
+        from .seeded import seeded_pick
 
         if self.rc.temperature == 0:
             return logits.argmax(-1)
-        probs = probs_from_logits(logits, self.rc.temperature, self.rc.top_p)
-        return (probs / torch.empty_like(probs).exponential_().clamp_min_(1e-30)).argmax(-1)
+        if rows is None:  # a decode step: the token numbered nnew of each row, of every row (a graph) or the span
+            rows = slice(None) if logits.shape[0] == self.batch or self.pick_rows is None else self.pick_rows
+            steps = self.nnew[rows]
+        else:  # a prefill: each row's first token
+            steps = self.nnew.new_zeros(logits.shape[0])
+        return seeded_pick(logits, self.rc.temperature, self.rc.top_p, self.seed[rows], steps)
 
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
         p = self.prepare(rid, messages)
         if p is not None:
             self.pending.append((rid, *p))
+            self.seeds[rid] = seed
 
     def _admit(self) -> None:
         """Fill free rows with waiting prompts: long prompts into the long rows (short ones into the
@@ -584,8 +603,9 @@ class StaticEngine(_Embedded):
         lens = send([len(p) for _, p, _ in items])
         limit = send([m for _, _, m in items])
         r = send(rows)
+        self.seed[r] = send([self.seeds.pop(rid, 0) for rid, _, _ in items])
         logits, _ = self.lm.forward(ids, torch.zeros_like(lens), rows=r, upto=width, last_idx=lens - 1, one_off=True)
-        tok = self._pick(logits[:, 0])
+        tok = self._pick(logits[:, 0], r)
         self.step.ids[r, 0] = tok
         self.step.pos[r] = lens
         self.out[r, 0] = tok
@@ -614,6 +634,7 @@ class StaticEngine(_Embedded):
         # run with fewer prompts than rows, or the tail of one, would pay for every row (the pipeline test's 8
         # prompts on 32 rows: 0.77 s a step on a 2-core CPU). A CUDA graph replays its fixed shape.
         span = None if self.lm.groups else slice(min(busy), max(busy) + 1)
+        self.pick_rows = span
         for s in range(steps):
             tok = self.step(upto=tuple(h + s + 1 for h in his) if self.lm.groups else his[0] + s + 1, rows=span)
             live = ~self.done
@@ -904,7 +925,7 @@ def run_regen(cfg: Config, target=None) -> dict:
             own_pg = True
     try:
         if rc.backend == "server":
-            backend = ServerBackend(rc)
+            backend = ServerBackend(rc, cfg.target)
         else:
             from ..target import load_target
 
@@ -951,6 +972,8 @@ def run_regen(cfg: Config, target=None) -> dict:
         if rank != 0:  # rank 0 reads every shard for the report; the others need not read them again
             return {"rank": rank, "world_size": world, "report": str(d / "report.json")}
         report = validation_report(d)
+        if not report["records"]:  # nothing to train on: not a finished stage, and a rerun asks again
+            raise failure_error(d, folder_failures(d), ident["backend"], report["planned"])
         made_words = ""
         if made[0] and world == 1:  # what this call generated (a resumed run generates only what was left)
             report["this_call"] = {"generated_tokens": made[0], "seconds": round(made[1], 2),
@@ -1041,6 +1064,7 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
             + (f" (rank {rank} of {world})" if world > 1 else ""))
     work = [(k, i) for k, i in work if i not in done_by_shard[k]]
     active: dict[str, ConvState] = {}
+    outcomes = CallOutcomes()  # this call's failures in a row: a server failing request after request stops it
     nxt = 0
     t0, toks = time.time(), 0
     bar = progress(total=len(work) + kept, initial=kept,
@@ -1062,6 +1086,9 @@ def _drive(backend, convs: list[Conversation], plan: dict, d: Path, rc: RegenCon
         done_by_shard[k][st.index] = o
         bar.update(1)
         shard_done(k)
+        outcomes.add(o)
+        if outcomes.hopeless() and ident["backend"] == "server":
+            raise failure_error(d, outcomes, ident["backend"])
 
     def ask(st: ConvState) -> None:
         msgs = st.next_messages()

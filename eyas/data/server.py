@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from http.client import HTTPException
 
-from ..config import RegenConfig
-from ..util import EyasError
+from ..config import RegenConfig, TargetConfig
+from ..util import EyasError, log
 from .conversation import split_reasoning
 
 
@@ -70,13 +70,14 @@ class _Fail(Exception):
 class ServerBackend:
     """submit(rid, messages, seed) / poll(timeout) -> [TurnResult] / close(), like the embedded engines."""
 
-    def __init__(self, rc: RegenConfig):
+    def __init__(self, rc: RegenConfig, target: TargetConfig | None = None):
         if not rc.endpoint:
             raise EyasError("regen.backend is 'server' but no endpoint is set (--endpoint http://host:port/v1)")
         self.urls = [chat_url(e) for e in rc.endpoint]
         self.rc = rc
         self.key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""
         self.model = rc.model or self._first_model()
+        self.target, self._tok = target, None  # the target's tokenizer, loaded for the first answer to cap
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self._next = 0
@@ -125,7 +126,31 @@ class ServerBackend:
                 out.append(self.outbox.get_nowait())
         except queue.Empty:
             pass
+        for r in out:
+            self._cap(r)
         return out
+
+    def _cap(self, r: TurnResult) -> None:
+        """Cut an answer longer than regen.max_new_tokens (a server that ignores max_tokens) to that many tokens of
+        the target's tokenizer, reasoning first, and count it as cut at the length limit. A byte-level tokenizer
+        makes at most one token of a byte, so only an answer of more UTF-8 bytes than the limit is tokenized (in the
+        driver's thread)."""
+        limit = self.rc.max_new_tokens
+        size = len(r.content.encode("utf-8", "replace")) + len((r.reasoning or "").encode("utf-8", "replace"))
+        if r.error or (r.completion_tokens <= limit and size <= limit):
+            return
+        if self._tok is None:
+            self._tok = _tokenizer_or_none(self.target)
+        budget, cut = limit, False
+        if r.reasoning:
+            r.reasoning, n, c = cap_text(r.reasoning, budget, self._tok)
+            budget, cut = budget - n, c
+        r.content, n, c = cap_text(r.content, budget, self._tok)
+        if cut or c:
+            r.finish_reason = "length"
+            r.completion_tokens = limit - budget + n
+        elif r.completion_tokens > limit:  # the server's count of its own tokens, not the target's
+            r.completion_tokens = limit - budget + n
 
     def close(self) -> None:
         for _ in self.threads:
@@ -203,6 +228,34 @@ class ServerBackend:
         return parse_chat_response(raw)
 
 
+def _tokenizer_or_none(target: TargetConfig | None):
+    """The target's tokenizer, or None (answers are then cut at 4 characters a token) where it cannot be loaded."""
+    if target is None:
+        return None
+    from ..target import load_tokenizer
+
+    try:
+        return load_tokenizer(target)
+    except Exception as e:  # noqa: BLE001 - cutting by characters still bounds what the server sent
+        log(f"regen: the server sent an answer longer than regen.max_new_tokens and the target's tokenizer could not "
+            f"be loaded to cut it ({type(e).__name__}: {e}); cutting answers at 4 characters a token")
+        return None
+
+
+def cap_text(text: str, limit: int, tok) -> tuple[str, int, bool]:
+    """`text` cut to at most `limit` tokens of `tok` (None: 4 characters a token) -> (text, its tokens, whether it
+    was cut). Only the first 16 characters a token are read, so a huge answer costs no more than a short one."""
+    if limit <= 0:
+        return "", 0, bool(text)
+    if tok is None:
+        return text[: 4 * limit], min(limit, -(-len(text) // 4)), len(text) > 4 * limit
+    head = text[: 16 * limit]
+    ids = tok(head, add_special_tokens=False).input_ids
+    if len(ids) <= limit:
+        return head, len(ids), len(head) < len(text)
+    return tok.decode(ids[:limit]), limit, True
+
+
 def parse_chat_response(raw: bytes) -> TurnResult:
     """An OpenAI chat-completions answer -> TurnResult; reasoning from `reasoning_content`, `reasoning`
     or inline think markers. Unreadable answers raise _Retry('bad_response')."""
@@ -210,12 +263,16 @@ def parse_chat_response(raw: bytes) -> TurnResult:
         d = json.loads(raw)
         choice = d["choices"][0]
         msg = choice["message"]
-        content = msg.get("content") or ""
+        content = msg.get("content")
+        reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+        if content is None and not reasoning:  # a refusal or tool call, not an answer
+            raise TypeError("the message's content is null")
+        content = content or ""
         if not isinstance(content, str):
             raise TypeError("content is not a string")
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise _Retry("bad_response", f"unreadable answer ({type(e).__name__}: {str(e)[:100]})") from None
-    reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise _Retry("bad_response", f"unreadable answer ({type(e).__name__}: {str(e)[:100]}; "
+                     f"the answer began {raw[:80].decode('utf-8', 'replace')!r})") from None
     if not isinstance(reasoning, str) or not reasoning.strip():
         reasoning = None
     answer, inline = split_reasoning(content)
