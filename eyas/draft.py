@@ -488,9 +488,10 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None
         out.mkdir(parents=True, exist_ok=True)
     # both files written in full before either replaces the folder's own: a failed write (a full disk) leaves the
     # old pair as it was
-    with atomic_path(weights, sum(v.numel() * v.element_size() for v in sd.values())) as tmp_w, \
-            atomic_path(out / "config.json") as tmp_c:
-        save_file(sd, str(tmp_w), metadata={"format": "eyas-eagle3"})
+    needed = sum(v.numel() * v.element_size() for v in sd.values())
+    with atomic_path(weights, needed) as tmp_w, atomic_path(out / "config.json") as tmp_c:
+        with writing(weights, needed):
+            save_file(sd, str(tmp_w), metadata={"format": "eyas-eagle3"})
         tmp_c.write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
     return out
 

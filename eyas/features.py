@@ -506,7 +506,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     h = hashlib.sha256()
     size = 0
     t_write = t_hash = 0.0
-    with atomic_path(path) as tmp:
+    with atomic_path(path, 8 + len(hb) + off) as tmp:
         with open(tmp, "wb") as f:
             for chunk in [struct.pack("<Q", len(hb)), hb,
                           *(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values())]:

@@ -620,7 +620,7 @@ class Metrics:
         if not self.main:
             return
         self.rows.append(row)
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():

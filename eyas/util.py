@@ -58,6 +58,11 @@ def write_error(path: str | os.PathLike, e: BaseException, needed: int | None = 
         return EyasError(f"{path}: not written, {what} ({need}{free} on {where}); nothing half-written is left and "
                          f"finished work is kept: free some space (or give another --out) and run the same command "
                          f"again")
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return EyasError(f"{path}: cannot be written: {blocker} is a file, not a folder; give an --out whose "
+                             f"folders are folders (made where missing)")
     if code in _REFUSED:
         return EyasError(f"{path}: cannot be written: {_REFUSED[code]}"
                          + (f" ({e.filename})" if isinstance(e, OSError) and e.filename
@@ -249,7 +254,8 @@ def run_lock(run: str | os.PathLike, command: str):
         yield
         return
     made = not run.exists()
-    run.mkdir(parents=True, exist_ok=True)
+    with writing(run):  # (--out under a file: said in one line)
+        run.mkdir(parents=True, exist_ok=True)
     path = run / RUN_LOCK
     f = open(path, "a+")
     try:

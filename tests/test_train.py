@@ -1090,3 +1090,24 @@ def test_ctrl_c_stops_training_as_the_other_commands_stop(tiny_run, tiny, tmp_pa
         run_train(cfg, tiny)
     assert not isinstance(e.value, Terminated)
     assert json.loads((run / "ckpt" / "latest.json").read_text())["step"] == 3
+
+
+def test_disk_full_while_saving_a_checkpoint_stops_in_one_line_leaving_nothing_half_written(tiny_run, tiny, tmp_path,
+                                                                                          monkeypatch):
+    """safetensors' writer raised its own error, a traceback, when the disk filled under a checkpoint, and left the
+    unfinished checkpoint folder: now one line naming the checkpoint, the space it takes and what is free."""
+    import safetensors.torch as st
+    from safetensors import SafetensorError
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 100)  # what a writer leaves when the disk fills under it
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(st, "save_file", full)
+    run = clone_run(tiny_run, tmp_path / "r")
+    cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.batch_tokens": 512, "train.max_seq_len": 256,
+                                                 "train.max_steps": 2, "train.save_every": 1, "train.greedy_val": 0})
+    with pytest.raises(EyasError, match=rf"^{run / 'ckpt' / 'step-0000001'}: not written, the disk is full \(about "
+                                        r"[\d.]+ [KM]B needed, [\d.]+ [KMGT]?B free on .*run the same command again$"):
+        run_train(cfg, tiny)
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == []  # no unfinished folder, no latest.json
