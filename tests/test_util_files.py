@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from eyas.util import EyasError, atomic_path, atomic_write_json, write_error
+from eyas.util import EyasError, atomic_path, atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # what safetensors' writer raises when the disk fills under it (read from a full tmpfs)
@@ -30,6 +30,8 @@ def leftovers(folder: Path) -> list[str]:
 def test_a_full_disk_is_named_with_the_file_and_the_space(tmp_path, monkeypatch):
     """An OSError of a full disk carries no file name when a write or fsync raises it: the message named an empty
     path. Now the file, the space it needed and what is free, the old file kept and no temporary left."""
+    from eyas.util import write_error
+
     target = tmp_path / "run" / "state.json"
     atomic_write_json(target, {"old": True})
 
