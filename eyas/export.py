@@ -17,7 +17,6 @@ engine file and version it was read from, in docs/serving.md. In short:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -28,7 +27,7 @@ import torch
 
 from .draft import (DAMAGED, NON_FINITE, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits,
                     is_eyas_config, is_int, json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
-from .util import EyasError, atomic_path, log, read_json, refuse_non_finite, writing
+from .util import EyasError, atomic_path, atomic_write_json, log, read_json, refuse_non_finite, writing
 
 FORMATS = ("sglang", "vllm")
 # SGLang's later draft layers (BasicDecoderLayer in llama_eagle3.py, commit 03d5a77) restart the residual from the
@@ -255,8 +254,7 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
         # (atomic_path also gives it a plain file's mode; a full disk is named as the export's file)
         with atomic_path(folder / "model.safetensors", needed) as tmp, writing(out / "model.safetensors", needed):
             save_file(tensors, str(tmp), metadata={"format": "pt", "eyas_export": fmt})
-        with writing(out / "config.json"):  # (the folder is swapped in whole: no file of it needs its own rename)
-            (folder / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
+        atomic_write_json(folder / "config.json", config)
     return out
 
 
