@@ -33,8 +33,7 @@ class Terminated(KeyboardInterrupt):
 # errno values of a write that failed for want of space, and of one refused by the file system
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _REFUSED = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-            errno.EPERM: "permission denied", errno.ENOTDIR: "a part of the path is a file, not a folder",
-            errno.EEXIST: "a part of the path is a file, not a folder"}
+            errno.EPERM: "permission denied"}
 
 
 def write_error(path: str | os.PathLike, e: BaseException, needed: int | None = None) -> EyasError | None:
