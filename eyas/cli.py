@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as C
-from .util import RUN_LOCK, EyasError, NotBuiltError, log, run_lock
+from .util import RUN_LOCK, EyasError, NotBuiltError, Terminated, log, run_lock
 
 # a section, or "section:field,field" for the fields of it a command reads (the eval reads the data settings that
 # find its held-out prompts, not those of tokenizing; no stage but extract runs the target tensor-parallel)
@@ -272,12 +272,6 @@ def _print_result(res) -> int:
     return 0
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's notice, `kill`): stops the command as Ctrl-C does, so it says so and what was kept,
-    where the default handler ended the process without a word (training keeps its own handler: it saves a
-    checkpoint at the step under way first)."""
-
-
 def _terminated(signum, frame):
     raise Terminated
 
@@ -364,7 +358,7 @@ def _main(args, maps) -> int:
         # file is written whole or not at all)
         if e.errno not in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM):
             raise
-        where = e.filename or ""
+        where = e.filename or "a file of the run directory"
         print(f"eyas: error: {e.strerror}: {where}" + (" (free some space, or give another --out)"
               if e.errno in (errno.ENOSPC, errno.EDQUOT) else " (give an --out you can write to)")
               + "; finished work is kept, run the same command again to go on", file=sys.stderr)

@@ -8,6 +8,7 @@ written to `<run>/eyas.toml`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -304,7 +305,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if tp is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            v = float(value)
+            if not math.isfinite(v):  # inf and nan parse as floats (TOML and the command line) but mean no setting
+                raise EyasError(f"config key '{key}': expected a finite number, got {value!r}")
+            return v
         if tp is str:
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
                 raise ValueError

@@ -29,7 +29,7 @@ from torch import nn
 from .fastlm import fuse_linears, held_fusion, llama_rms_norm
 from .rope import RopeFrequencies, check_rope_scaling, target_rope
 from .variants import VARIANTS, check_variants
-from .util import EyasError, atomic_path, atomic_write_json, read_json
+from .util import EyasError, atomic_path, read_json, refuse_non_finite, writing
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,6 +37,10 @@ EYAS_FORMAT = 1  # config.json's `eyas_format` in the drafter folders save_draft
 # what to do about a drafter file eyas cannot read: it was damaged or edited by hand after eyas wrote it
 DAMAGED = ("restore it from a copy, or make the folder again (`eyas train` writes a run's draft/, `eyas export` "
            "its export/)")
+# a drafter whose weights hold NaN or Inf: refused when written or read (it drafts nothing a target accepts, and
+# evaluated it would still pass as lossless)
+NON_FINITE = ("the drafter's weights diverged or the file is damaged: train it again (with a lower train.lr or "
+              "train.grad_clip if the training diverged), or restore the folder from a copy")
 
 
 @dataclass
@@ -520,12 +524,20 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None
     from safetensors.torch import save_file
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    weights = out / "model.safetensors"
     sd = tensors if tensors is not None else drafter.trainable_state_dict()
-    with atomic_path(out / "model.safetensors") as tmp:
-        save_file({k: v.cpu().contiguous() for k, v in sd.items()}, str(tmp), metadata={"format": "eyas-eagle3"})
-    atomic_write_json(out / "config.json", {"eyas_format": EYAS_FORMAT, "architecture": "Eagle3Drafter",
-                                            **drafter.config.to_dict(), **(extra or {})})
+    sd = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+    refuse_non_finite(sd, f"{weights}: not written", NON_FINITE)
+    config = {"eyas_format": EYAS_FORMAT, "architecture": "Eagle3Drafter", **drafter.config.to_dict(), **(extra or {})}
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+    # both files written in full before either replaces the folder's own: a failed write (a full disk) leaves the
+    # old pair as it was
+    needed = sum(v.numel() * v.element_size() for v in sd.values())
+    with atomic_path(weights, needed) as tmp_w, atomic_path(out / "config.json") as tmp_c:
+        with writing(weights, needed):
+            save_file(sd, str(tmp_w), metadata={"format": "eyas-eagle3"})
+        tmp_c.write_text(json.dumps(config, indent=2, default=str) + "\n", encoding="utf-8")
     return out
 
 
@@ -547,6 +559,7 @@ def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
         check_fits(c, target, str(path))
     weights = path / "model.safetensors"
     sd = read_safetensors(weights)
+    refuse_non_finite(sd, str(weights), NON_FINITE)
     from .export import check_tensors  # (eyas.export imports this module)
 
     # load_state_dict(strict=False) still raises on a misshapen tensor, with torch's traceback: checked first

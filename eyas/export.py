@@ -26,11 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
-from .draft import (DAMAGED, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits, is_eyas_config, is_int,
-                    json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
+from .draft import (DAMAGED, NON_FINITE, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits,
+                    is_eyas_config, is_int, json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
 from .rope import check_rope_scaling
 from .variants import LAYER_ARCHS, from_speculators, sglang_refusal, speculators_fields, variant_tensors
-from .util import EyasError, atomic_path, atomic_write_json, log, read_json
+from .util import EyasError, atomic_path, atomic_write_json, log, read_json, refuse_non_finite, writing
 
 FORMATS = ("sglang", "vllm")
 # SGLang's later draft layers (BasicDecoderLayer in llama_eagle3.py, commit 03d5a77) restart the residual from the
@@ -251,10 +251,13 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
             "eyas": eyas_meta,
         }
     out = Path(out_dir)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    refuse_non_finite(tensors, f"{out / 'model.safetensors'}: not written", NON_FINITE)
+    needed = sum(v.numel() * v.element_size() for v in tensors.values())
     with _fresh_folder(out) as folder:
-        with atomic_path(folder / "model.safetensors") as tmp:  # (atomic_path also gives it a plain file's mode)
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                      metadata={"format": "pt", "eyas_export": fmt})
+        # (atomic_path also gives it a plain file's mode; a full disk is named as the export's file)
+        with atomic_path(folder / "model.safetensors", needed) as tmp, writing(out / "model.safetensors", needed):
+            save_file(tensors, str(tmp), metadata={"format": "pt", "eyas_export": fmt})
         atomic_write_json(folder / "config.json", config)
     return out
 
@@ -269,11 +272,13 @@ def _fresh_folder(out: Path):
     midway, finds the old folder whole or the new one whole. What a killed export leaves beside `out` (a hidden
     `.<name>.<pid>.tmp` folder) is deleted by the next one."""
     _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with writing(out):
+        tmp.mkdir()
     try:
         yield tmp
         _swap_in(tmp, out)
@@ -467,7 +472,9 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
         sd: dict[str, torch.Tensor] = {}
         source: dict[str, Path] = {}
         for f in files:
-            for k, v in reader(f).items():
+            part = reader(f)
+            refuse_non_finite(part, str(f), NON_FINITE)
+            for k, v in part.items():
                 if k in sd:
                     raise EyasError(f"{path}: tensor '{k}' is in both {source[k].name} and {f.name}, so which one the "
                                     f"drafter holds is not known: remove the file that does not belong to it")

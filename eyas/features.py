@@ -506,7 +506,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     h = hashlib.sha256()
     size = 0
     t_write = t_hash = 0.0
-    with atomic_path(path) as tmp:
+    with atomic_path(path, 8 + len(hb) + off) as tmp:
         with open(tmp, "wb") as f:
             for chunk in [struct.pack("<Q", len(hb)), hb,
                           *(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values())]:
@@ -919,12 +919,19 @@ def _is_feature_manifest(path: Path) -> bool:
         return False
 
 
+# shards whose bytes this process has checked against their recorded sha256: (path, size, mtime, sha256)
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
 class OfflineFeatures:
     """Features read from the shards `eyas extract` wrote. `path` is a run directory, its
     `features/` folder or one split's folder. With `target` (a Target or its identity dict) the
     manifest must name the same target. fp8 features come back dequantized to `dtype` (default
-    bf16); bf16 and fp32 ones in their stored dtype unless `dtype` says otherwise. `verify=True`
-    also checks every shard's sha256 (reads them whole); sizes and headers are always checked."""
+    bf16); bf16 and fp32 ones in their stored dtype unless `dtype` says otherwise. Sizes and headers
+    are checked on opening; each shard's bytes are checked against the sha256 index.json records the
+    first time this process reads from it (a shard is at most MAX_SHARD_BYTES: a fraction of a second),
+    or of every shard on opening with `verify=True`."""
 
     def __init__(self, path: str | os.PathLike, split: str = "train", target=None,
                  dtype: torch.dtype | None = None, verify: bool = False):
@@ -958,6 +965,9 @@ class OfflineFeatures:
         index = read_json(d / "index.json")
         n = self.manifest["sequences"]
         self._files, self._offsets, self._keys = [], [], []
+        self._shards = [(d / e["file"], e.get("sha256")) for e in index["shards"]]
+        self._checked = [False] * len(self._shards)
+        self._locks = [threading.Lock() for _ in self._shards]  # read-ahead threads: one hash of each shard
         self._loc = torch.full((n, 2), -1, dtype=torch.long)
         for s, e in enumerate(index["shards"]):
             f = d / e["file"]
@@ -967,9 +977,8 @@ class OfflineFeatures:
             if size != e["bytes"]:
                 raise EyasError(f"{f}: shard is truncated or modified ({size:,} bytes, index.json says "
                                 f"{e['bytes']:,}); delete it and run `eyas extract` again")
-            if verify and sha256_file(f) != e["sha256"]:
-                raise EyasError(f"{f}: shard is corrupt (sha256 differs from index.json); delete it and run "
-                                f"`eyas extract` again")
+            if verify:
+                self._verify(s)
             try:
                 h = safe_open(str(f), "pt")
                 seq_index = h.get_tensor("seq_index")
@@ -984,6 +993,26 @@ class OfflineFeatures:
         if (self._loc[:, 0] < 0).any():
             missing = int((self._loc[:, 0] < 0).sum())
             raise EyasError(f"{d / 'index.json'}: {missing} of {n} sequences are in no shard; run `eyas extract` again")
+
+    def _verify(self, s: int) -> None:
+        """Shard s's bytes against the sha256 index.json recorded when it was written, once per process: a byte
+        flipped on the disk or in a copy would otherwise train unnoticed."""
+        if self._checked[s]:
+            return
+        f, want = self._shards[s]
+        with self._locks[s]:
+            st = f.stat()
+            key = (str(f.resolve()), st.st_size, st.st_mtime_ns, str(want))
+            with _VERIFIED_LOCK:
+                done = key in _VERIFIED
+            if not done and want is not None:
+                if sha256_file(f) != want:
+                    raise EyasError(f"{f}: shard is corrupt (its sha256 is not the one {self.dir / 'index.json'} "
+                                    f"records); delete it and run the same `eyas extract` again, which remakes the "
+                                    f"missing shard and keeps the others")
+                with _VERIFIED_LOCK:
+                    _VERIFIED.add(key)
+            self._checked[s] = True
 
     def __len__(self) -> int:
         return int(self._loc.shape[0])
@@ -1000,6 +1029,7 @@ class OfflineFeatures:
         out = []
         for i in indices:
             s, r = (int(v) for v in self._loc[i])
+            self._verify(s)
             f = self._files[s]
             a, b = int(self._offsets[s][r]), int(self._offsets[s][r + 1])
             aux, final = f.get_slice("aux")[a:b], f.get_slice("final")[a:b]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .config import TargetConfig
 from .util import EyasError, atomic_path, atomic_write_json, file_lock, installed_file, log, sha256_file
@@ -422,6 +423,10 @@ def _why(e: BaseException) -> str:
 
 def _load_error(cfg: TargetConfig, source: str, what: str, e: BaseException) -> EyasError:
     """A target that transformers could not load, said in one message (the folder, what failed, its reason)."""
+    if "trust_remote_code" in str(e) and not cfg.trust_remote_code:  # transformers' own advice names its argument
+        return EyasError(f"target '{cfg.name}' ({source}) needs its own Python code to load its {what} (an auto_map "
+                         f"in its config), which eyas does not run unless asked (files are data): read that code, "
+                         f"and if you trust it, pass --trust-remote-code (or --set target.trust_remote_code=true)")
     local = Path(source).expanduser().is_dir()
     if not local:  # a hub id: perhaps a local path mistyped, which would have been taken for one
         return EyasError(f"could not load the {what} of target '{cfg.name}', taken as a model id on the Hugging Face "
@@ -435,6 +440,28 @@ def _load_error(cfg: TargetConfig, source: str, what: str, e: BaseException) -> 
     except (OSError, ValueError):
         hint = f" ({conf} is missing or not valid JSON)"
     return EyasError(f"could not load the {what} of target '{cfg.name}' from {source}: {_why(e)}{hint}")
+
+
+def damaged_weights(source: str, e: BaseException) -> EyasError:
+    """The target's weights file that safetensors could not read (`e`), found by reading each one's header, in one
+    message: the file, the reason, and how to get it whole again (a GGUF's dequantized cache is made anew once
+    removed)."""
+    folder = Path(source).expanduser()
+    bad = None
+    for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+        except (SafetensorError, OSError) as err:
+            bad, e = f, err
+            break
+    where = bad or folder
+    cached = cache_root() in folder.resolve().parents or (folder / "done.json").exists()
+    fix = (f"delete {folder} and eyas dequantizes the GGUF file into it again" if cached
+           else "copy or download the target's weights again")
+    size = f" ({bad.stat().st_size:,} bytes)" if bad is not None else ""
+    return EyasError(f"{where}: the target's weights cannot be read{size}: {' '.join(str(e).split())[:300]}; the "
+                     f"file is cut short or damaged: {fix}")
 
 
 def check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
@@ -571,6 +598,8 @@ def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Targ
                                                     **({"tp_plan": "auto"} if tp else {}))
     except OSError as e:
         raise _load_error(cfg, source, "model", e) from None
+    except SafetensorError as e:  # a weights file cut short (a copy or download that stopped) or damaged
+        raise damaged_weights(source, e) from None
     except (ValueError, RuntimeError, AssertionError, KeyError, TypeError) as e:
         if not tp:
             raise _load_error(cfg, source, "model", e) from None

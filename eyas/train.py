@@ -35,13 +35,17 @@ import torch
 import torch.distributed as dist
 
 from .config import KEYED_WHEN_CHANGED, Config, check_settings
-from .draft import Eagle3Drafter, build_drafter, check_fits, save_drafter
+from .draft import NON_FINITE, Eagle3Drafter, build_drafter, check_fits, read_safetensors, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
 from .rope import target_rope
 from .stepgraph import AccumGraph, StepGraph, graph_unfit
-from .util import (EyasError, PhaseClock, atomic_path, atomic_write_json, human_bytes, log, progress, read_json, share,
-                   stable_hash, text_lines)
+from .util import (EyasError, PhaseClock, Terminated, atomic_path, atomic_write_json, human_bytes, log, progress,
+                   read_json, refuse_non_finite, share, stable_hash, text_lines, writing)
+
+# what to do about a training whose loss or weights stopped being finite numbers
+DIVERGED = ("lower train.lr or set train.grad_clip (or check the features, if they hold NaN) and train again; "
+            "the checkpoint and drafter kept are from before it")
 
 # settings whose change makes a checkpoint belong to a different run
 TRAJECTORY_KEYS = ["epochs", "lr", "weight_decay", "max_seq_len", "ttt_steps", "ttt_decay", "noise_std", "scheduler",
@@ -326,15 +330,15 @@ def scale_fc_init(drafter: Eagle3Drafter, batches) -> list[float]:
 
 
 def _drafter_from_checkpoint(p: Path, target) -> Eagle3Drafter:
-    from safetensors.torch import load_file
-
     from .draft import DraftConfig
 
     state = read_json(p / "state.json")
     c = DraftConfig.from_dict(state["draft_config"])
     check_fits(c, target, str(p))
     d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float())
-    d.load_state_dict(load_file(str(p / "model.safetensors")), strict=False)
+    weights = read_safetensors(p / "model.safetensors")
+    refuse_non_finite(weights, str(p / "model.safetensors"), NON_FINITE)
+    d.load_state_dict(weights, strict=False)
     return d
 
 
@@ -439,22 +443,32 @@ def save_checkpoint(run: Path, ts: TrainState, state: dict, keep: int = 1, main:
         return None
     root = ckpt_dir(run)
     name = f"step-{state['step']:07d}"
-    tmp = root / f".{name}.{os.getpid()}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file({k: v.cpu().contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"))
+    final = root / name
+    weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
     tensors = {f"{n}::{k}": torch.as_tensor(v).detach().cpu().contiguous() for n, kv in st.items() for k, v in kv.items()}
-    drafter = ts.drafter
+    # (the loss and gradient norm are checked as they are read; this is the last guard, where they went unread)
+    refuse_non_finite(weights | tensors, f"{final}: not written", f"the training diverged at or before step "
+                      f"{state['step']}: {DIVERGED}")
     rng = {"rng.torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["rng.cuda"] = torch.cuda.get_rng_state()
-    save_file(tensors | rng, str(tmp / "optim.safetensors"))
-    atomic_write_json(tmp / "state.json", {**state, "param_groups": groups, "draft_config": drafter.config.to_dict(),
-                                           "python_random": repr(random.getstate())})
+    tmp = root / f".{name}.{os.getpid()}.tmp"
+    needed = sum(v.numel() * v.element_size() for v in (weights | tensors).values())
+    try:
+        with writing(final, needed):  # a full disk is named with the space a checkpoint takes
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            save_file(weights, str(tmp / "model.safetensors"))
+            save_file(tensors | rng, str(tmp / "optim.safetensors"))
+            atomic_write_json(tmp / "state.json", {**state, "param_groups": groups,
+                                                   "draft_config": ts.drafter.config.to_dict(),
+                                                   "python_random": repr(random.getstate())})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written left beside the checkpoints
+        raise
     for f in ("model.safetensors", "optim.safetensors"):
         share(tmp / f)
-    final = root / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -486,9 +500,15 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            raise KeyboardInterrupt
+            raise self.interrupt(signal.Signals(signum).name)
         self.requested = signal.Signals(signum).name
         log(f"train: {self.requested}: stopping after this step, with a checkpoint; send it again to stop at once")
+
+    @staticmethod
+    def interrupt(name: str | None) -> KeyboardInterrupt:
+        """What stops the run for signal `name`: Terminated for SIGTERM (the CLI exits 143), KeyboardInterrupt for
+        Ctrl-C (130), as for the other commands."""
+        return Terminated() if name == "SIGTERM" else KeyboardInterrupt()
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self.old.items():
@@ -556,6 +576,9 @@ def load_checkpoint(run: Path, ts: TrainState, fp: dict | None = None) -> dict |
         ot = load_file(str(d / "optim.safetensors"))
     except Exception as e:  # noqa: BLE001 - a damaged file is a user-facing problem
         raise EyasError(f"{d}: unreadable checkpoint ({e}); delete {ckpt_dir(run)} to start over") from None
+    for f, tensors in (("model.safetensors", sd), ("optim.safetensors", ot)):  # not resumed to train on
+        refuse_non_finite(tensors, str(d / f), f"the training it comes from diverged, or the file is damaged; "
+                          f"delete {ckpt_dir(run)} to start over")
     want = ts.drafter.trainable_names()
     missing, unexpected = sorted(want - set(sd)), sorted(set(sd) - want)
     if missing or unexpected:
@@ -605,7 +628,7 @@ class Metrics:
         if not self.main:
             return
         self.rows.append(row)
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
@@ -1030,6 +1053,10 @@ def run_train(cfg: Config, target=None) -> dict:
         if val is None:
             return
         r = evaluate(module, drafter, val, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded)
+        if not math.isfinite(r["val_loss"]):  # every process sees the same sum
+            bar.close()
+            raise EyasError(f"train: the validation loss is {r['val_loss']} at step {s}: the training diverged and "
+                            f"stops here, writing nothing of it; {DIVERGED}")
         if greedy is not None:
             g = evaluate(module, drafter, greedy, lm_head, tc.ttt_steps, d, multiple, tc.precision, sharded,
                          rounds=True)
@@ -1095,6 +1122,12 @@ def run_train(cfg: Config, target=None) -> dict:
         row = {"step": s_, "epoch": ep, "loss": vals[0], "acc": acc, "lr": lr_, "grad_norm": vals[-1],
                "tokens": ntok, "tok_s": tps}
         metrics.add(row)
+        # read here anyway (no wait of its own), and always before a validation or checkpoint writes anything
+        for what, v in (("training loss", vals[0]), ("gradient norm", vals[-1])):
+            if not math.isfinite(v):
+                bar.close()
+                raise EyasError(f"train: the {what} is {v} at step {s_} (lr {lr_:.3g}): the training diverged and "
+                                f"stops here, writing nothing of it; {DIVERGED}")
         # the postfix without a refresh of its own: update() redraws at most every mininterval (a refresh per step
         # wrote every step of a 12,265-step run into the GPU harness' log, 1.6 MB)
         bar.set_postfix(loss=f"{row['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in acc), tok_s=f"{tps:,.0f}",
@@ -1205,7 +1238,7 @@ def run_train(cfg: Config, target=None) -> dict:
                 bar.close()
                 log(f"train: stopped by {stopping} at step {step} of {total}; the checkpoint there is saved: run the "
                     f"same command again to go on")
-                raise KeyboardInterrupt
+                raise stop.interrupt(stopping)
             if step_sleep:
                 time.sleep(step_sleep)
     bar.close()

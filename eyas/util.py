@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -19,6 +22,65 @@ class EyasError(Exception):
 
 class NotBuiltError(EyasError):
     """A stage that this version of eyas does not provide yet."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's notice, `kill`): stops the command as Ctrl-C does, so it says so and what was kept,
+    where the default handler ended the process without a word (training keeps its own handler: it saves a
+    checkpoint at the step under way first, then raises this). The CLI exits 143 for it, 130 for Ctrl-C."""
+
+
+# errno values of a write that failed for want of space, and of one refused by the file system
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_REFUSED = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+            errno.EPERM: "permission denied"}
+
+
+def write_error(path: str | os.PathLike, e: BaseException, needed: int | None = None) -> EyasError | None:
+    """The one-line EyasError for a write of `path` that failed with `e` for a reason the user fixes (the disk is
+    full or over quota: with the space the file needed and what is free; read-only; not ours to write; a file
+    where a folder should be), or None for any other failure. `e` is an OSError or a safetensors error, which
+    carries the OS error only in its text ("... (os error 28)")."""
+    code = e.errno if isinstance(e, OSError) else None
+    if code is None and type(e).__name__ == "SafetensorError":
+        m = re.search(r"os error (\d+)", str(e))
+        code = int(m.group(1)) if m else None
+    path = Path(path)
+    if code in _NO_SPACE:
+        where = next((p for p in (path.parent, *path.parents) if p.is_dir()), Path("."))
+        try:
+            free = f"{human_bytes(shutil.disk_usage(where).free)} free"
+        except OSError:
+            free = "free space unknown"
+        need = f"about {human_bytes(needed)} needed, " if needed else ""
+        what = "the disk is full" if code == errno.ENOSPC else "the disk quota is used up"
+        return EyasError(f"{path}: not written, {what} ({need}{free} on {where}); nothing half-written is left and "
+                         f"finished work is kept: free some space (or give another --out) and run the same command "
+                         f"again")
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return EyasError(f"{path}: cannot be written: {blocker} is a file, not a folder; give an --out whose "
+                             f"folders are folders (made where missing)")
+    if code in _REFUSED:
+        return EyasError(f"{path}: cannot be written: {_REFUSED[code]}"
+                         + (f" ({e.filename})" if isinstance(e, OSError) and e.filename
+                            and str(e.filename) != str(path) else "")
+                         + "; give an --out you can write to")
+    return None
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, needed: int | None = None):
+    """Turn a failed write of `path` inside the block into write_error's one line (other failures pass as they
+    are)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - safetensors' errors are plain Exceptions, not OSErrors
+        err = write_error(path, e, needed) if not isinstance(e, EyasError) else None
+        if err is None:
+            raise
+        raise err from None
 
 
 def _umask() -> int:
@@ -41,19 +103,20 @@ def share(path: str | os.PathLike) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so that a reader sees either the old file or the whole new one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        share(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with writing(path, len(data)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            share(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -65,20 +128,22 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike):
+def atomic_path(path: str | os.PathLike, needed: int | None = None):
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
-    For writers that want a file name (safetensors, matplotlib)."""
+    For writers that want a file name (safetensors, matplotlib). A write that fails for want of space (or is
+    refused) ends in write_error's one line naming `path` (`needed`: the bytes it takes, when known)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name("." + path.name + f".{os.getpid()}.tmp")
-    try:
-        yield tmp
-        if tmp.is_file():
-            share(tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    with writing(path, needed):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name("." + path.name + f".{os.getpid()}.tmp")
+        try:
+            yield tmp
+            if tmp.is_file():
+                share(tmp)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 @contextlib.contextmanager
@@ -110,6 +175,27 @@ def installed_file(package: str, rel: str) -> Path | None:
         return None
     p = Path(list(spec.submodule_search_locations)[0]) / rel
     return p if p.exists() else None
+
+
+def first_non_finite(tensors: dict) -> tuple[str, int, int] | None:
+    """The first floating-point tensor of `tensors` (name -> tensor) that holds NaN or Inf, as (name, how many, of
+    how many values); None when every one is finite."""
+    import torch
+
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            ok = torch.isfinite(t if t.element_size() > 1 else t.float())  # (fp8 has no isfinite of its own)
+            if not bool(ok.all()):
+                return name, int(ok.numel() - ok.sum()), t.numel()
+    return None
+
+
+def refuse_non_finite(tensors: dict, where: str, hint: str) -> None:
+    """An EyasError naming `where` (the file) and the first tensor holding NaN or Inf, with `hint` (what to do)."""
+    bad = first_non_finite(tensors)
+    if bad is not None:
+        name, n, total = bad
+        raise EyasError(f"{where}: tensor '{name}' holds {n:,} non-finite values (NaN or Inf) of {total:,}; {hint}")
 
 
 def text_lines(text: str) -> list[str]:
@@ -167,7 +253,8 @@ def run_lock(run: str | os.PathLike, command: str):
         yield
         return
     made = not run.exists()
-    run.mkdir(parents=True, exist_ok=True)
+    with writing(run):  # (--out under a file: said in one line)
+        run.mkdir(parents=True, exist_ok=True)
     path = run / RUN_LOCK
     f = open(path, "a+")
     try:

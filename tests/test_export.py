@@ -681,3 +681,52 @@ def test_a_damaged_engine_config_is_refused_naming_the_field(tiny, drafter, tmp_
     (p / "config.json").write_text(json.dumps(raw))
     with pytest.raises(EyasError, match=r"vl/config.json: " + msg):
         import_drafter(p, target=tiny)
+
+
+def _poison(weights, name="fc.weight", value=float("nan")):
+    """Set one value of tensor `name` in a safetensors file to `value` (what a diverged training leaves)."""
+    sd = load_file(str(weights))
+    sd[name] = sd[name].clone()
+    sd[name].view(-1)[3] = value
+    save_file(sd, str(weights))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_drafter_with_non_finite_weights_is_refused_naming_file_and_tensor(tiny, drafter, tmp_path, capsys, value):
+    """A drafter holding NaN or Inf is written by no one (save_drafter, export) and read by no one (eval, export,
+    fine-tuning, the importer of each format): eval took one full of Inf for "τ 1.000, lossless", export wrote it
+    for both engines."""
+    from eyas.cli import main
+    from eyas.draft import load_drafter
+    from eyas.evaluate import load_eval_drafter
+    from eyas.train import initial_drafter
+
+    run = tmp_path / "run"
+    save_drafter(drafter, run / "draft")
+    for fmt in ("sglang", "vllm"):
+        export_drafter(drafter, tmp_path / fmt, fmt, "tiny")
+        _poison(tmp_path / fmt / "model.safetensors", "fc.weight", value)
+        with pytest.raises(EyasError, match=rf"{tmp_path / fmt / 'model.safetensors'}: tensor 'fc.weight' holds 1 "
+                                            r"non-finite values \(NaN or Inf\) of 12,288; the drafter's weights"):
+            import_drafter(tmp_path / fmt, tiny)
+    _poison(run / "draft" / "model.safetensors", "midlayer.mlp.down_proj.weight", value)
+    msg = rf"{run / 'draft' / 'model.safetensors'}: tensor 'midlayer.mlp.down_proj.weight' holds 1 non-finite"
+    cfg = C.resolve(preset_name="tiny", overrides={"out": str(tmp_path / "ft"), "train.finetune_from": str(run)})
+    for load in (lambda: load_drafter(run / "draft", tiny), lambda: load_eval_drafter(run / "draft", tiny),
+                 lambda: import_drafter(run / "draft"), lambda: initial_drafter(cfg, tiny, drafter.draft_ids)):
+        with pytest.raises(EyasError, match=msg):
+            load()
+    (run / "eyas.toml").write_text('preset = "tiny"\n[target]\nname = "tiny"\n')
+    capsys.readouterr()
+    assert main(["export", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and msg.replace("\\", "") in err and not (run / "export").exists()
+    # nor is one written: the drafter in memory with an Inf in it
+    bad = copy.deepcopy(drafter)
+    with torch.no_grad():
+        bad.lm_head.weight[0, 0] = value
+    with pytest.raises(EyasError, match=r"export/vllm/model.safetensors: not written: tensor 'lm_head.weight' holds"):
+        export_drafter(bad, run / "export" / "vllm", "vllm", "tiny")
+    with pytest.raises(EyasError, match=r"draft2/model.safetensors: not written: tensor 'lm_head.weight' holds"):
+        save_drafter(bad, tmp_path / "draft2")
+    assert not (run / "export").exists() and not (tmp_path / "draft2").exists()

@@ -555,3 +555,55 @@ def test_extraction_with_the_decoders_norm_is_its_own_plan(tiny, tmp_path):
     assert torch.equal(s.aux, aux[0]) and torch.equal(s.final, final[0])
     with pytest.raises(EyasError, match=r"other settings \(norm: 'one_kernel' -> 'hf'"):
         run_extract(tiny_cfg(run, dtype="fp32"), tiny)
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_when_read(tiny_run_features):
+    """Each shard's sha256 is in index.json: the first read of a shard in a process compares it (once: a second
+    reader of the same shard does not hash it again), so a byte flipped inside a tensor's data stops the training
+    naming the shard and how to remake it, where it trained on the damaged values before."""
+    import eyas.features as F
+    from eyas.config import resolve
+    from eyas.train import run_train
+
+    run, tiny = tiny_run_features
+    d = run / "features" / "train"
+    shard = sorted(d.glob("shard-*.safetensors"))[0]
+    orig = shard.read_bytes()
+    data = bytearray(orig)
+    data[len(data) // 2] ^= 0x01  # inside the aux tensor's data: header and size unchanged
+    shard.write_bytes(bytes(data))
+    feats = OfflineFeatures(run)  # the header and size still read as they should
+    seq = int(feats._loc[:, 0].eq(0).nonzero()[0])  # a sequence of that shard
+    msg = (rf"{shard}: shard is corrupt \(its sha256 is not the one .*index.json records\); delete it and run the "
+           rf"same `eyas extract` again")
+    with pytest.raises(EyasError, match=msg):
+        feats.get([seq])
+    cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.online": False, "train.max_steps": 1,
+                                                 "train.batch_tokens": 256, "train.greedy_val": 0,
+                                                 "target.device": "cpu"})
+    with pytest.raises(EyasError, match=msg):
+        run_train(cfg, tiny)
+    # undamaged, each shard is hashed once per process, whoever reads it
+    shard.write_bytes(orig)
+    hashed = []
+    real = F.sha256_file
+    F.sha256_file = lambda p: hashed.append(Path(p).name) or real(p)
+    try:
+        F._VERIFIED.clear()
+        a, b = OfflineFeatures(run), OfflineFeatures(run)
+        a.get([seq]), a.get([seq]), b.get([seq])
+    finally:
+        F.sha256_file = real
+    assert hashed == [shard.name]
+
+
+@pytest.fixture
+def tiny_run_features(tiny, tmp_path):
+    """A tiny run with stored features of 6 training sequences in several shards, and the tiny target."""
+    run = tmp_path / "run"
+    write_tokens(run, tiny, 6, 64)
+    run_extract(tiny_cfg(run, shard_tokens=128), tiny)
+    from eyas.vocab import run_vocab
+
+    run_vocab(tiny_cfg(run), tiny)
+    return run, tiny
