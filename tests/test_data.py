@@ -374,8 +374,6 @@ def test_a_byte_that_is_not_utf8_is_located_by_line(tmp_path, gz):
 def test_a_data_folder_says_which_files_it_does_not_read(tmp_path, capsys):
     """A data folder reads its .jsonl and .parquet files; its .json and .txt files are named as not read (regen's own
     plan, report and error lists aside), and a folder holding only those says so in its error."""
-    from eyas.cli import main
-
     d = tmp_path / "mixed"
     d.mkdir()
     (d / "a.jsonl").write_text(json.dumps({"id": "x", "messages": [{"role": "user", "content": "q"}]}) + "\n")

@@ -92,7 +92,7 @@ def _open_text(path: Path) -> str:
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
         raise EyasError(f"{path}: not UTF-8 text: line {line}, byte {col} of the line is {raw[e.start]:#04x}"
                         + (" (in the decompressed text)" if gz else "") + "; save the file as UTF-8 (a Latin-1 "
-                        f"file: iconv -f latin1 -t utf-8)") from None
+                        "file: iconv -f latin1 -t utf-8)") from None
 
 
 MESSAGE_LISTS = ("messages", "conversations")  # a record's list of messages, under either layout's name
