@@ -383,7 +383,7 @@ def test_training_on_stored_features_holds_the_draft_rows(tmp_path, tokenizer_di
     validation are bit-identical to training given the whole target: the labels multiply the same final states by
     the same rows (W[draft_ids] read from the file instead of gathered from the whole W) and take the argmax from
     the same stored top tokens. Features stored without the top token (an older extraction) make it read the whole
-    layer to compute it, with the same losses."""
+    layer to compute it, with the same losses. The drafter's head starts from the target's rows (train.init_head)."""
     from eyas.data.prepare import run_tokenize
     from eyas.features import run_extract
     from eyas.target import load_target
@@ -399,7 +399,7 @@ def test_training_on_stored_features_holds_the_draft_rows(tmp_path, tokenizer_di
             "target.aux_layers": [1, 3, 4], "data.source": str(write_chats(tmp_path / "chats.jsonl", 16)),
             "data.limit": 0, "data.test_ratio": 0.0, "train.val_ratio": 0.25, "train.online": False,
             "train.greedy_val": 0, "train.max_steps": 2, "train.eval_every": 2, "train.batch_tokens": 256,
-            "vocab.draft_vocab_size": V_d})
+            "train.init_head": True, "vocab.draft_vocab_size": V_d})
 
     whole = load_target(cfg(base).target)
     run_tokenize(cfg(base))
