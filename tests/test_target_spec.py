@@ -421,3 +421,19 @@ def test_training_on_stored_features_holds_the_draft_rows(tmp_path, tokenizer_di
     assert old["target_bytes_held"] == 4 * (2 * V * H + H)
     losses = _losses(runs["whole"])
     assert len(losses) >= 3 and _losses(runs["rows"]) == losses and _losses(runs["old"]) == losses
+
+
+def test_draft_rows_carry_the_heads_bias(tmp_path, tokenizer_dir):
+    """An output layer with a bias: its rows come with the bias's same entries, the whole layer with all of it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_target(llama(512, tied=False), tmp_path / "b", tokenizer_dir, shard="10GB")
+    sd = load_file(folder / "model.safetensors")
+    sd["lm_head.bias"] = torch.randn(512)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    head = load_target_head(TargetConfig(name=str(folder), device="cpu", dtype="float32"))
+    ids = torch.tensor([3, 9, 10, 500])
+    rows = head.lm_head_rows(ids)
+    assert torch.equal(rows.weight, sd["lm_head.weight"][ids]) and torch.equal(rows.bias, sd["lm_head.bias"][ids])
+    assert head.bytes_held() == 4 * (512 * 32 + 32 + 4 * 32 + 4)
+    assert torch.equal(head.lm_head().bias, sd["lm_head.bias"])
