@@ -1,8 +1,10 @@
 """The target's head alone: its input embedding, final norm and output layer (`lm_head`, or the embedding where the
 two are tied), read by name straight from its safetensors files (through model.safetensors.index.json where the
 checkpoint is sharded, so only the shards holding them are opened), never its decoder layers. That is all a
-trainer on stored features needs of the target: the embedding for the drafter, `lm_head` for the target's logits
-from the stored final hidden state, the norm to start the drafter's own from.
+trainer on stored features needs of the target: the embedding for the drafter, the draft vocabulary's rows of
+`lm_head` for the target's logits over them from the stored final hidden state (the full-vocabulary argmax is
+stored with the features), the norm to start the drafter's own from. An untied `lm_head` is read only when asked
+for, whole or those rows alone (through safetensors slices, a bounded chunk at a time).
 
 Checkpoints name these tensors by their model's layout: `model.embed_tokens.weight` and `lm_head.weight` in a
 plain causal LM, `language_model.model.embed_tokens.weight` / `language_model.lm_head.weight` or

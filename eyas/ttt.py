@@ -311,13 +311,15 @@ def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torc
                   top: torch.Tensor | None = None, temperature: float = 1.0) -> Labels:
     """Target logits restricted to the draft vocabulary, and whether the full-vocabulary argmax
     is in it: `top` when the features carry it, else computed here in row chunks. `temperature` divides the
-    logits (below 1 the soft labels are sharper, nearer the greedy token a decoder verifies; the argmax is kept)."""
+    logits (below 1 the soft labels are sharper, nearer the greedy token a decoder verifies; the argmax is kept).
+    `lm_head`: the target's whole output layer, or its draft vocabulary's rows alone (a HeadRows read for
+    `draft_ids`), which need `top`."""
     W = lm_head.weight
     b = getattr(lm_head, "bias", None)
     if isinstance(lm_head, HeadRows):  # the draft vocabulary's rows alone, read for these ids
         if lm_head.ids.numel() != draft_ids.numel():
-            raise EyasError(f"the target's output rows held are {lm_head.ids.numel():,} token ids', not the draft "
-                            f"vocabulary's {draft_ids.numel():,}")
+            raise EyasError(f"the trainer holds the target's output rows of {lm_head.ids.numel():,} token ids, not "
+                            f"of the draft vocabulary's {draft_ids.numel():,}")
         if top is None:
             raise EyasError("these features do not carry the target's top token (`top`, stored by extraction), and "
                             "the trainer holds only the draft vocabulary's rows of the target's output layer, too "
