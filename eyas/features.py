@@ -1018,6 +1018,11 @@ class OfflineFeatures:
         return int(self._loc.shape[0])
 
     @property
+    def carries_top(self) -> bool:
+        """Whether every shard stores the target's top token (shards written before eyas stored it do not)."""
+        return all("top" in k for k in self._keys)
+
+    @property
     def lengths(self) -> torch.Tensor:
         out = torch.empty(len(self), dtype=torch.long)
         for s, off in enumerate(self._offsets):

@@ -40,6 +40,7 @@ from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, c
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
 from .rope import target_rope
 from .stepgraph import AccumGraph, StepGraph, graph_unfit
+from .target_head import HeadRows, draft_rows, head_for_labels
 from .util import (EyasError, PhaseClock, Terminated, atomic_path, atomic_write_json, human_bytes, log, progress,
                    read_json, refuse_non_finite, share, stable_hash, text_lines, writing)
 
@@ -292,8 +293,9 @@ def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
     the draft vocabulary, final norm = the target's final norm. The drafter's hidden state lives in
     the target's hidden space (fc maps the aux states into it), so from step 0 the head reads it the
     way the target reads its own last state."""
-    W = target.lm_head().weight
-    drafter.lm_head.weight.copy_(W[drafter.draft_ids.to(W.device)].to(drafter.lm_head.weight))
+    head = draft_rows(target, drafter.draft_ids)
+    W = head.weight if isinstance(head, HeadRows) else head.weight[drafter.draft_ids.to(head.weight.device)]
+    drafter.lm_head.weight.copy_(W.to(drafter.lm_head.weight))
     norm = target.final_norm_weight()
     if norm is not None and norm.shape == drafter.norm.weight.shape:
         drafter.norm.weight.copy_(norm.to(drafter.norm.weight))
@@ -941,7 +943,7 @@ def run_train(cfg: Config, target=None) -> dict:
         log(f"train: fc init scaled by the aux layers' RMS {rms} (layers {drafter.config.aux_layers})")
     drafter.embed_tokens.weight.requires_grad_(False)
     draft_ids = drafter.draft_ids
-    lm_head = target.lm_head()
+    lm_head = head_for_labels(target, draft_ids, [train.features, val.features if val else None])
     module = TTTModule(drafter)
     model = module
     sharded = d.world > 1 and tc.parallel == "fsdp"

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .features import Sample, target_top
-from .util import compile_failure, log, to_device
+from .target_head import HeadRows
+from .util import EyasError, compile_failure, log, to_device
 
 
 @dataclass
@@ -310,14 +311,26 @@ def target_labels(final: torch.Tensor, lm_head: torch.nn.Module, draft_ids: torc
                   top: torch.Tensor | None = None, temperature: float = 1.0) -> Labels:
     """Target logits restricted to the draft vocabulary, and whether the full-vocabulary argmax
     is in it: `top` when the features carry it, else computed here in row chunks. `temperature` divides the
-    logits (below 1 the soft labels are sharper, nearer the greedy token a decoder verifies; the argmax is kept)."""
+    logits (below 1 the soft labels are sharper, nearer the greedy token a decoder verifies; the argmax is kept).
+    `lm_head`: the target's whole output layer, or its draft vocabulary's rows alone (a HeadRows read for
+    `draft_ids`), which need `top`."""
     W = lm_head.weight
     b = getattr(lm_head, "bias", None)
-    Wd = W[draft_ids]
-    logits = F.linear(final.to(W.dtype), Wd, None if b is None else b[draft_ids])
+    if isinstance(lm_head, HeadRows):  # the draft vocabulary's rows alone, read for these ids
+        if lm_head.ids.numel() != draft_ids.numel():
+            raise EyasError(f"the trainer holds the target's output rows of {lm_head.ids.numel():,} token ids, not "
+                            f"of the draft vocabulary's {draft_ids.numel():,}")
+        if top is None:
+            raise EyasError("these features do not carry the target's top token (`top`, stored by extraction), and "
+                            "the trainer holds only the draft vocabulary's rows of the target's output layer, too "
+                            "few to compute it: run `eyas extract` again")
+        Wd, bd, vocab = W, b, lm_head.vocab_size
+    else:
+        Wd, bd, vocab = W[draft_ids], None if b is None else b[draft_ids], W.shape[0]
+    logits = F.linear(final.to(W.dtype), Wd, bd)
     if temperature != 1.0:
         logits = logits / temperature
-    to_draft = torch.full((W.shape[0],), -1, dtype=torch.long, device=W.device)
+    to_draft = torch.full((vocab,), -1, dtype=torch.long, device=W.device)
     to_draft[draft_ids] = torch.arange(draft_ids.numel(), device=W.device)
     if top is None:
         top = target_top(final, lm_head, chunk)

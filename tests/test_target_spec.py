@@ -298,3 +298,142 @@ def test_a_quantized_head_is_refused(tmp_path, tokenizer_dir):
     save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(EyasError, match=r"model.embed_tokens.weight is stored as float8_e4m3fn, a quantized"):
         load_target_head(TargetConfig(name=str(folder), device="cpu"))
+
+
+@pytest.mark.parametrize("kind", ["llama_untied", "llava", "llama_tied"])
+def test_draft_rows_equal_the_heads_rows(kind, tmp_path, tokenizer_dir, monkeypatch):
+    """The draft vocabulary's rows of the output layer, read from a sharded checkpoint through safetensors slices
+    (in one read or many small ones), equal the model's own rows, and only they are held beside the embedding and
+    norm: the whole layer is never read. A tied head is the embedding, held anyway: nothing more is read."""
+    from eyas.target_head import HeadRows, read_rows, tensor_files
+
+    model = {"llama_untied": lambda: llama(512, False), "llava": lambda: llava(512),
+             "llama_tied": lambda: llama(512, True)}[kind]()
+    folder = save_target(model, tmp_path / kind, tokenizer_dir)
+    no_model_loads(monkeypatch)
+    head = load_target_head(TargetConfig(name=str(folder), device="cpu", dtype="float32"))
+    ids = torch.tensor(sorted({0, 1, 2, 3, 40, 41, 77, 300, 301, 302, 480, 511}))
+    W = model.get_output_embeddings().weight.detach()
+    rows = head.lm_head_rows(ids)
+    if kind == "llama_tied":
+        assert rows is head.embed_tokens() or rows.weight is head.embed_tokens().weight
+        assert head.bytes_held() == 4 * (512 * 32 + 32)
+        return
+    assert isinstance(rows, HeadRows) and torch.equal(rows.ids, ids) and rows.vocab_size == 512
+    assert torch.equal(rows.weight, W[ids]) and rows.bias is None
+    assert head.lm_head_rows(ids.clone()) is rows  # read once
+    assert head.bytes_held() == 4 * (512 * 32 + 32 + ids.numel() * 32)  # embedding, norm, the rows: no whole head
+    files = tensor_files(folder)
+    for chunk in (1, 3 * 32 * 4, 1 << 30):  # a span per row, spans of 3 rows, one span
+        torch.testing.assert_close(read_rows(files, head.names[2], ids, torch.float32, torch.device("cpu"), chunk),
+                                   W[ids], rtol=0, atol=0)
+    torch.testing.assert_close(head.lm_head().weight, W, rtol=0, atol=0)  # asked for whole: read whole, rows let go
+    assert head.bytes_held() == 4 * (2 * 512 * 32 + 32)
+
+
+def test_row_spans_cover_the_ids_in_bounded_reads():
+    from eyas.target_head import row_spans
+
+    ids = [0, 1, 2, 5, 40, 41, 100]
+    assert row_spans(ids, max_rows=1000, gap=4) == [(0, 6), (40, 42), (100, 101)]
+    assert row_spans(ids, max_rows=2, gap=4) == [(0, 2), (2, 3), (5, 6), (40, 42), (100, 101)]
+    assert row_spans(ids, max_rows=1000, gap=1000) == [(0, 101)]
+
+
+def test_labels_from_rows_alone_need_the_stored_top_token():
+    """The labels from the draft vocabulary's rows equal those from the whole layer (the same rows, the same
+    product); without the target's top token, which the rows cannot give, they are refused in words."""
+    from eyas.target_head import HeadRows
+    from eyas.ttt import target_labels
+
+    torch.manual_seed(0)
+    V, H = 50, 8
+    full = torch.nn.Linear(H, V, bias=True)
+    ids = torch.tensor([1, 4, 7, 20, 33, 49])
+    rows = HeadRows(ids, full.weight.detach()[ids], full.bias.detach()[ids], V)
+    final = torch.randn(10, H)
+    top = full(final).argmax(-1).to(torch.int32)
+    top[:3] = ids[torch.tensor([0, 2, 5])].to(torch.int32)  # some top tokens inside the draft vocabulary
+    a, b = target_labels(final, full, ids, top=top), target_labels(final, rows, ids, top=top)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.draft_idx, b.draft_idx)
+    assert b.draft_idx[:3].tolist() == [0, 2, 5]
+    with pytest.raises(EyasError, match="do not carry the target's top token"):
+        target_labels(final, rows, ids)
+
+
+def _drop_top(features: Path) -> None:
+    """Rewrite a split's stored feature shards as extraction wrote them before it stored the target's top token."""
+    from safetensors.torch import load_file, save_file
+
+    from eyas.util import sha256_file
+
+    index = json.loads((features / "index.json").read_text())
+    for e in index["shards"]:
+        f = features / e["file"]
+        sd = load_file(f)
+        del sd["top"]
+        save_file(sd, f)
+        e["bytes"], e["sha256"] = f.stat().st_size, sha256_file(f)
+    (features / "index.json").write_text(json.dumps(index))
+
+
+def test_training_on_stored_features_holds_the_draft_rows(tmp_path, tokenizer_dir, monkeypatch):
+    """An untied sharded target, stored features: the trainer holds the embedding, the final norm and the draft
+    vocabulary's rows of lm_head (summary.json's target_bytes_held counts exactly those), and its losses and
+    validation are bit-identical to training given the whole target: the labels multiply the same final states by
+    the same rows (W[draft_ids] read from the file instead of gathered from the whole W) and take the argmax from
+    the same stored top tokens. Features stored without the top token (an older extraction) make it read the whole
+    layer to compute it, with the same losses. The drafter's head starts from the target's rows (train.init_head)."""
+    from eyas.data.prepare import run_tokenize
+    from eyas.features import run_extract
+    from eyas.target import load_target
+    from eyas.train import run_train
+    from eyas.vocab import run_vocab
+
+    name = str(save_target(llama(49152, tied=False), tmp_path / "untied", tokenizer_dir, shard="2MB"))
+    base, V_d = tmp_path / "base", 256
+
+    def cfg(run: Path):
+        return resolve(preset_name="tiny", overrides={
+            "out": str(run), "target.name": name, "target.device": "cpu", "target.dtype": "float32",
+            "target.aux_layers": [1, 3, 4], "data.source": str(write_chats(tmp_path / "chats.jsonl", 16)),
+            "data.limit": 0, "data.test_ratio": 0.0, "train.val_ratio": 0.25, "train.online": False,
+            "train.greedy_val": 0, "train.max_steps": 2, "train.eval_every": 2, "train.batch_tokens": 256,
+            "train.init_head": True, "vocab.draft_vocab_size": V_d})
+
+    whole = load_target(cfg(base).target)
+    run_tokenize(cfg(base))
+    run_vocab(cfg(base))
+    run_extract(cfg(base), whole)
+    runs = {}
+    for held in ("rows", "whole", "old"):
+        runs[held] = tmp_path / held
+        shutil.copytree(base, runs[held])
+    for split in ("train", "val"):
+        _drop_top(runs["old"] / "features" / split)
+    run_train(cfg(runs["whole"]), whole)
+    with monkeypatch.context() as m:
+        no_model_loads(m)
+        summary = run_train(cfg(runs["rows"]))
+        old = run_train(cfg(runs["old"]))
+    H, V = whole.hidden_size, whole.vocab_size
+    assert summary["target_held"] == "head" and summary["target_bytes_held"] == 4 * (V * H + H + V_d * H)
+    assert old["target_bytes_held"] == 4 * (2 * V * H + H)
+    losses = _losses(runs["whole"])
+    assert len(losses) >= 3 and _losses(runs["rows"]) == losses and _losses(runs["old"]) == losses
+
+
+def test_draft_rows_carry_the_heads_bias(tmp_path, tokenizer_dir):
+    """An output layer with a bias: its rows come with the bias's same entries, the whole layer with all of it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_target(llama(512, tied=False), tmp_path / "b", tokenizer_dir, shard="10GB")
+    sd = load_file(folder / "model.safetensors")
+    sd["lm_head.bias"] = torch.randn(512)
+    save_file(sd, folder / "model.safetensors", metadata={"format": "pt"})
+    head = load_target_head(TargetConfig(name=str(folder), device="cpu", dtype="float32"))
+    ids = torch.tensor([3, 9, 10, 500])
+    rows = head.lm_head_rows(ids)
+    assert torch.equal(rows.weight, sd["lm_head.weight"][ids]) and torch.equal(rows.bias, sd["lm_head.bias"][ids])
+    assert head.bytes_held() == 4 * (512 * 32 + 32 + 4 * 32 + 4)
+    assert torch.equal(head.lm_head().bias, sd["lm_head.bias"])
