@@ -194,6 +194,12 @@ class TrainConfig:
                            "forward and backward and one for the update, the gradients summed between them by one "
                            "all-reduce in place of DDP; needs noise_std 0, the compiled drafter step and parallel ddp, "
                            "else the steps run eagerly (on a GPU the log says why)")
+    compile_loss: str = opt("auto", "the TTT step loss through torch.compile: auto (on a GPU), on, or off (eager); a "
+                            "compiler failure falls back to eager by itself, and train/summary.json says which ran",
+                            choices=("auto", "on", "off"))
+    compile_drafter: str = opt("auto", "the drafter's step in the TTT unroll as two torch.compile'd parts around the "
+                               "attention: auto (on a GPU), on, or off (eager; the step then runs without a CUDA "
+                               "graph); a compiler failure falls back to eager by itself", choices=("auto", "on", "off"))
     parallel: str = opt("ddp", "with several processes (torchrun): ddp (each process holds the whole drafter and its "
                         "optimizer state; gradients averaged) or fsdp (FSDP2: the drafter's weights, gradients and "
                         "optimizer state sharded across the processes, for a drafter too big for DDP; the frozen "

@@ -400,7 +400,7 @@ class Eagle3Drafter(nn.Module):
                       rope_table: bool = False):
         """forward up to the attention: (the layer's input hidden [B,T,H], q, k, v). With post_attention, a
         step in two parts that hold no state, so each can be compiled whole while the attention (which keeps
-        the keys of the steps before) runs between them (`eyas.ttt.DRAFTER_COMPILE`)."""
+        the keys of the steps before) runs between them (`train.compile_drafter`)."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
