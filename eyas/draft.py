@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (Llama-style), as DESIGN.md describes it.
+"""The EAGLE-3 drafter (Llama-style), as docs/design.md describes it.
 
     h   = fc(concat(aux_0, aux_1, aux_2))           # 3·H_t -> H   (first step only)
     x   = concat(input_layernorm(embed(tok)), hidden_norm(h))         # 2H

@@ -563,9 +563,9 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
 
 @pytest.mark.compiler
 def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, monkeypatch):
-    """Batches of ever new lengths (a caller that does not pad, as bench/ablate_drafter.py did on the twentieth GPU
-    session): once torch's recompile limit is reached the step runs eagerly, with the reason in `state`, instead of
-    failing the call (fullgraph=True makes the limit an exception); every unroll gives the eager results."""
+    """Batches of ever new lengths (a caller that does not pad): once torch's recompile limit is reached the step
+    runs eagerly, with the reason in `state`, instead of failing the call (fullgraph=True makes the limit an
+    exception); every unroll gives the eager results."""
     import copy
 
     drafter = copy.deepcopy(setup[0])
