@@ -233,15 +233,15 @@ def _ordered(dense: torch.Tensor):
     """A [rows, cols] block-level boolean matrix as flex's (count [1,1,rows], indices [1,1,rows,cols]): each row's
     listed blocks first, in ascending order. Row-major whatever `dense`'s layout (the query side is made from a
     transpose, and sort keeps its input's strides): flex's CUDA kernels step along a row of indices as if its stride
-    were 1, so a transposed index tensor gave wrong key and value gradients on the H200 (thirty-fifth session)."""
+    were 1, so a transposed index tensor gives wrong key and value gradients on a GPU."""
     idx = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
     return dense.sum(-1, dtype=torch.int32)[None, None], idx.to(torch.int32).contiguous()[None, None]
 
 
 def _last_step_mask(doc: torch.Tensor, total: int):
     """The block mask `_block_mask(doc, total, total - 1)` builds, made from the packed documents' bounds with a few
-    small device ops instead of evaluating the mask at every position (create_block_mask: 2.8 ms of host time at
-    8,192 tokens on an H200, thirty-fourth session). `doc` is non-decreasing (pack_samples), its length a multiple of
+    small device ops instead of evaluating the mask at every position (create_block_mask costs the host
+    milliseconds at a training batch's size). `doc` is non-decreasing (pack_samples), its length a multiple of
     FLEX_BLOCK. At step 0 a query block sees the key blocks from its first query's document start to its own, each
     of them in full where it and the query block lie in one document; each later step adds the diagonal block."""
     from torch.nn.attention.flex_attention import BlockMask
