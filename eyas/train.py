@@ -877,6 +877,10 @@ def run_train(cfg: Config, target=None, on_step=None) -> dict:
                                    norm=cfg.features.norm)
             greedy = Data(g_tokens, feats, max_len, tc.batch_tokens, fp32)
 
+    compiled = drafter_compile_on(d.device, tc.compile_drafter)
+    for split in (train, val, greedy):  # the compiled step is built for one batch shape: every batch padded to it
+        if split is not None:
+            split.fixed = compiled
     best_key = tc.best_by if tc.best_by != "auto" else ("greedy_tau" if greedy is not None else "val_al")
     if best_key == "greedy_tau" and greedy is None and len(val_tokens):
         log("train: WARNING: train.best_by=greedy_tau, but there are no greedy answers to score: the best "
@@ -910,7 +914,6 @@ def run_train(cfg: Config, target=None, on_step=None) -> dict:
     draft_ids = drafter.draft_ids
     lm_head = target.model.get_output_embeddings()
     module = TTTModule(drafter, tc.compile_loss, tc.compile_drafter)
-    compiled = drafter_compile_on(d.device, tc.compile_drafter)
     model = module
     sharded = d.world > 1 and tc.parallel == "fsdp"
     graph_why = graph_unfit(d.device, d.world, tc.grad_accum, tc.noise_std, compiled, sharded) \
@@ -965,10 +968,7 @@ def run_train(cfg: Config, target=None, on_step=None) -> dict:
     evals_due = (lambda s: s % tc.eval_every == 0) if tc.eval_every else (lambda s: s % spe == 0)
     saves_due = (lambda s: s % tc.save_every == 0) if tc.save_every else (lambda s: s % spe == 0)
     decay = [tc.ttt_decay ** j for j in range(tc.ttt_steps)]
-    train.fixed = graphed or compiled  # one batch shape for the graph and the compiled step
-    for split in (val, greedy):
-        if split is not None:
-            split.fixed = compiled
+    train.fixed = graphed or compiled  # a graph too replays one batch shape
 
     def forward_loss(batch, denom, gen, cache: bool = True):
         """The micro-batch's weighted TTT loss and step statistics (denom: the step's loss-masked positions, numbers
