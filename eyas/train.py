@@ -289,8 +289,8 @@ def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
 
 @torch.no_grad()
 def aux_layer_rms(batches, n: int, H: int) -> torch.Tensor:
-    """RMS of each of the n aux layers' states [float64, n] over `batches` (PackedBatch), the first
-    token of each sequence (an attention sink: SmolLM2's reach RMS ~1,000, bench/aux_stats.py) left out; ones when the
+    """RMS of each of the n aux layers' states [float64, n] over `batches` (PackedBatch), the first token of each
+    sequence (an attention sink, whose states are far larger: SmolLM2's reach RMS ~1,000) left out; ones when the
     batches hold no such token."""
     sq = torch.zeros(n, dtype=torch.float64)
     count = 0
