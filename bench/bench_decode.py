@@ -262,7 +262,7 @@ def main(argv=None) -> int:
                          "alone, ~4 kernels); 0 the model's own norm modules; a comma list times several (methods of "
                          "1 and 0 get a _norm1 / _norm0 suffix)")
     ap.add_argument("--draft-fuse", default="1",
-                    help="the drafter's q/k/v and gate/up as one product each and rope from a table (Decoder."
+                    help="the drafter's q/k/v and gate/up as one product each and rope from a table (Decoder's "
                          "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
     ap.add_argument("--gqa", default="1",
                     help="the target's multi-token calls (the verify) through SDPA's enable_gqa (FastLM.gqa_steps, the "
@@ -372,7 +372,6 @@ def main(argv=None) -> int:
 
     variants = target_variants(FastLM, Decoder)
     saved = {key: getattr(*key) for _, sets, _ in variants for key in sets(1)}
-    saved[(Decoder, "fuse_drafter")] = Decoder.fuse_drafter
     first_engine_outputs = {}  # variant suffix -> the first engine's plain tokens
     values_of = [[int(v) for v in getattr(a, flag).split(",")] for flag, _, _ in variants]
     for engine, values in itertools.product(engines, itertools.product(*values_of)):
@@ -398,8 +397,8 @@ def main(argv=None) -> int:
         for k in ks:
             for fused in {"fused": (True,), "stepwise": (False,), "both": (False, True)}[a.round]:
                 for dfuse in [int(x) for x in a.draft_fuse.split(",")]:
-                    Decoder.fuse_drafter = bool(dfuse)
-                    dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=engine, fused=fused)
+                    dec = Decoder(target, drafter, k=k, max_len=max_len, compile=compile_, engine=engine, fused=fused,
+                                  fuse_drafter=bool(dfuse))
                     warm_s = warm_up(dec, True)
                     run_engine(dec, warm, 32, stop, True, 1e9)
                     res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)

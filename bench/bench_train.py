@@ -45,21 +45,11 @@ def main(argv=None) -> int:
                         "(default: eyas' default)")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: train.parallel, the drafter replicated (ddp) or sharded (fsdp, FSDP2)")
-    p.add_argument("--loss-compile", default="auto", choices=("auto", "0", "1"),
-                   help="eyas.ttt.LOSS_COMPILE: the TTT step loss through torch.compile (auto: on CUDA, the default) "
-                        "or eager (0), to time both")
-    p.add_argument("--drafter-compile", default="auto", choices=("auto", "0", "1"),
-                   help="eyas.ttt.DRAFTER_COMPILE: the drafter's step in the TTT unroll as two compiled parts around "
-                        "the attention (1), or eager (0); auto follows eyas' default")
-    p.add_argument("--lag-stats", default="1", choices=("0", "1"),
-                   help="eyas.train.LAG_STATS: read each step's statistics one step later (1, the default) or right "
-                        "after the step (0: the host waits for the device every step, as before)")
-    p.add_argument("--masks", default="derive", choices=("derive", "once", "legacy"),
-                   help="eyas.ttt.MASKS, to time them: the flex block masks made once a batch from the documents' "
-                        "bounds, the earlier TTT steps' cut from the last's (derive, the default); built by "
-                        "create_block_mask once a TTT step for every drafter layer, the step number filled on the "
-                        "device (once, the thirty-second session's); or a mask per layer, each build waiting for the "
-                        "device to copy its step number (legacy, before that)")
+    p.add_argument("--compile-loss", default="auto", choices=("auto", "on", "off"),
+                   help="train.compile_loss: the TTT step loss through torch.compile (auto: on a GPU) or eager (off)")
+    p.add_argument("--compile-drafter", default="auto", choices=("auto", "on", "off"),
+                   help="train.compile_drafter: the drafter's step in the TTT unroll as two compiled parts around "
+                        "the attention (auto: on a GPU) or eager (off; the step then runs without a CUDA graph)")
     p.add_argument("--cuda-graph", default="1", choices=("0", "1"),
                    help="train.cuda_graph: each step captured as one CUDA graph after 3 eager steps and replayed (1, "
                         "the default; with several processes or --grad-accum above 1, a graph per micro-batch and one "
@@ -84,16 +74,12 @@ def main(argv=None) -> int:
 
     import torch
 
-    from eyas import ttt
     from eyas.config import resolve
     from eyas.data.prepare import run_tokenize, tokens_dir
     from eyas.target import load_target
     from eyas.train import run_train
     from eyas.vocab import run_vocab, vocab_dir
 
-    ttt.LOSS_COMPILE = {"auto": "auto", "0": False, "1": True}[a.loss_compile]
-    if a.drafter_compile != "auto":
-        ttt.DRAFTER_COMPILE = {"0": False, "1": True}[a.drafter_compile]
     stage = os.environ.get("EYAS_STAGE_DIR", "")
     src = str(Path(stage) / "sharegpt.json.gz") if stage and (Path(stage) / "sharegpt.json.gz").exists() else "sharegpt"
     src = a.data or src
@@ -110,6 +96,7 @@ def main(argv=None) -> int:
         "train.draft_intermediate_size": a.draft_intermediate_size, "train.parallel": a.parallel,
         "train.draft_layers": a.draft_layers, "train.cuda_graph": a.cuda_graph == "1",
         "train.grad_accum": a.grad_accum, "train.feature_cache_host_gb": a.feature_cache_host_gb,
+        "train.compile_loss": a.compile_loss, "train.compile_drafter": a.compile_drafter,
         **({"train.feature_cache_keep": a.feature_cache_keep} if a.feature_cache_keep else {})})
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
@@ -121,20 +108,15 @@ def main(argv=None) -> int:
     prep = time.perf_counter() - t0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         target = None  # each rank loads the target on its own GPU inside run_train
-    prof = None
+    prof = on_step = None
     if a.profile_steps and rank == 0:
-        import eyas.train as train_mod
         from torch.profiler import ProfilerActivity, profile, schedule
 
         first = max(2, a.steps - a.profile_steps - 1)  # after compilation and warm-up, before the last step's saving
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         prof = profile(activities=acts, schedule=schedule(wait=first - 2, warmup=1, active=a.profile_steps, repeat=1))
         prof.start()
-        train_mod.STEP_HOOK = lambda step: prof.step()
-    import eyas.train as train_lag
-
-    train_lag.LAG_STATS = a.lag_stats == "1"
-    ttt.MASKS = a.masks
+        on_step = lambda step: prof.step()  # noqa: E731
     caught = None
     if a.sync_debug and torch.cuda.is_available():
         import warnings
@@ -144,7 +126,7 @@ def main(argv=None) -> int:
         seen = caught.__enter__()
         warnings.simplefilter("always")
     t1 = time.perf_counter()
-    res = run_train(cfg, target)
+    res = run_train(cfg, target, on_step=on_step)
     syncs = None
     if caught is not None:
         torch.cuda.set_sync_debug_mode(0)
@@ -160,10 +142,8 @@ def main(argv=None) -> int:
         "bench": "train", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "processes": res["processes"], "parallel": a.parallel,
-        "loss_compile": a.loss_compile,
-        "loss": ttt.loss_state(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
-        "drafter_compile": a.drafter_compile, "drafter_step": res.get("drafter_step"), "lag_stats": a.lag_stats,
-        "masks": a.masks, "cuda_graph": a.cuda_graph, "grad_accum": a.grad_accum, "step_graph": res.get("step_graph"),
+        "compile_loss": a.compile_loss, "loss": res.get("loss"),
+        "compile_drafter": a.compile_drafter, "drafter_step": res.get("drafter_step"), "cuda_graph": a.cuda_graph, "grad_accum": a.grad_accum, "step_graph": res.get("step_graph"),
         "feature_cache_keep": cfg.train.feature_cache_keep, "feature_warm": res.get("feature_warm"),
         "draft_layers": a.draft_layers,
         "host_waits": syncs,
@@ -213,8 +193,7 @@ def step_profile(prof, steps: int) -> dict:
             "top_kernels": [[n, round(c / steps, 1), round(ms / steps, 3)]
                             for n, (c, ms) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]],
             "by_op": sorted(by_op, key=lambda r: -r[2])[:40],
-            # where the host's time goes (each op's own CPU time, ms a step, under the profiler's overhead): on a
-            # GPU, kernels kept the device busy 36% of a one-layer step (thirty-second session)
+            # where the host's time goes (each op's own CPU time, ms a step, under the profiler's overhead)
             "host_ms_per_step": round(sum(r[2] for r in host), 3),
             "host_by_op": sorted(host, key=lambda r: -r[2])[:40]}
 

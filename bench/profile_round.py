@@ -191,8 +191,7 @@ def main():
         plain.close()
         for k in (3, 7):
             for fuse in fuses:
-                Decoder.fuse_drafter = fuse
-                dec = Decoder(target, drafter, k=k, max_len=max_len, compile=dev.type == "cuda")
+                dec = Decoder(target, drafter, k=k, max_len=max_len, compile=dev.type == "cuda", fuse_drafter=fuse)
                 dec.warm_up(plain=False)
                 dec.generate(prompt, 32, ())
                 g = dec.generate(prompt, a.tokens, ())
@@ -239,7 +238,6 @@ def main():
                             res["verify_k3_eager"] = kernels(
                                 lambda: dec._target_fwd(ids, pos + torch.arange(k + 1, device=dev), upto), dev)
                 dec.close()
-        Decoder.fuse_drafter = True
         if "plain_step_eager" in res and "verify_k3_eager" in res:
             res["verify_k3_vs_step_ops"] = op_diff(res["plain_step_eager"]["by_op"], res["verify_k3_eager"]["by_op"])
             print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")

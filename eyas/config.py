@@ -47,7 +47,7 @@ class TargetConfig:
 class DataConfig:
     source: str = opt("sharegpt", "data set: sharegpt (the PyPI package), humaneval, or a path: conversations in .json or .jsonl (plain or .gz; "
                   "ShareGPT or OpenAI layout, an array or one record a line) or .parquet, a folder of .jsonl/.parquet "
-                  "files, or .txt prompts (README: Data)")
+                  "files, or .txt prompts (docs/usage.md: Data)")
     limit: int = opt(0, "read at most this many records (0 = all)")
     val_ratio: float = opt(0.02, "share of records in the validation split (by a hash of the record id)")
     test_ratio: float = opt(0.02, "share of records in the held-out test split used by eval")
@@ -112,8 +112,8 @@ class FeaturesConfig:
     shard_tokens: int = opt(1 << 20, "tokens per feature shard")
     norm: str = opt("hf", "the target's RMSNorm while capturing features (extraction and online): hf (transformers' "
                     "modules: normalize in fp32, round, times the weight) or one_kernel (torch's fused rms_norm in the "
-                    "model's dtype, one rounding, as eyas' decoder runs the target: FastLM.norm_one_kernel). In bf16 "
-                    "they differ by about 0.5% (bench/norm_rounding.py)", choices=("hf", "one_kernel"))
+                    "model's dtype, one rounding, as eyas' decoder runs the target: FastLM.norm_one_kernel); in bf16 "
+                    "they round differently (docs/defaults.md)", choices=("hf", "one_kernel"))
 
 
 @dataclass
@@ -123,8 +123,8 @@ class TrainConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_seq_len: int = opt(2048, "longest training sequence (longer ones are truncated)")
     ttt_steps: int = opt(3, "training-time-test unroll steps")
-    ttt_decay: float = opt(0.8, "loss weight multiplier per TTT step (step k weighs decay**k); 0.8 accepted more "
-                           "than 1 on the H200 (README)")
+    ttt_decay: float = opt(0.8, "loss weight multiplier per TTT step (step k weighs decay**k; "
+                           "docs/defaults.md)")
     noise_std: float = opt(0.0, "std of Gaussian noise added to the target hidden states during training")
     label_temperature: float = opt(1.0, "the target's logits are divided by this before they become the training "
                                    "labels: below 1 the labels are sharper, nearer the greedy token a decoder "
@@ -170,17 +170,16 @@ class TrainConfig:
                                        "this host's training processes; none on a CPU; 0 = off)")
     feature_cache_keep: str = opt("shortest", "which sequences' online features the two caches keep when not all "
                                   "fit: the shortest (the long ones left over fill whole batches, computed in "
-                                  "fewer, larger forwards: 1.10x the training's tokens a second on an H100 with "
-                                  "half the features held, README) or the longest (the rest, short ones, are "
+                                  "fewer, larger forwards; docs/defaults.md) or the longest (the rest, short ones, are "
                                   "computed again in nearly every step as gap-fillers of its batch)",
                                   choices=("longest", "shortest"))
     save_every: int = opt(0, "checkpoint every N optimizer steps (0 = each epoch end)")
     eval_every: int = opt(0, "validate every N optimizer steps (0 = each epoch end)")
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)")
     init_head: bool = opt(False, "start the drafter's lm_head and final norm from the target's (draft-vocabulary rows); "
-                          "off by default: it trained slower in our runs (README)")
+                          "off by default (docs/defaults.md)")
     fc_init: str = opt("scaled", "fresh drafter's fc: scaled (each aux layer's block of columns divided by that layer's "
-                       "RMS over the first training batches, so every layer enters at the same scale; README) or "
+                       "RMS over the first training batches, so every layer enters at the same scale; docs/defaults.md) or "
                        "default (PyTorch's Linear init)", choices=("scaled", "default"))
     draft_intermediate_size: int = opt(0, "drafter MLP size (0 = the target's)")
     draft_layers: int = opt(1, "drafter decoder layers: 1 is EAGLE-3's drafter (served by SGLang and vLLM); more adds "
@@ -199,14 +198,20 @@ class TrainConfig:
     draft_layer_type: str = opt("llama", "drafter decoder layer: llama, or qwen3 (an RMSNorm on each query and key "
                                 "head; speculators' transformer_layer_config.model_type)", choices=("llama", "qwen3"))
     precision: str = opt("auto", "autocast for the drafter's forward: auto (bf16 on GPU, fp32 on CPU), bf16 or fp32 "
-                         "(bf16 on a CPU with AVX512-BF16 trains 1.6x faster; README)", choices=("auto", "bf16", "fp32"))
+                         "(bf16 is faster on a CPU that multiplies bf16 natively; docs/defaults.md)", choices=("auto", "bf16", "fp32"))
     cuda_graph: bool = opt(True, "on a GPU, run each training step (labels, TTT unroll, loss, backward, clipping, "
                            "AdamW) as one CUDA graph after 3 eager steps, so the host launches one graph instead of "
-                           "hundreds of kernels a step: the same drafter, 1.3x the tokens a second on an H200 (README); "
+                           "hundreds of kernels a step (the same drafter, trained faster; docs/defaults.md); "
                            "with several micro-batches a step (processes or grad_accum), a graph for each one's "
                            "forward and backward and one for the update, the gradients summed between them by one "
                            "all-reduce in place of DDP; needs noise_std 0, the compiled drafter step and parallel ddp, "
                            "else the steps run eagerly (on a GPU the log says why)")
+    compile_loss: str = opt("auto", "the TTT step loss through torch.compile: auto (on a GPU), on, or off (eager); a "
+                            "compiler failure falls back to eager by itself, and train/summary.json says which ran",
+                            choices=("auto", "on", "off"))
+    compile_drafter: str = opt("auto", "the drafter's step in the TTT unroll as two torch.compile'd parts around the "
+                               "attention: auto (on a GPU), on, or off (eager; the step then runs without a CUDA "
+                               "graph); a compiler failure falls back to eager by itself", choices=("auto", "on", "off"))
     parallel: str = opt("ddp", "with several processes (torchrun): ddp (each process holds the whole drafter and its "
                         "optimizer state; gradients averaged) or fsdp (FSDP2: the drafter's weights, gradients and "
                         "optimizer state sharded across the processes, for a drafter too big for DDP; the frozen "
@@ -226,12 +231,11 @@ class EvalConfig:
     draft: str = opt("", "drafter to evaluate (default: the run's trained drafter)")
     round: str = opt("auto", "greedy speculative round: fused (drafts, verify, acceptance and drafter rerun as one "
                      "step with no host work between them, one CUDA graph on a GPU; its draft time is counted as "
-                     "verify time), stepwise (each part its own step), or auto: fused on a GPU (1.16-1.20x the "
-                     "stepwise round at K=3 on an H200), stepwise elsewhere (faster on a CPU: 11.7 against 10.5 "
-                     "tok/s). Sampling always runs stepwise", choices=("auto", "fused", "stepwise"))
+                     "verify time), stepwise (each part its own step), or auto: fused on a GPU, stepwise elsewhere "
+                     "(faster on a CPU). Sampling always runs stepwise", choices=("auto", "fused", "stepwise"))
     dtype: str = opt("", "the target's weights dtype while evaluating (empty = target.dtype). Greedy "
                             "speculative decoding reproduces plain decoding exactly only where the verify pass and "
-                            "the plain step round alike: float32 on CPU (README)",
+                            "the plain step round alike: float32 on CPU (docs/defaults.md)",
                             choices=("", "auto", "float32", "bfloat16", "float16"))
     compile: bool = opt(True, "on GPU, run the fixed-shape decoding steps as CUDA graphs (checked against eager "
                               "on first use; off for targets the fast engine does not run)")

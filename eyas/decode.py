@@ -297,8 +297,9 @@ class Decoder:
 
     target: eyas Target (any transformers causal LM); drafter: Eagle3Drafter or None (plain only).
     The drafter is moved to the target's device and dtype. temperature 0 = greedy verification.
-    max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here)."""
-    fuse_drafter = True  # Eagle3Drafter.fuse (bench/bench_decode.py --draft-fuse 0 turns it off to compare)
+    max_len bounds prompt + new tokens + K + 1 (caches are allocated once, here). fuse_drafter: the drafter's
+    projections fused and its rope from a table (Eagle3Drafter.fuse), fewer kernels per drafter step; False
+    runs it unfused, to compare."""
     # queue the next plain step or fused round before reading the last one's tokens (Decoder._pipelined):
     # None = on a GPU only (on a CPU the work is synchronous, so it would only add a dropped step at the end)
     overlap: bool | None = None
@@ -322,7 +323,7 @@ class Decoder:
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
-                 fused: bool | None = None):
+                 fused: bool | None = None, fuse_drafter: bool = True):
         if k < 1:
             raise EyasError(f"eval.k must be at least 1, got {k}")
         if temperature < 0:
@@ -359,7 +360,7 @@ class Decoder:
 
             check_fits(drafter.config, target, "given to the decoder")
             self.drafter = drafter.to(device=self.device, dtype=self.dtype).eval()
-            if self.fuse_drafter:  # fused projections and a rope table: fewer kernels per drafter step
+            if fuse_drafter:
                 self.drafter.fuse(max_len)
             else:
                 self.drafter.unfuse()

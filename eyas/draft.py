@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (Llama-style), as DESIGN.md describes it.
+"""The EAGLE-3 drafter (Llama-style), as docs/design.md describes it.
 
     h   = fc(concat(aux_0, aux_1, aux_2))           # 3·H_t -> H   (first step only)
     x   = concat(input_layernorm(embed(tok)), hidden_norm(h))         # 2H
@@ -438,7 +438,7 @@ class Eagle3Drafter(nn.Module):
                       rope_table: bool = False):
         """forward up to the attention: (the layer's input hidden [B,T,H], q, k, v). With post_attention, a
         step in two parts that hold no state, so each can be compiled whole while the attention (which keeps
-        the keys of the steps before) runs between them (`eyas.ttt.DRAFTER_COMPILE`)."""
+        the keys of the steps before) runs between them (`train.compile_drafter`)."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(self.fc_input(hidden))
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)

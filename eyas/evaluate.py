@@ -1,7 +1,7 @@
 """`eyas eval`: what a decoder accepts. Acceptance length, per-position acceptance, speedup over plain
 decoding on the same engine, and a token-for-token lossless check against plain greedy decoding.
 
-Writes <run>/eval/report.json (DESIGN.md keys and more), report.md and PNG plots.
+Writes <run>/eval/report.json (docs/design.md lists its keys), report.md and PNG plots.
 `measure_acceptance` gives eyas' own acceptance on a list of prompts (the parity tool compares it
 with a serving engine's counters).
 """
@@ -425,7 +425,7 @@ def by_turn(tallies: dict[str, "Tally"]) -> dict:
     return _buckets(tallies, sorted(tallies))
 
 
-# an answer's repetition: the share of its token 8-grams seen earlier in it (as bench/tau_by_text.py measures it)
+# an answer's repetition: the share of its token 8-grams seen earlier in it
 REPEAT_NGRAM = 8
 REPEAT_BUCKETS = ["<0.1", "0.1-0.5", ">=0.5"]
 

@@ -104,7 +104,7 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
 EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel", "regen.concurrency",
                   "regen.timeout", "regen.retries", "regen.backoff", "train.num_workers",
                   "train.feature_cache_gb", "train.feature_cache_host_gb", "train.feature_cache_keep",
-                  "train.parallel", "train.cuda_graph",
+                  "train.parallel", "train.cuda_graph", "train.compile_loss", "train.compile_drafter",
                   "data.tokenize_workers",
                   # a measurement beside the training, not part of it: the drafter is the same with any value
                   "train.greedy_val"}

@@ -1,7 +1,7 @@
 """Targets: load a causal LM (preset, GGUF file, HF folder or hub id), describe it, and capture the
 hidden states an EAGLE-3 drafter is trained on.
 
-Aux-layer convention (DESIGN.md): aux id i means the residual stream *entering* decoder layer i,
+Aux-layer convention (docs/design.md): aux id i means the residual stream *entering* decoder layer i,
 which is `output_hidden_states[i]` in transformers (index 0 is the embedding output). The final
 state is the output of the model's last norm; `lm_head(final)` gives the target logits.
 """

@@ -131,7 +131,7 @@ class Data:
         self.lengths = [min(int(x), max_len) for x in tokens.lengths()]
         self._epoch: tuple[tuple[int, int], list] | None = None
         self.fp32 = fp32  # train.precision=fp32 on a GPU: features cast up like on the CPU
-        self.fixed = False  # every batch padded to the budget, wherever it runs (a step run as a CUDA graph)
+        self.fixed = False  # every batch padded to the budget, wherever it runs (a graphed or compiled step)
 
     def bins(self, seed: int) -> list[list[int]]:
         return self.slot_bins(seed, 1)[0]
@@ -170,7 +170,7 @@ class Data:
         # on the GPU (or wherever the drafter's step is compiled) every batch has the budget's shape, so compiled
         # kernels are built once; elsewhere no padding
         dev = torch.device(device)
-        pad_to = self.budget if dev.type == "cuda" or drafter_compile_on(dev) or self.fixed else 0
+        pad_to = self.budget if dev.type == "cuda" or self.fixed else 0
         batch = pack_samples(samples, self.max_len, pad_to, multiple).to(device)
         if self.all_positions:  # the padding stays out: step_targets counts only rows below n_real
             batch.loss_mask = torch.ones_like(batch.loss_mask)
@@ -303,8 +303,8 @@ def init_head_from_target(drafter: Eagle3Drafter, target) -> None:
 
 @torch.no_grad()
 def aux_layer_rms(batches, n: int, H: int) -> torch.Tensor:
-    """RMS of each of the n aux layers' states [float64, n] over `batches` (PackedBatch), the first
-    token of each sequence (an attention sink: SmolLM2's reach RMS ~1,000, bench/aux_stats.py) left out; ones when the
+    """RMS of each of the n aux layers' states [float64, n] over `batches` (PackedBatch), the first token of each
+    sequence (an attention sink, whose states are far larger: SmolLM2's reach RMS ~1,000) left out; ones when the
     batches hold no such token."""
     sq = torch.zeros(n, dtype=torch.float64)
     count = 0
@@ -347,12 +347,14 @@ def _drafter_from_checkpoint(p: Path, target) -> Eagle3Drafter:
 class TTTModule(torch.nn.Module):
     """The drafter plus the TTT unroll in one forward, so that DDP sees one forward per backward."""
 
-    def __init__(self, drafter: Eagle3Drafter):
+    def __init__(self, drafter: Eagle3Drafter, compile_loss: str = "auto", compile_drafter: str = "auto"):
         super().__init__()
         self.drafter = drafter
+        self.compile = {"compile_loss": compile_loss, "compile_drafter": compile_drafter}  # train.compile_*
 
     def forward(self, batch, labels, steps, noise_std, generator, chain=False, loss_path="all"):
-        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator, chain=chain, loss_path=loss_path)
+        return ttt_unroll(self.drafter, batch, labels, steps, noise_std, generator, chain=chain, loss_path=loss_path,
+                          **self.compile)
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -731,7 +733,7 @@ def evaluate(module, drafter, data: Data, lm_head, steps: int, d: Dist, multiple
         with autocast(d.device, precision):
             labels = target_labels(batch.final, lm_head, drafter.draft_ids, top=batch.top)
             st = (module(batch, labels, steps, 0.0, None, chain=True) if sharded
-                  else ttt_unroll(drafter, batch, labels, steps, chain=True))
+                  else ttt_unroll(drafter, batch, labels, steps, chain=True, **module.compile))
         if i >= len(bins):
             continue
         loss += torch.stack(st.loss_sum).double()
@@ -792,7 +794,6 @@ def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dic
 # tests: train.cuda_graph's step (static buffers, the graphs' bodies) on a CPU, run eagerly; the variable lets a
 # test under torchrun ask for it
 GRAPH_ON_CPU = os.environ.get("EYAS_DEBUG_GRAPH_ON_CPU") == "1"
-STEP_HOOK = None  # called with the step number after each optimizer step (bench/bench_train.py --profile-steps)
 LAG_STATS = True  # read a step's statistics one step later, so the host never waits for the device between steps
 
 
@@ -830,9 +831,10 @@ def check_train_settings(cfg: Config) -> None:
     check_tokenize_settings(cfg)
 
 
-def run_train(cfg: Config, target=None) -> dict:
+def run_train(cfg: Config, target=None, on_step=None) -> dict:
     """Train the drafter of run directory `cfg.out` (tokenizing and choosing the vocabulary first if
-    those stages have not run) and write the best drafter to `<run>/draft/`."""
+    those stages have not run) and write the best drafter to `<run>/draft/`. on_step: called with the step number
+    after each optimizer step (a profiler's schedule, bench/bench_train.py --profile-steps)."""
     from .data.prepare import ensure_tokens, load_tokens, tokens_dir
     from .target_head import load_for_training, target_bytes_held
     from .vocab import ensure_vocab, load_vocab
@@ -911,6 +913,10 @@ def run_train(cfg: Config, target=None) -> dict:
                                    norm=cfg.features.norm)
             greedy = Data(g_tokens, feats, max_len, tc.batch_tokens, fp32)
 
+    compiled = drafter_compile_on(d.device, tc.compile_drafter)
+    for split in (train, val, greedy):  # the compiled step is built for one batch shape: every batch padded to it
+        if split is not None:
+            split.fixed = compiled
     best_key = tc.best_by if tc.best_by != "auto" else ("greedy_tau" if greedy is not None else "val_al")
     if best_key == "greedy_tau" and greedy is None and len(val_tokens):
         log("train: WARNING: train.best_by=greedy_tau, but there are no greedy answers to score: the best "
@@ -944,10 +950,10 @@ def run_train(cfg: Config, target=None) -> dict:
     drafter.embed_tokens.weight.requires_grad_(False)
     draft_ids = drafter.draft_ids
     lm_head = head_for_labels(target, draft_ids, [train.features, val.features if val else None])
-    module = TTTModule(drafter)
+    module = TTTModule(drafter, tc.compile_loss, tc.compile_drafter)
     model = module
     sharded = d.world > 1 and tc.parallel == "fsdp"
-    graph_why = graph_unfit(d.device, d.world, tc.grad_accum, tc.noise_std, drafter_compile_on(d.device), sharded) \
+    graph_why = graph_unfit(d.device, d.world, tc.grad_accum, tc.noise_std, compiled, sharded) \
         if tc.cuda_graph and not (GRAPH_ON_CPU and d.device.type == "cpu") else ""
     graphed = tc.cuda_graph and not graph_why
     if graph_why and d.device.type == "cuda":
@@ -999,7 +1005,7 @@ def run_train(cfg: Config, target=None) -> dict:
     evals_due = (lambda s: s % tc.eval_every == 0) if tc.eval_every else (lambda s: s % spe == 0)
     saves_due = (lambda s: s % tc.save_every == 0) if tc.save_every else (lambda s: s % spe == 0)
     decay = [tc.ttt_decay ** j for j in range(tc.ttt_steps)]
-    train.fixed = graphed
+    train.fixed = graphed or compiled  # a graph too replays one batch shape
 
     def forward_loss(batch, denom, gen, cache: bool = True):
         """The micro-batch's weighted TTT loss and step statistics (denom: the step's loss-masked positions, numbers
@@ -1222,8 +1228,7 @@ def run_train(cfg: Config, target=None) -> dict:
                 finish(pending.pop(0))
             stopping = stop.requested  # (read once: a signal after this line is seen at the next step)
             evals, saves = evals_due(step) or step == total, saves_due(step) or step == total or bool(stopping)
-            # (a profiled run, with STEP_HOOK, lags as well: until the thirty-second session it read every step's
-            # statistics at once, a wait for the device a step that unprofiled runs do not have)
+            # (a profiled run, with on_step, lags as well, as an unprofiled one does)
             if LAG_STATS and not (evals or saves or step_sleep):
                 pending.append(rec)
             else:
@@ -1234,8 +1239,8 @@ def run_train(cfg: Config, target=None) -> dict:
                 do_save(step)
             if evals or saves:
                 last_done[0] = time.perf_counter()  # the next step's time starts here, not at the last step's end
-            if STEP_HOOK is not None:
-                STEP_HOOK(step)
+            if on_step is not None:
+                on_step(step)
             if stopping and step < total:
                 bar.close()
                 log(f"train: stopped by {stopping} at step {step} of {total}; the checkpoint there is saved: run the "
@@ -1262,9 +1267,9 @@ def run_train(cfg: Config, target=None) -> dict:
                # times the caching allocator found no free block, returned its cache and asked the driver again
                # (each a device sync): a cause to rule out when the speed drifts with the GPU memory near full
                "cuda_alloc_retries": torch.cuda.memory_stats(d.device).get("num_alloc_retries", 0) if peak else None,
-               "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device),
+               "step_time_split": time_shares(clock.totals()), "loss": loss_state(d.device, tc.compile_loss),
                "step_graph": stepper.state if stepper is not None else (f"eager: {graph_why}" if graph_why else "off"),
-               "drafter_step": drafter_state(drafter, d.device),
+               "drafter_step": drafter_state(drafter, d.device, tc.compile_drafter),
                "draft": str(run / "draft"), "curves": str(run / "train" / "curves.png"),
                # the target's weights this process holds: its head alone with stored features, else the whole model
                "target_held": "head" if hasattr(target, "bytes_held") else "whole",

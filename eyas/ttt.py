@@ -105,15 +105,10 @@ def ttt_dense_mask(doc: torch.Tensor, step: int) -> torch.Tensor:
 
 
 _flex = None
-# How the flex block masks are built. "derive": the last TTT step's mask is made once a batch from the documents'
-# bounds (`_last_step_mask`) and every earlier step's is cut from it (`_derive_mask`): a few dozen small device ops
-# in all, where a build by create_block_mask cost the host 2.8 ms at 8,192 tokens on an H200 (thirty-fourth session).
-# "once": one mask built by create_block_mask a TTT step that every decoder layer uses, its step number filled in on
-# the device. "legacy", as before the thirty-second session: each layer builds its own, and each build copies the
-# step number from the host, which makes the host wait for the device (a stream sync) every time.
-# bench/bench_train.py --masks times them: at one layer, four alternating pairs on one H200 gave derive 389.5k tok/s
-# steady against once's 292.1k, ahead in every pair (1.24-1.46x, thirty-eighth session).
-MASKS = "derive"
+# The flex block masks: the last TTT step's is made once a batch from the documents' bounds (`_last_step_mask`) and
+# every earlier step's is cut from it (`_derive_mask`), a few dozen small device ops in all, where a build by
+# create_block_mask costs the host milliseconds a step and, with the step number copied from the host, a wait for
+# the device.
 FLEX_BLOCK = 128  # the block masks' block size (create_block_mask's default)
 
 
@@ -212,7 +207,7 @@ def _block_mask(doc: torch.Tensor, total: int, j: int):
     n = doc.shape[0]
     # the step as a device tensor, so the compiled mask is one for every step; filled on the device, since a
     # tensor copied from the host makes the host wait for the device first
-    jt = torch.tensor(j, device=doc.device) if MASKS == "legacy" else torch.full((), j, device=doc.device)
+    jt = torch.full((), j, device=doc.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         step = kv_idx // n
@@ -224,10 +219,10 @@ def _block_mask(doc: torch.Tensor, total: int, j: int):
 
 
 def _step_mask(doc: torch.Tensor, total: int, j: int, masks: dict):
-    """Step j's flex block mask (keys of `total` steps): with MASKS "derive", cut from the last step's, which is
-    made once into `masks` from the documents' bounds (`_last_step_mask`); built by create_block_mask where the steps
-    do not start on block boundaries."""
-    if MASKS != "derive" or doc.shape[0] % FLEX_BLOCK:
+    """Step j's flex block mask (keys of `total` steps): cut from the last step's, which is made once into `masks`
+    from the documents' bounds (`_last_step_mask`); built by create_block_mask where the steps do not start on
+    block boundaries."""
+    if doc.shape[0] % FLEX_BLOCK:
         return _block_mask(doc, total, j)
     last = masks.get((total, total - 1))
     if last is None:
@@ -239,15 +234,15 @@ def _ordered(dense: torch.Tensor):
     """A [rows, cols] block-level boolean matrix as flex's (count [1,1,rows], indices [1,1,rows,cols]): each row's
     listed blocks first, in ascending order. Row-major whatever `dense`'s layout (the query side is made from a
     transpose, and sort keeps its input's strides): flex's CUDA kernels step along a row of indices as if its stride
-    were 1, so a transposed index tensor gave wrong key and value gradients on the H200 (thirty-fifth session)."""
+    were 1, so a transposed index tensor gives wrong key and value gradients on a GPU."""
     idx = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
     return dense.sum(-1, dtype=torch.int32)[None, None], idx.to(torch.int32).contiguous()[None, None]
 
 
 def _last_step_mask(doc: torch.Tensor, total: int):
     """The block mask `_block_mask(doc, total, total - 1)` builds, made from the packed documents' bounds with a few
-    small device ops instead of evaluating the mask at every position (create_block_mask: 2.8 ms of host time at
-    8,192 tokens on an H200, thirty-fourth session). `doc` is non-decreasing (pack_samples), its length a multiple of
+    small device ops instead of evaluating the mask at every position (create_block_mask costs the host
+    milliseconds at a training batch's size). `doc` is non-decreasing (pack_samples), its length a multiple of
     FLEX_BLOCK. At step 0 a query block sees the key blocks from its first query's document start to its own, each
     of them in full where it and the query block lie in one document; each later step adds the diagonal block."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -440,7 +435,7 @@ def _step_loss(logits: torch.Tensor, label_logits: torch.Tensor, nxt: torch.Tens
     as a draft index, -1 outside the draft vocabulary), both read at rows nxt, and valid [n] (the positions the
     step counts; it trains on those whose label is in the draft vocabulary). The cross-entropy is written as
     logsumexp(q) - sum(p * q), which equals -(p * log_softmax(q)).sum() since p sums to one: it needs no
-    [n, V_d] log-probabilities, so compiled (`LOSS_COMPILE`) it runs as a few fused passes over the two
+    [n, V_d] log-probabilities, so compiled (`compile_loss`) it runs as a few fused passes over the two
     logit tensors instead of a dozen elementwise ones, and every row is computed (no data-dependent
     row selection, so no host synchronisation and one shape for the compiler)."""
     lg = logits.float()
@@ -452,8 +447,15 @@ def _step_loss(logits: torch.Tensor, label_logits: torch.Tensor, nxt: torch.Tens
     return loss, correct
 
 
-LOSS_COMPILE = "auto"  # "auto": torch.compile the step loss on CUDA; True: everywhere; False: never
+COMPILE_MODES = ("auto", "on", "off")  # train.compile_loss / train.compile_drafter: auto compiles on CUDA only
 _compiled_loss = None
+
+
+def compile_on(mode: str, device: torch.device) -> bool:
+    """Whether a compile setting ("auto", "on" or "off") compiles on `device`: "auto" on CUDA only."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"a compile setting must be one of {COMPILE_MODES}, got {mode!r}")
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
 class CompiledLoss:
@@ -488,22 +490,14 @@ class CompiledLoss:
         return out
 
 
-def step_loss_fn(device: torch.device):
-    """The step loss, compiled where `LOSS_COMPILE` says (bench/bench_train.py --loss-compile times both)."""
+def step_loss_fn(device: torch.device, mode: str = "auto"):
+    """The step loss, compiled where `mode` (train.compile_loss) says (bench/bench_train.py --compile-loss)."""
     global _compiled_loss
-    on = LOSS_COMPILE is True or (LOSS_COMPILE == "auto" and device.type == "cuda")
-    if not on:
+    if not compile_on(mode, device):
         return _step_loss
     if _compiled_loss is None:
         _compiled_loss = CompiledLoss()
     return _compiled_loss
-
-
-# like LOSS_COMPILE, for the drafter's step in the unroll: "auto", True or False. On an H200 (bench/bench_train.py,
-# 60 steps of the pipeline's batch and drafter shape, run one after the other): 195.4k tok/s steady compiled against
-# 170.9k eager with the same settings and 183.2k eager with statistics read at once (BENCHMARKS.md, nineteenth
-# session); its compile costs about 27 s once per run
-DRAFTER_COMPILE = "auto"
 
 
 class CompiledStep:
@@ -557,18 +551,18 @@ class CompiledStep:
                                 allow_unused=True)
 
 
-def drafter_compile_on(device: torch.device) -> bool:
-    """Whether `DRAFTER_COMPILE` asks for the compiled drafter step on `device` (training then pads every batch to
-    one shape, as on a GPU: each new shape would be compiled again, and after torch's recompile limit, 8, the
-    step falls back to eager)."""
-    return DRAFTER_COMPILE is True or (DRAFTER_COMPILE == "auto" and device.type == "cuda")
+def drafter_compile_on(device: torch.device, mode: str = "auto") -> bool:
+    """Whether `mode` (train.compile_drafter) asks for the compiled drafter step on `device` (training then pads
+    every batch to one shape, as on a GPU: each new shape would be compiled again, and after torch's recompile
+    limit, 8, the step falls back to eager)."""
+    return compile_on(mode, device)
 
 
-def drafter_step_fn(drafter, device: torch.device):
-    """The unroll's drafter step: the drafter itself, or its `CompiledStep` where `DRAFTER_COMPILE` says (kept on
-    the drafter, so compiled once per drafter; bench/bench_train.py --drafter-compile times both)."""
+def drafter_step_fn(drafter, device: torch.device, mode: str = "auto"):
+    """The unroll's drafter step: the drafter itself, or its `CompiledStep` where `mode` (train.compile_drafter)
+    says (kept on the drafter, so compiled once per drafter; bench/bench_train.py --compile-drafter)."""
     # FSDP2 gathers a sharded drafter's weights in its forward hooks, which the two parts would bypass
-    if not drafter_compile_on(device) or any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
+    if not drafter_compile_on(device, mode) or any(type(p).__name__ == "DTensor" for p in drafter.parameters()):
         return drafter
     step = drafter.__dict__.get("_eyas_compiled_step")
     if step is None:
@@ -576,15 +570,15 @@ def drafter_step_fn(drafter, device: torch.device):
     return step
 
 
-def drafter_state(drafter, device: torch.device) -> str:
+def drafter_state(drafter, device: torch.device, mode: str = "auto") -> str:
     """How the drafter's TTT steps run: "compiled", "eager", or "eager: <why compiling failed>"."""
-    step = drafter_step_fn(drafter, device)
+    step = drafter_step_fn(drafter, device, mode)
     return step.state if isinstance(step, CompiledStep) else "eager"
 
 
-def loss_state(device: torch.device) -> str:
+def loss_state(device: torch.device, mode: str = "auto") -> str:
     """How the TTT loss runs on `device`: "compiled", "eager", or "eager: <why compiling failed>"."""
-    fn = step_loss_fn(device)
+    fn = step_loss_fn(device, mode)
     return fn.state if isinstance(fn, CompiledLoss) else "eager"
 
 
@@ -593,14 +587,16 @@ LOSS_PATHS = ("all", "greedy", "chain")
 
 def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_std: float = 0.0,
                generator: torch.Generator | None = None, backend: str = "auto", chain: bool = False,
-               loss_path: str = "all") -> StepStats:
+               loss_path: str = "all", compile_loss: str = "auto", compile_drafter: str = "auto") -> StepStats:
     """Run `steps` TTT steps over a packed batch; return per-step loss sums and counts (and with `chain` the
     simulated greedy chain, `chain_step`).
 
     loss_path: the positions steps j > 0 count at. "all": every valid one. "greedy": only where the tokens fed at
     steps 1..j (the data's) are the target's top tokens, the only tokens a greedy decoder feeds its drafter.
     "chain": also only where the drafter's steps before j drafted those tokens, the positions a decoder's chain
-    reaches (the token-alignable training of GRIFFIN). Step 0 counts every valid position in all three."""
+    reaches (the token-alignable training of GRIFFIN). Step 0 counts every valid position in all three.
+    compile_loss, compile_drafter: "auto" (compiled on CUDA), "on" or "off" for the step loss and the drafter's
+    step (train.compile_loss, train.compile_drafter)."""
     if loss_path not in LOSS_PATHS:
         raise ValueError(f"loss_path must be one of {LOSS_PATHS}, got {loss_path!r}")
     ids = batch.input_ids
@@ -610,13 +606,13 @@ def ttt_unroll(drafter, batch: PackedBatch, labels: Labels, steps: int, noise_st
                             dtype=torch.float32)
         aux = aux + (noise_std * noise).to(aux.device, aux.dtype)
     masks: dict = {}  # one block mask a step for every layer (TTTAttend)
-    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks if MASKS != "legacy" else None)
+    attend = [TTTAttend(batch.doc, backend, steps, batch.n_real, masks)
               for _ in range(drafter.config.num_hidden_layers)]
     pos = batch.pos[None]
     hidden = aux[None]
     stats = StepStats([], [], [])
-    loss_fn = step_loss_fn(ids.device)
-    step = drafter_step_fn(drafter, ids.device)
+    loss_fn = step_loss_fn(ids.device, compile_loss)
+    step = drafter_step_fn(drafter, ids.device, compile_drafter)
     on_path = None  # loss_path: the positions whose tokens fed so far are on the path it keeps
     prev = None  # the chain's (hit, drafted) of the step before
     for j in range(steps):

@@ -154,7 +154,8 @@ def test_stage_keys_ignore_how_a_stage_runs():
     base = stage_keys(C.resolve(None, "smollm2", {}))
     same = stage_keys(C.resolve(None, "smollm2", {"target.device": "cpu", "target.cache_dir": "/x",
                                                    "target.tensor_parallel": "true", "regen.concurrency": "4",
-                                                   "train.feature_cache_keep": "longest"}))
+                                                   "train.feature_cache_keep": "longest",
+                                                   "train.compile_loss": "off", "train.compile_drafter": "on"}))
     assert same == base
     lr = stage_keys(C.resolve(None, "smollm2", {"train.lr": "3e-4"}))
     names = [s[0] for s in STAGES]

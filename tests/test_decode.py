@@ -256,6 +256,16 @@ def test_greedy_speculative_equals_plain(smol, prompt_set, plain_outputs, which,
         assert taus[1] < 1.5, taus
 
 
+@pytest.mark.parametrize("fuse_drafter", [False, True])
+def test_fuse_drafter_argument_sets_the_drafters_layout(smol, prompt_set, plain_outputs, trained, fuse_drafter):
+    """`Decoder(fuse_drafter=...)` fuses the drafter's projections and rope table or leaves them apart (bench/
+    bench_decode.py --draft-fuse times both); either way greedy decoding gives plain decoding's tokens."""
+    dec = Decoder(smol, trained, k=3, max_len=256, fuse_drafter=fuse_drafter)
+    assert ("_rope_table" in dec.drafter.__dict__) == fuse_drafter
+    for ids, ref in zip(prompt_set[:FEW], plain_outputs):
+        assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=True).tokens == ref[:NEW]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
 def test_folded_verify_decodes_losslessly(smol, prompt_set, trained, fused, monkeypatch):
     """With the verify pass folding the query heads (FastLM.gqa_steps off) instead of SDPA's enable_gqa,

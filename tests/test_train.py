@@ -150,12 +150,11 @@ def clone_run(base: Path, dst: Path) -> Path:
 
 def cli(run: Path, *args, torchrun: int = 0, compiled: bool = False) -> list[str]:
     """`eyas train` on the tiny preset, under torchrun with `torchrun` processes; `compiled`: with the drafter's
-    TTT steps compiled (tests/compiled_train.py)."""
+    TTT steps compiled (`--compile-drafter on`, the GPU default)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
         if torchrun else [sys.executable]
-    entry = [str(ROOT / "tests" / "compiled_train.py")] if compiled else ["-m", "eyas"]
-    return launcher + entry + ["train", "--preset", "tiny", "--out", str(run), "--batch-tokens", "512",
-                               "--max-seq-len", "256", *args]
+    return launcher + ["-m", "eyas", "train", "--preset", "tiny", "--out", str(run), "--batch-tokens", "512",
+                       "--max-seq-len", "256", *(["--compile-drafter", "on"] if compiled else []), *args]
 
 
 def env():

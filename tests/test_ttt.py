@@ -307,8 +307,7 @@ def _assert_same(a, b, tol):
 def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
     """A two-layer drafter's unroll with the flex attention makes one block mask a batch (the last TTT step's; the
     earlier steps' are cut from it), which both layers use (not one a layer), and gives the dense pattern's losses
-    (forward only: flex has no backward on a CPU). Built by create_block_mask a step ("once") or a layer ("legacy"),
-    the same losses."""
+    (forward only: flex has no backward on a CPU)."""
     drafter = _deeper(tiny, setup, 2)
     samples, draft_ids = setup[1], setup[2]
     batch = pack_samples(samples, pad_to=ttt.FLEX_BLOCK, multiple=ttt.FLEX_BLOCK)  # as on CUDA
@@ -323,14 +322,6 @@ def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
     assert built == [("last", 3)]
     assert [float(x) for x in flex.loss_sum] == pytest.approx([float(x) for x in dense.loss_sum], rel=1e-4)
     assert [int(x) for x in flex.correct] == [int(x) for x in dense.correct] and sum(int(x) for x in flex.correct) > 0
-    for mode, builds in (("once", [(3, 0), (3, 1), (3, 2)]),
-                         ("legacy", [(3, 0), (3, 0), (3, 1), (3, 1), (3, 2), (3, 2)])):  # bench_train --masks
-        built.clear()
-        monkeypatch.setattr(ttt, "MASKS", mode)
-        with torch.no_grad():
-            own = ttt_unroll(drafter, batch, labels, 3, backend="flex")
-        assert built == builds
-        assert [float(x) for x in own.loss_sum] == [float(x) for x in flex.loss_sum]
 
 
 @pytest.mark.parametrize("total", [1, 3, 5])
@@ -442,12 +433,11 @@ def test_label_temperature_sharpens_the_labels(tiny, setup):
 def test_compiled_step_loss_equals_eager(monkeypatch):
     """The step loss as torch.compile builds it (what training runs on a GPU) gives the eager loss, count and
     gradient; here through inductor's CPU code, on a GPU below through its Triton code."""
-    monkeypatch.setattr(ttt, "LOSS_COMPILE", True)
     monkeypatch.setattr(ttt, "_compiled_loss", None)
     args = _loss_inputs(40, 257, torch.float32, "cpu", seed=1)
     eager = _loss_and_grad(ttt._step_loss, *args)
-    compiled = _loss_and_grad(ttt.step_loss_fn(torch.device("cpu")), *args)
-    assert ttt.loss_state(torch.device("cpu")) == "compiled"
+    compiled = _loss_and_grad(ttt.step_loss_fn(torch.device("cpu"), "on"), *args)
+    assert ttt.loss_state(torch.device("cpu"), "on") == "compiled"
     assert compiled[0].item() == pytest.approx(eager[0].item(), rel=1e-5)
     assert compiled[1].item() == eager[1].item()
     torch.testing.assert_close(compiled[2], eager[2], rtol=1e-4, atol=1e-6)
@@ -456,7 +446,6 @@ def test_compiled_step_loss_equals_eager(monkeypatch):
 @pytest.mark.gpu
 def test_compiled_step_loss_equals_eager_on_gpu(monkeypatch):
     """On CUDA in bf16 at the training shape's scale, `step_loss_fn` is the compiled loss and agrees with eager."""
-    monkeypatch.setattr(ttt, "LOSS_COMPILE", "auto")
     monkeypatch.setattr(ttt, "_compiled_loss", None)
     fn = ttt.step_loss_fn(torch.device("cuda"))
     args = _loss_inputs(4096, 32000, torch.bfloat16, "cuda", seed=2)
@@ -492,23 +481,24 @@ def test_compiled_loss_falls_back_to_eager(monkeypatch):
     for fake, why in [(compile_fails, "forward compile failed"),
                       (lambda lg, *rest: ttt._step_loss(BrokenBackward.apply(lg), *rest), "backward compile failed")]:
         monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake)
-        monkeypatch.setattr(ttt, "LOSS_COMPILE", True)
         monkeypatch.setattr(ttt, "_compiled_loss", None)
-        fn = ttt.step_loss_fn(torch.device("cpu"))
+        fn = ttt.step_loss_fn(torch.device("cpu"), "on")
         got = _loss_and_grad(fn, *args)
-        state = ttt.loss_state(torch.device("cpu"))
+        state = ttt.loss_state(torch.device("cpu"), "on")
         assert state.startswith("eager: torch.compile failed") and why in state and "second line" not in state
         assert got[0].item() == eager[0].item() and got[1].item() == eager[1].item()
         torch.testing.assert_close(got[2], eager[2])
         again = _loss_and_grad(fn, *args)  # later calls go straight to eager
         torch.testing.assert_close(again[2], eager[2])
-    monkeypatch.setattr(ttt, "LOSS_COMPILE", False)
-    assert ttt.loss_state(torch.device("cpu")) == "eager"
+    assert ttt.loss_state(torch.device("cpu"), "off") == "eager"
+    assert ttt.loss_state(torch.device("cpu")) == "eager"  # auto: compiled on CUDA only
+    with pytest.raises(ValueError, match="compile setting"):
+        ttt.step_loss_fn(torch.device("cpu"), "yes")
 
 
-def _unroll_grads(drafter, batch, labels, backend="auto", steps=3):
+def _unroll_grads(drafter, batch, labels, backend="auto", steps=3, compile_drafter="off"):
     drafter.zero_grad()
-    st = ttt_unroll(drafter, batch, labels, steps, backend=backend)
+    st = ttt_unroll(drafter, batch, labels, steps, backend=backend, compile_drafter=compile_drafter)
     sum(st.loss_sum).backward()
     return ([float(x.detach()) for x in st.loss_sum], [int(x) for x in st.correct],
             {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad})
@@ -517,7 +507,7 @@ def _unroll_grads(drafter, batch, labels, backend="auto", steps=3):
 @pytest.mark.compiler
 @pytest.mark.parametrize("backend,layers", [("docs", 1), ("dense", 1), ("docs", 2)])
 def test_compiled_drafter_step_equals_eager(tiny, setup, monkeypatch, backend, layers):
-    """The unroll with the drafter's stateless parts compiled around the attention (`DRAFTER_COMPILE`; with two
+    """The unroll with the drafter's stateless parts compiled around the attention (`compile_drafter`; with two
     layers, also the part between them) gives the eager unroll's losses, right guesses and gradients, on the first
     call (which also probes the compiled graphs on copies: they must leave the attention's keys and the gradients
     alone) and on later ones, and with no grad."""
@@ -528,22 +518,19 @@ def test_compiled_drafter_step_equals_eager(tiny, setup, monkeypatch, backend, l
     lm_head = tiny.model.get_output_embeddings()
     batch = pack_samples(samples, pad_to=48)
     labels = target_labels(batch.final, lm_head, draft_ids)
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
     eager = _unroll_grads(drafter, batch, labels, backend)
     assert sum(eager[1]) > 0
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
     for _ in range(2):
-        got = _unroll_grads(drafter, batch, labels, backend)
-        assert ttt.drafter_state(drafter, torch.device("cpu")) == "compiled"
+        got = _unroll_grads(drafter, batch, labels, backend, compile_drafter="on")
+        assert ttt.drafter_state(drafter, torch.device("cpu"), "on") == "compiled"
         assert got[0] == pytest.approx(eager[0], rel=1e-5) and got[1] == eager[1]
         for n, g in eager[2].items():
             torch.testing.assert_close(got[2][n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
                                        msg=lambda m, n=n: f"{n}: {m}")
     with torch.no_grad():
-        st = ttt_unroll(drafter, batch, labels, 3, backend=backend)
+        st = ttt_unroll(drafter, batch, labels, 3, backend=backend, compile_drafter="on")
     assert [float(x) for x in st.loss_sum] == pytest.approx(eager[0], rel=1e-5)
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", "auto")  # the default on a CPU: eager
-    assert ttt.drafter_state(drafter, torch.device("cpu")) == "eager"
+    assert ttt.drafter_state(drafter, torch.device("cpu")) == "eager"  # auto, the default: eager on a CPU
 
 
 def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
@@ -555,7 +542,6 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
     lm_head = tiny.model.get_output_embeddings()
     batch = pack_samples(samples, pad_to=48)
     labels = target_labels(batch.final, lm_head, draft_ids)
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
     eager = _unroll_grads(setup[0], batch, labels)
 
     def backward_fails(fn):
@@ -567,9 +553,8 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
     for fake, why in [(lambda fn: compile_fails, "forward compile failed"), (backward_fails, "backward compile failed")]:
         drafter = copy.deepcopy(setup[0])
         monkeypatch.setattr(torch, "compile", lambda fn, **kw: fake(fn))
-        monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
-        got = _unroll_grads(drafter, batch, labels)
-        state = ttt.drafter_state(drafter, torch.device("cpu"))
+        got = _unroll_grads(drafter, batch, labels, compile_drafter="on")
+        state = ttt.drafter_state(drafter, torch.device("cpu"), "on")
         assert state.startswith("eager: torch.compile failed") and why in state and "second line" not in state
         assert got[0] == eager[0] and got[1] == eager[1]
         for n, g in eager[2].items():
@@ -578,9 +563,9 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
 
 @pytest.mark.compiler
 def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, monkeypatch):
-    """Batches of ever new lengths (a caller that does not pad, as bench/ablate_drafter.py did on the twentieth GPU
-    session): once torch's recompile limit is reached the step runs eagerly, with the reason in `state`, instead of
-    failing the call (fullgraph=True makes the limit an exception); every unroll gives the eager results."""
+    """Batches of ever new lengths (a caller that does not pad): once torch's recompile limit is reached the step
+    runs eagerly, with the reason in `state`, instead of failing the call (fullgraph=True makes the limit an
+    exception); every unroll gives the eager results."""
     import copy
 
     drafter = copy.deepcopy(setup[0])
@@ -588,18 +573,16 @@ def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, mo
     lm_head = tiny.model.get_output_embeddings()
     batches = [pack_samples(samples, pad_to=n) for n in (48, 56, 64)]
     labels = [target_labels(b.final, lm_head, draft_ids) for b in batches]
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", False)
     eager = [_unroll_grads(drafter, b, lab) for b, lab in zip(batches, labels)]
     torch._dynamo.reset()
     # each part is compiled for the target's states and for the drafter's own: 2 graphs a length, so the limit is
     # reached at the second length
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    monkeypatch.setattr(ttt, "DRAFTER_COMPILE", True)
     states = []
     try:
         for b, lab, want in zip(batches, labels, eager):
-            got = _unroll_grads(drafter, b, lab)
-            states.append(ttt.drafter_state(drafter, torch.device("cpu")))
+            got = _unroll_grads(drafter, b, lab, compile_drafter="on")
+            states.append(ttt.drafter_state(drafter, torch.device("cpu"), "on"))
             assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1]
             for n, g in want[2].items():
                 torch.testing.assert_close(got[2][n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()))
@@ -624,12 +607,12 @@ def test_compiled_drafter_step_on_gpu(tiny, setup, monkeypatch, layers):
     labels = target_labels(batch.final, lm_head, draft_ids.cuda())
 
     def run(compiled, bf16):
-        monkeypatch.setattr(ttt, "DRAFTER_COMPILE", "auto" if compiled else False)
+        mode = "auto" if compiled else "off"
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            got = _unroll_grads(drafter, batch, labels)
+            got = _unroll_grads(drafter, batch, labels, compile_drafter=mode)
             if compiled:  # the first compiled call probes its graphs on copies; the second is the steady state
-                got = _unroll_grads(drafter, batch, labels)
-        assert ttt.drafter_state(drafter, torch.device("cuda")) == ("compiled" if compiled else "eager")
+                got = _unroll_grads(drafter, batch, labels, compile_drafter=mode)
+        assert ttt.drafter_state(drafter, torch.device("cuda"), mode) == ("compiled" if compiled else "eager")
         return got
 
     def rel(a, b):  # the relative Frobenius distance of two gradients
