@@ -155,3 +155,38 @@ def test_family_runs_end_to_end(family, tmp_path, tokenizer_dir):
         assert back.config.rope_scaling == draft.config.rope_scaling and back.config.rope_theta == theta
         mine = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
         assert all(torch.equal(v, back.state_dict()[k]) for k, v in mine.items()), fmt
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_decoding_matches_transformers_generate(family, tmp_path, tokenizer_dir):
+    """On transformers' path the decoder's cache rolls back past rejected drafts: with windows shorter than the
+    prompt and the answer, plain and speculative decoding (a random drafter, so most drafts are rejected) both give
+    the tokens of transformers' own greedy `generate`, the target's embedding table is the drafter's, and the scale
+    Gemma's embedding module applies on top (sqrt of the hidden size) is one the drafter's input norm takes out."""
+    from eyas.decode import Decoder
+    from eyas.draft import build_drafter
+    from eyas.target import load_target
+
+    folder = make_target(family, tmp_path / family, tokenizer_dir)
+    target = load_target(TargetConfig(name=str(folder), dtype="float32", device="cpu"))
+    torch.manual_seed(1)
+    drafter = build_drafter(target, 256)
+    prompt = torch.randint(100, VOCAB, (2 * WINDOW + 3,))
+    ref = target.model.generate(prompt[None], max_new_tokens=2 * WINDOW, min_new_tokens=2 * WINDOW, do_sample=False,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    dec = Decoder(target, drafter, k=3, max_len=256)
+    try:
+        plain = dec.generate(prompt, 2 * WINDOW, speculative=False)
+        spec = dec.generate(prompt, 2 * WINDOW, speculative=True)
+    finally:
+        dec.close()
+    assert plain.tokens == ref and spec.tokens == ref
+    assert len(spec.accepted) >= WINDOW // 2  # many rounds, so many rollbacks
+    emb = target.embed_tokens()
+    assert torch.equal(drafter.embed_tokens.weight, emb.weight.float())
+    if family.startswith("gemma3"):
+        x = drafter.embed_tokens(prompt[None])
+        scaled = emb(prompt[None])  # what Gemma 3's first layer reads
+        assert torch.allclose(scaled, x * emb.embed_scale)
+        norm = drafter.midlayer.input_layernorm
+        assert torch.allclose(norm(scaled), norm(x), rtol=1e-2, atol=1e-3)  # equal up to the norm's eps
