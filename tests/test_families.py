@@ -2,7 +2,7 @@
 DeepSeek-V3 / Kimi-K2 (MLA, MoE with shared experts, yarn), Qwen3, Qwen3-MoE, Mixtral, Gemma 3 (alternating sliding
 and full attention, per-attention-type rope; text-only and nested under `text_config`), gpt-oss (attention sinks,
 MoE, yarn, alternating sliding windows) and a LLaVA-style wrapper whose text model is Qwen3. Each model is made here
-with `AutoConfig.for_model` (6 layers of width 32, SmolLM2's tokenizer) and goes through every stage with the
+with `AutoConfig.for_model` (8 layers of width 32, SmolLM2's tokenizer) and goes through every stage with the
 smallest settings: the run must finish lossless, with both exports loading back into eyas and shaped as SGLang's and
 vLLM's loaders read them, and the drafter's rope of the target's own kind."""
 import json
@@ -23,7 +23,7 @@ from eyas.target_spec import load_spec
 from test_export import _expected_sglang, _vllm_pretrained_config
 
 VOCAB = 49152  # SmolLM2's tokenizer
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2)
 WINDOW = 16  # sliding windows shorter than every prompt, so the window matters in regen, training and eval
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
               patch_size=14)
@@ -41,7 +41,7 @@ def _config(family: str):
                                     max_position_embeddings=131072, **SMALL)
     if family == "deepseek_v3":  # MLA (q and kv low-rank, split rope/nope heads), MoE with a shared expert, yarn
         return AutoConfig.for_model("deepseek_v3", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                    moe_intermediate_size=16, num_hidden_layers=6, num_attention_heads=4,
+                                    moe_intermediate_size=16, num_hidden_layers=8, num_attention_heads=4,
                                     num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
                                     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -128,6 +128,7 @@ def test_family_runs_end_to_end(family, tmp_path, tokenizer_dir):
     theta, params = _full_attention_rope(text)
     draft = load_drafter(out / "draft")
     assert draft.config.hidden_size == draft.config.target_hidden_size == text.hidden_size
+    assert len(set(draft.config.aux_layers)) == 3  # the engines capture each layer once; speculators refuses repeats
     assert draft.config.rope_theta == theta
     assert (draft.config.rope_scaling or {}).get("rope_type", "default") == kind
     if kind == "llama3":
