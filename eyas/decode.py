@@ -119,11 +119,16 @@ class TargetRunner:
 
     def __init__(self, target, max_len: int):
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         self.target = target
         self.model = target.model
         self.max_len = max_len
         self.cache = StaticCache(config=self.model.config, max_cache_len=max_len)
+        # sliding-window layers (Gemma 3, gpt-oss) get full-length caches too: a window's cache is a ring that the
+        # rejected drafts overwrite, so a rollback would lose keys still in the window; the attention mask, built
+        # from positions, keeps each such layer within its window all the same
+        self.cache.layers = [StaticLayer(max_cache_len=max_len) for _ in self.cache.layers]
         self._grab: dict[int, torch.Tensor] = {}
         self._handles = []
         layers = decoder_layers(self.model)
