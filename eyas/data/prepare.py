@@ -221,8 +221,8 @@ def _tokenize_one(conv: Conversation) -> Tokenized:
 
 def _compact(t: Tokenized) -> Tokenized:
     """Tokens and mask as machine arrays: a worker's result crosses to the parent as bytes instead of a pickled
-    Python int per token, and TokenSet.from_tokenized joins them without a Python loop (about twenty times
-    quicker for tens of millions of tokens)."""
+    Python int per token, and TokenSet.from_tokenized joins them without a Python loop (far quicker for tens of
+    millions of tokens)."""
     return Tokenized(t.id, array("i", t.input_ids), array("B", t.loss_mask), t.truncated)
 
 
