@@ -309,9 +309,8 @@ class Decoder:
     # None = on a GPU only (on a CPU the work is synchronous, so it would only add a dropped step at the end)
     overlap: bool | None = None
     # the target's steps and verify passes with FastLM.compile_elementwise (rope, add+norm, silu*mul compiled).
-    # None = on a GPU only: on an H200 it took a SmolLM2 plain step from 1.83 to 1.37 ms and a K=3 round from
-    # 2.61 to 1.92 ms (BENCHMARKS.md, fourteenth session; bench/bench_decode.py --ew 0,1); on a CPU, compiling
-    # costs seconds a shape for little gain
+    # None = on a GPU only, where fewer kernels make each step and round markedly shorter (bench/bench_decode.py
+    # --ew 0,1 compares); on a CPU, compiling costs seconds a shape for little gain
     compile_elementwise: bool | None = None
     # the prompt's prefill as a fixed-shape step (greedy, eyas' forward): the prompt right-padded to a multiple of
     # PREFILL_BUCKET tokens, so under CUDA graphs one graph per padded length replaces the eager prefill's hundreds
@@ -319,11 +318,10 @@ class Decoder:
     graph_prefill: bool | None = None
     PREFILL_BUCKET = 128
     # the drafter's draft steps and a fused round's catch-up as two torch.compile'd parts each, around the attention
-    # (Eagle3Drafter.forward with `_eyas_compiled`): about half the kernels of an eager drafter step (30 on an H200,
-    # 0.076 ms: the fourteenth session). Draft tokens can round differently; verification is the target's, so the
-    # output stays lossless. None = on a GPU: on an H200, 80 chat prompts, the same run (bench/bench_decode.py
-    # --draft-compile 0,1), 1,689 against 1,639 tok/s at K=3, 1,819 / 1,749 at K=5, 1,772 / 1,689 at K=7, τ and
-    # outputs unchanged (BENCHMARKS.md, nineteenth session); on a CPU, compiling costs seconds for little gain
+    # (Eagle3Drafter.forward with `_eyas_compiled`): about half the kernels of an eager drafter step. Draft tokens
+    # can round differently; verification is the target's, so the output stays lossless. None = on a GPU, where
+    # it decodes a few percent faster at every K with τ unchanged (bench/bench_decode.py --draft-compile 0,1
+    # compares); on a CPU, compiling costs seconds for little gain
     compile_drafter: bool | None = None
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,

@@ -21,9 +21,8 @@ Query heads and KV heads: a one-token step folds the query heads that share a KV
 (q [b, Hkv, rep*T, D]): a view at T = 1, and keys and values are read once. At T > 1 that fold and its way
 back are a copy each per layer (60 in SmolLM2's 4-token verify), so a short multi-token call (a speculative
 verify, up to GQA_MAX_T tokens) passes q as a view of the projection ([b, H, T, D]) with SDPA's enable_gqa
-instead: no copy, one cache layout for both. On an H200 (bench/sdpa_layouts.py, BENCHMARKS.md, tenth
-session), SmolLM2's attention step at T = 4 took 9.45 us that way against 14.17 us folded, with 2 kernels
-against 4; at T = 1 the fold was as fast (8.40 against 8.63 us). Prefills (one_off) keep the fold.
+instead: no copy, one cache layout for both, and half the kernels of the folded step; at T = 1 the fold
+costs nothing. Prefills (one_off) keep the fold.
 
 Aux states follow eyas.target: aux id i < N is the residual stream entering decoder layer i, id N the
 stream after the last layer, before the final norm.
@@ -101,10 +100,9 @@ def fast_engine_runs(model, where: str) -> bool:
 
 
 # attention kernels for a call whose shape is seen once (a batched prompt prefill): every kernel that takes
-# an additive mask except cuDNN's, which builds a plan per new shape. On an H200 (bench/attn_backends.py) a
-# SmolLM2 prefill of a new shape took 370 ms with cuDNN and 56 ms with the memory-efficient kernel, and a
-# repeated one 60 against 51 ms. Fixed-shape steps (decode, verify: CUDA graphs) keep the default choice,
-# where cuDNN was the fastest (0.12 ms against 0.19 for one regen decode step's attention over 1,280 slots).
+# an additive mask except cuDNN's, which builds a plan per new shape (planning costs far more than the call on
+# a shape seen once). Fixed-shape steps (decode, verify: CUDA graphs) keep the default choice, where cuDNN's
+# plan is paid once and its kernel is the fastest.
 def one_off_kernels(device: torch.device, on: bool = True):
     """The attention-kernel choice for a call whose shape is seen once, as a context manager: on a GPU (and
     when `on`), every kernel but cuDNN's; elsewhere, no change."""
@@ -245,8 +243,8 @@ class FastLM:
     `forward(want_aux=True)` returns (see the module docstring for the conventions)."""
     fuse = True  # q/k/v and gate/up as one product each (bench/bench_regen.py can turn it off to compare)
     # RMSNorm through torch's fused kernel (normalize in fp32, round, times the weight: HF's rounding steps) in
-    # ~4 kernels instead of ~8. On an H200 (BENCHMARKS.md, sixth session) plain SmolLM2 decoding went from 362
-    # to 429 tok/s and regeneration from 25.0k to 25.8k; False runs the model's own norm modules
+    # ~4 kernels instead of ~8, so decoding and regeneration launch fewer kernels a step; False runs the model's
+    # own norm modules
     fused_norm = True
     # with fused_norm: llama_rms_norm's one_kernel, one kernel a norm instead of four (the casts to fp32 and back,
     # and the weight's multiply); bf16 results can differ from HF's in the last bit. Every decoding path (plain and
@@ -264,13 +262,10 @@ class FastLM:
     compile_elementwise = False
     # one-token calls (decode steps) through flex attention with a block mask made from each row's own position:
     # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
-    # row's bound (`upto`). In regeneration some row nearly always holds a long prompt (BENCHMARKS.md, fourth
-    # session: 923 of 1,008 steps attended to 1,280 slots), so most rows pay for context they do not have. Off: on an
-    # H100 (forty-seventh session, bench/bench_regen.py --engine static:flex=1,static,static:flex=1,static, 1,024
-    # ShareGPT prompts, 512 new tokens) it gave 19.8k and 19.5k tok/s against SDPA's 19.7k and 22.2k, though a
-    # 512-row SDPA step there takes 4.0 ms at 256 slots and 17.4 ms at 2,624 (bench/profile_regen.py). Compiled on a
-    # GPU (flex attention's eager form is a slow reference), eager elsewhere. Rows given as an index tensor, and row
-    # groups, keep SDPA
+    # row's bound (`upto`). In regeneration some row nearly always holds a long prompt, so most rows pay for context
+    # they do not have. Off: end to end it has not beaten SDPA in regeneration (bench/bench_regen.py --engine
+    # static:flex=1,static compares them; BENCHMARKS.md). Compiled on a GPU (flex attention's eager form is a slow
+    # reference), eager elsewhere. Rows given as an index tensor, and row groups, keep SDPA
     flex_decode = False
     FLEX_BLOCK = 128
 
@@ -446,8 +441,8 @@ class FastLM:
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         grab: dict[int, torch.Tensor] = {}
         # cache[rows, :, qpos] is [b, T, Hkv, D]. On CUDA, index_put makes its index tensors contiguous when their
-        # strides differ, as rows broadcast over T tokens do: once per write, two per layer (the eleventh session's
-        # profile_round traced the verify's 60 extra copies to it). One row index per token, built here once, has
+        # strides differ, as rows broadcast over T tokens do: once per write, two per layer (60 extra copies in a
+        # SmolLM2 verify). One row index per token, built here once, has
         # qpos' strides. (A one-token call's indices already agree.)
         ri = idx[:, None] if T == 1 else torch.zeros_like(qpos).add_(idx[:, None])
         write_at = (ri, slice(None), qpos)

@@ -139,8 +139,8 @@ class OnlineFeatures:
 
     def warm(self, indices: list[int], batch_tokens: int, keep: str = "shortest") -> int:
         """Compute and keep the features of `indices` before training, longest first in forwards of up to
-        `batch_tokens` padded tokens (an extraction's batches: on an H200 its capture ran at 640k tok/s,
-        where a training batch's own small forwards ran at about 136k); stops once the cache is full.
+        `batch_tokens` padded tokens (an extraction's batches, several times faster than a training batch's
+        own small forwards); stops once the cache is full.
         keep (train.feature_cache_keep): which sequences the budgets hold when not all fit, the longest or the
         shortest. Returns the number of sequences kept; `warm_tokens` is the tokens the forwards computed."""
         todo = [i for i in dict.fromkeys(indices) if i not in self.cache and i not in self.host_cache]
@@ -268,11 +268,8 @@ def host_cache_budget(setting_gb: float, device, available: int | None = None, l
     """Bytes of host memory the online features that do not fit on the GPU may take: the setting in GB, or for a
     negative setting (auto) on a GPU 80% of the memory available now, and never more than all of it but 16 GB,
     shared among this host's training processes; none on a CPU, where the GPU cache's setting already is host
-    memory. (Half of it until the forty-eighth session, where three samples (36.8M tokens, 4,612 bytes each) on an
-    H100 of 80 GB and 128 GiB of host memory kept 22,931 of 47,492 sequences, 67.6 GB on the GPU and 66.6 GB here;
-    the other 24,561 were recomputed every epoch, and three layers trained at 19-20 steps/s against 31.3 ms a step
-    with every feature kept, forty-seventh. With 80% the same run kept them all, 99.9 GB here and 66.0 GB on the
-    GPU, and trained at 31.9 steps/s, forty-ninth.) Only what is used is pinned, in chunks of 1 GiB."""
+    memory. Generous, because every sequence that fits in neither cache is recomputed by the target every epoch,
+    which slows training far more than the host memory costs. Only what is used is pinned, in chunks of 1 GiB."""
     if setting_gb >= 0:
         return int(setting_gb * 1e9)
     if torch.device(device).type != "cuda" and available is None:
@@ -286,12 +283,10 @@ def feature_cache_budget(setting_gb: float, device, step_bytes: int = 0, free: i
     """Bytes of device memory the online features may keep: the setting in GB, or for a negative setting
     (auto) on a GPU 85% of the memory free now (after the target is loaded), less what the training steps
     will need on top (`step_bytes` with a quarter more, and 4 GB); none on a CPU, where the default reads
-    stored features. (Half of it until the twelfth H200 session, where 58.4 GB held 6,376 of 15,827
-    sequences, the target recomputed the rest every epoch, 37% of the training time, and the run peaked at
-    65.6 GB of 141: BENCHMARKS.md.) Memory that torch's allocator still holds for tensors already freed counts
-    as free: the regen stage's KV cache (512 rows of 2,560 slots, about 30 GB for SmolLM2), dropped when the
-    stage ends but kept by the allocator, left 100.1 GB of an H200 to the features instead of about 126 GB
-    (estimated; thirty-sixth session)."""
+    stored features. Generous, because the target recomputes every sequence that is not kept, every epoch.
+    Memory that torch's allocator still holds for tensors already freed counts as free: otherwise the regen
+    stage's KV cache (tens of GB), dropped when the stage ends but kept by the allocator, would be taken from
+    the features."""
     if setting_gb >= 0:
         return int(setting_gb * 1e9)
     device = torch.device(device)
@@ -309,9 +304,8 @@ def feature_cache_budget(setting_gb: float, device, step_bytes: int = 0, free: i
 
 def train_step_bytes(batch_tokens: int, ttt_steps: int, draft_vocab: int) -> int:
     """About the peak memory of a training step: its draft-vocabulary logits dominate, with about 3.2 fp32
-    copies of [tokens, steps, vocab] live at once. Fitted to the H200 runs with SmolLM2 and a 32K vocabulary
-    (BENCHMARKS.md): 10.1 GB estimated for 8,192-token batches against 10.4 GB measured, 40.3 GB for 32,768
-    against 38.0."""
+    copies of [tokens, steps, vocab] live at once, a factor fitted to the measured peaks of SmolLM2 runs with a
+    32K vocabulary (within about 5%; BENCHMARKS.md)."""
     return int(batch_tokens * ttt_steps * draft_vocab * 4 * 3.2)
 
 
@@ -422,12 +416,9 @@ class _ShardBuffers:
     """Host buffers the GPU copies into (pinned on CUDA) and the writer threads save from; one
     more than there are writer threads, so the target computes the next shard while others are written.
 
-    The first buffer is made at once, the others on a background thread. Pinning is slow (0.59 s for
-    five SmolLM2 buffers of up to 256 MiB on an H200 host, 10% of a 2.7M-token extraction's first run,
-    BENCHMARKS.md, ninth session), and the first shard needs only one buffer. Measured in the tenth session,
-    this did not pay: the thread's pinning stalled the loop about as long as it saved (SmolLM2 417k against
-    432k tok/s with every buffer pinned first, Qwen 246k against 238k). `get` hands out a free buffer,
-    waiting for one if none is; `put` returns it."""
+    The first buffer is made at once, the others on a background thread: pinning is slow, and the first shard
+    needs only one buffer (the thread's pinning can stall the loop about as long as it saves, so the gain is
+    small). `get` hands out a free buffer, waiting for one if none is; `put` returns it."""
 
     def __init__(self, n_tokens: int, hidden: int, dtype: str, pin: bool, count: int = 3,
                  device: torch.device | None = None):

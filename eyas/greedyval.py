@@ -1,8 +1,8 @@
 """Greedy validation answers: the forecast of the decoder's τ, on the text the decoder meets.
 
 The validation split's answers were sampled (regen's temperature), and the decoder verifies greedy text, which a
-drafter predicts differently: on the H200 two settings raised the validation's forecast (`val_tau`) while lowering
-the decoder's τ (BENCHMARKS.md, twenty-seventh session). So the training can also score its drafter on the target's
+drafter predicts differently: a setting can raise the validation's forecast (`val_tau`) while lowering the
+decoder's τ. So the training can also score its drafter on the target's
 greedy answers to the validation split's first prompts (`train.greedy_val` of them), generated once here at the
 start of training and kept in `<run>/train/greedy_val.safetensors`. On that text the validation's simulated greedy
 chain is what eyas' decoder accepts round by round (`test_ttt_chain_simulates_the_decoders_acceptance`), and walking
@@ -47,8 +47,7 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
     """The target's greedy answer to each prompt, up to `max_new_tokens` tokens and through the first token that ends
     a turn (kept, as the decoder keeps it). engine: "static", regen's static-cache decode loop on eyas' own forward
     (all prompts in its rows at once); "generate", transformers' generate on prompts left-padded in batches of about
-    `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target. On the H200 generate took 59.5 s for
-    256 answers (51,659 tokens, twenty-eighth session), where the regeneration's static loop writes about 21k tok/s."""
+    `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target, since generate is far slower."""
     from .fastlm import fast_engine_runs
 
     if engine == "static" or (engine == "auto" and fast_engine_runs(target.model, "greedy validation")):

@@ -46,25 +46,19 @@ AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "d
             "data.extra_original": 120, "vocab.draft_vocab_size": 4096, "train.online": False, "train.epochs": 5,
             "train.batch_tokens": 1024, "train.val_ratio": 0.05, "eval.limit": 3,
             "eval.max_new_tokens": 64}
-# on a CPU that multiplies bf16 natively: the target in bf16 for regen and extraction (1.7x faster in
-# bench/cpu_bf16.py) and the drafter under bf16 autocast (1.65x): the default run takes 5 minutes instead
-# of 8. Evaluation stays fp32 (the lossless check)
+# on a CPU that multiplies bf16 natively: the target in bf16 for regen and extraction and the drafter under
+# bf16 autocast, both markedly faster there than fp32. Evaluation stays fp32 (the lossless check)
 AUTO_CPU_BF16 = {"target.dtype": "bfloat16", "eval.dtype": "float32", "train.precision": "bf16"}
 # every first turn of the ShareGPT package (its training split holds about 16,500; the PyPI file is cut short):
-# on one H200 that took 14.5 min end to end for SmolLM2 with τ 2.85 at K=3, against 9.5 min and τ 2.65 for
-# 10,000 prompts (BENCHMARKS.md, fourth session)
+# more data raises τ more than more epochs do, for a run that still takes minutes (docs/defaults.md)
 AUTO_GPU = {"regen.limit": 20000, "regen.turns": 1, "train.epochs": 8}
 # per preset, over AUTO_GPU: Qwen2.5-Coder-0.5B's regen and features cost more per token and its full-size
-# run is not measured yet, so it keeps the earlier 10,000. SmolLM2's drafter gets an MLP 4x the target's
-# (6,144): on the same 16,194 conversations validation step-0 accuracy rose from 0.687 to 0.699 and τ at K=3
-# from 2.74 to 2.78 on 80 chat prompts, training about as fast (BENCHMARKS.md, fifth session). It also keeps each
+# run is not measured yet, so it keeps 10,000. SmolLM2's drafter gets an MLP 4x the target's (6,144): a
+# higher τ, training about as fast, since the drafter's head dominates its cost. It also keeps each
 # conversation's later turns with their original answers after its regenerated first one (the labels stay the
-# target's own distribution) and trains 5 epochs: τ 3.03 in the pipeline's eval (2.78 for the first turns alone,
-# 8 epochs), and 2.87 / 3.70 at K=3 / 7 on 80 chat prompts against 2.83 / 3.56 for every turn regenerated, also 5
-# epochs, after about 800 s more regen (fourteenth and fifteenth GPU sessions; the regenerated later turns loop far
-# more than the original ones: bench/answer_stats.py). And it samples each first answer twice (regen.samples): τ 2.93 /
-# 3.57 / 3.79 at K=3 / 5 / 7 against 2.87 / 3.47 / 3.70 with one sample on the same text, eval τ 3.05, for about 60%
-# more of the pipeline's time (sixteenth GPU session)
+# target's own distribution; regenerated later turns loop far more, and cost much more regen) and trains 5
+# epochs. And it samples each first answer twice (regen.samples): a higher τ at every K for more of the
+# pipeline's time. The figures are in docs/defaults.md
 AUTO_GPU_PRESET = {"qwen-coder-0.5b": {"regen.limit": 10000},
                    "smollm2": {"train.draft_intermediate_size": 6144, "data.original_rest": True, "train.epochs": 5,
                                "regen.samples": 2}}

@@ -1,10 +1,9 @@
 """A training step replayed as one CUDA graph (`train.cuda_graph`).
 
-On an H200 a two-layer training step launches about 660 kernels holding 22.6 ms of GPU work, while the host took
-about 33 ms a step to launch them (BENCHMARKS.md, thirty-third session): the step waits on the host. Captured once
-as a graph (the labels, the TTT unroll, the loss, the backward, gradient clipping and AdamW), a step is one launch:
-on an H200 the pipeline's one-sample recipe then trained the same drafter (the same validation figures to the last
-digit) at 472.4k against 358.7k tokens a second (thirty-ninth session, BENCHMARKS.md).
+A small drafter's training step launches hundreds of kernels, and the host takes longer to launch them than the
+GPU takes to run them: the step waits on the host. Captured once as a graph (the labels, the TTT unroll, the loss,
+the backward, gradient clipping and AdamW), a step is one launch, and trains the same drafter faster (see
+BENCHMARKS.md).
 
 What a graph needs, and how the step gives it:
 - fixed addresses: every batch is copied into one set of buffers (`StaticBatch`) of the budget's shape, which the

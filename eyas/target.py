@@ -190,10 +190,9 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 # Captures (extraction, online features) run batches of ever new shapes (length-sorted, cut by a token budget).
-# On a GPU, cuDNN's attention builds a plan for each new shape: an H200 spent 2.7 s of host time in it over the 86
-# batches of a 2.7M-token SmolLM2 extraction (0.97 ms a call, against 0.06 ms once planned), which ran at 314k
-# tok/s where the same extraction repeated in the same process ran at 524k (BENCHMARKS.md, 2026-12-01, eighth
-# session). So captures take the attention kernels that need no plan (fastlm's one-off choice); False keeps
+# On a GPU, cuDNN's attention builds a plan for each new shape, which costs far more host time than the call
+# itself, so a first pass over new shapes runs much slower than a repeated one. So captures take the attention
+# kernels that need no plan (fastlm's one-off choice); False keeps
 # torch's default choice (bench/bench_extract.py compares the two).
 CAPTURE_WITHOUT_CUDNN = True
 

@@ -200,10 +200,9 @@ _worker: tuple | None = None  # in a worker process: (tokenizer, max_seq_len, re
 
 def _init_worker(tokenizer_dir: str, tokenizer_class: tuple[str, str], args) -> None:
     """A worker loads the tokenizer from the folder the parent saved it in, with the parent tokenizer's own class
-    (importing transformers' AutoTokenizer alone took 1.8 s on this project's CPU, the class's module 0.5 s). A
-    pickled tokenizer (1.6 MB for SmolLM2's) sent as the pool's initargs made each worker's start wait until the
-    one before had started Python, imported its modules and read it from the pipe: the workers started one after
-    another (bench/pool_startup.py)."""
+    (importing the class's own module is much quicker than transformers' AutoTokenizer). A pickled tokenizer
+    sent as the pool's initargs would make each worker's start wait until the one before had started Python,
+    imported its modules and read it from the pipe: the workers would start one after another."""
     import importlib
     import signal
 
@@ -222,9 +221,8 @@ def _tokenize_one(conv: Conversation) -> Tokenized:
 
 def _compact(t: Tokenized) -> Tokenized:
     """Tokens and mask as machine arrays: a worker's result crosses to the parent as bytes instead of a pickled
-    Python int per token, and TokenSet.from_tokenized joins them without a Python loop (the join of the three-sample
-    default's 36.8M tokens: 8-11 s before, 0.4-0.5 s with arrays, on this project's 2-core CPU:
-    bench/bench_tokenize.py)."""
+    Python int per token, and TokenSet.from_tokenized joins them without a Python loop (far quicker for tens of
+    millions of tokens)."""
     return Tokenized(t.id, array("i", t.input_ids), array("B", t.loss_mask), t.truncated)
 
 
@@ -242,8 +240,7 @@ def tokenize_workers(requested: int, n_convs: int) -> int:
 def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: list[int],
                  workers: int | None = None) -> tuple[list[Tokenized], dict]:
     """Every conversation tokenized with its loss mask, in order; with several workers in spawned processes
-    (a template's rendering and the tokenizer's call, about 5 ms a conversation on one core of this project's
-    CPU machine, were the stage's time: 134 s for 32,399 conversations on the H200 host; bench/bench_tokenize.py).
+    (a template's rendering and the tokenizer's call, a few ms a conversation on one core, are the stage's time).
     The result does not depend on the number of workers."""
     kept, stats = [], {"conversations": len(convs), "truncated": 0, "empty_mask": 0}
     args = (cfg.data.max_seq_len, cfg.data.reasoning, eot_ids)
@@ -437,9 +434,7 @@ def run_tokenize(cfg: Config, target=None) -> dict:
     n_masked = sum(sum(t.loss_mask) for t in items)
     clock.stop("write", t0)
     seconds = {k: round(v, 2) for k, v in clock.totals().items()}
-    # where the stage's time goes (the twentieth GPU session's took 103 s on the H200 host, of which its progress bar
-    # showed 7 s of tokenizing; this project's 2-core CPU tokenizes as many conversations in about 25 s:
-    # bench/bench_tokenize.py, BENCHMARKS.md)
+    # where the stage's time goes (reading, tokenizing, writing), so a slow stage shows which part to look at
     meta = {"source": source, "target": target.identity(), "inputs": tokens_inputs(cfg, target), **stats,
             "train_ids": [t.id for t in train],
             "val_ids": [t.id for t in val], "tokens": n_tok, "loss_tokens": n_masked, "seconds": seconds}

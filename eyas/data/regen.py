@@ -24,7 +24,7 @@ so without it a kill lost whole shards' worth of finished work). Conversations t
 Beside the first sample, `regen.samples` writes sample S as `shard-sS-*.jsonl` (record ids `<id>~sampleS`), and
 `regen.later_turns` the later answers of every conversation that has a later user turn as `shard-later-*.jsonl`
 (record ids `<id>~later`): its first answer as the data set has it, each later one generated with the data set's
-own earlier answers before it rather than the target's (which loop more with every turn: bench/answer_stats.py).
+own earlier answers before it rather than the target's (which loop more with every turn).
 """
 from __future__ import annotations
 
@@ -467,24 +467,22 @@ class StaticEngine(_Embedded):
 
     Row groups (off by default): the first quarter of the rows takes prompts longer than `long_prompt`
     tokens (and others when it has room), the rest the shorter ones, and each group's attention spans only
-    its own longest context (FastLM row groups). On an H200 (BENCHMARKS.md, fifth session) they gave no
-    gain on ShareGPT prompts: long prompts spill into the short rows, whose span then grows too.
+    its own longest context (FastLM row groups). They gain nothing on ShareGPT-like prompts: long prompts
+    spill into the short rows, whose span then grows too.
 
-    `check_every` (None: 16 on a GPU, 8 elsewhere): on an H200, 16 gave 2-5% more tokens/s than 8 in the
-    same runs; a host sync there leaves the GPU waiting, while on a CPU it costs nothing and a finished
-    row's idle steps cost as much as busy ones."""
+    `check_every` (None: 16 on a GPU, 8 elsewhere): on a GPU a host sync leaves the GPU waiting, so fewer
+    checks are faster, while on a CPU a sync costs nothing and a finished row's idle steps cost as much as
+    busy ones."""
     name = "static"
-    # on an H200 (SmolLM2, 2,048 ShareGPT prompts, greedy, 512 new tokens; bench/bench_regen.py, twentieth GPU
-    # session): 512 rows 23.7k tok/s against 21.9k and 22.2k with 256 (run first and last) and 22.1k with 1,024.
-    # Fewer where the cache would not fit (_rows_that_fit)
+    # rows a step on a GPU: 512 wrote the most tokens a second of 256, 512 and 1,024 (bench/bench_regen.py;
+    # BENCHMARKS.md). Fewer where the cache would not fit (_rows_that_fit)
     gpu_batch = 512
     check_every: int | None = None
     long_prompt = 256
     row_groups = False
     # overlap: queue the next decode steps before reading which rows finished, from a copy of the row state
-    # taken after the previous steps, so the GPU need not wait for the host at each check (the fifth session's
-    # profile: 9.9 s of wall time for 7.5 s of GPU work). On an H200 (sixth session) 25.3k vs 25.0k tok/s
-    # alone and 27.3k vs 25.8k with the fused norm
+    # taken after the previous steps, so the GPU need not wait for the host at each check (without it the GPU
+    # idles at every check)
     overlap = True
 
     def __init__(self, target, rc, reasoning, ctx_limit):
@@ -722,9 +720,9 @@ class StaticEngine(_Embedded):
 def embedded_engine(target, rc: RegenConfig) -> type[_Embedded]:
     """The engine class rc.engine names for this target (auto: static where it runs the target), built by no one."""
     engine = rc.engine
-    # auto never picks continuous: on an H200 (SmolLM2, batch 256) transformers 5.17's continuous batching ran
-    # at 0.44x the speed of the padded, length-grouped generate engine (bench/bench_regen.py)
-    if engine == "auto":  # static wherever it runs the target (on an idle CPU: 1.16x the generate engine)
+    # auto never picks continuous: transformers' continuous batching ran well below the padded, length-grouped
+    # generate engine (bench/bench_regen.py compares them)
+    if engine == "auto":  # static wherever it runs the target (faster than the generate engine, on a CPU too)
         from ..fastlm import fast_engine_runs
 
         engine = "static" if fast_engine_runs(target.model, "regen") else "generate"
@@ -748,8 +746,8 @@ def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
 
 class _Deferred:
     """An embedded engine built when a shard is left to write: a run whose every shard is on disk (carried, or
-    finished before) builds none. The static engine's KV cache is 30 GB on an H200, which torch's allocator kept
-    from the features that `eyas run` trains on next (BENCHMARKS.md, thirty-sixth session)."""
+    finished before) builds none. The static engine's KV cache can take tens of GB, which torch's allocator
+    would keep from the features that `eyas run` trains on next."""
 
     def __init__(self, target, rc: RegenConfig, reasoning: str, ctx_limit: int):
         self._args, self._engine = (target, rc, reasoning, ctx_limit), None
@@ -1190,8 +1188,7 @@ def _stats(xs: list[int]) -> dict:
 
 # an answer "loops" when at least LOOP_SHARE of its word LOOP_NGRAM-grams occurred earlier in it. A small target's own
 # answers loop often (SmolLM2's: a fifth of its first answers' tokens, a third to a half of its later ones', against
-# about 1% of ShareGPT's original answers; bench/answer_stats.py), and a drafter learns little from loops
-# (BENCHMARKS.md, fifteenth session), so the report counts them
+# about 1% of ShareGPT's original answers), and a drafter learns little from loops, so the report counts them
 LOOP_NGRAM, LOOP_SHARE = 6, 0.5
 
 
