@@ -95,8 +95,34 @@ def find_preset_gguf(name: str, cfg: TargetConfig | None = None) -> Path:
                     f"or point {info['env']} (or --gguf-file) at the file")
 
 
+class TargetShape:
+    """What a loaded target (Target) and its weight-free description (target_spec.TargetSpec) read alike from the
+    text model's config and the tokenizer."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def identity(self) -> dict:
+        """What makes features, vocab maps and drafters belong to this target."""
+        return {"name": self.name, "sha256": self.sha256, "num_layers": self.num_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers}
+
+
 @dataclass
-class Target:
+class Target(TargetShape):
     """A loaded target model plus what eyas needs to know about it."""
     model: Any
     tokenizer: Any
@@ -113,33 +139,12 @@ class Target:
         return text_config(self.model.config)
 
     @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def identity(self) -> dict:
-        """What makes features, vocab maps and drafters belong to this target."""
-        return {"name": self.name, "sha256": self.sha256, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers}
 
     def describe(self) -> dict:
         c = self.config

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from .config import TargetConfig
+from .target import TargetShape
 from .util import EyasError, human_bytes
 
 
 @dataclass(frozen=True)
-class TargetSpec:
+class TargetSpec(TargetShape):
     """A target described, weights not loaded. Same names as eyas.target.Target for what the two share, and the
     same identity(), so either can be handed to the stages that only read these."""
     name: str
@@ -40,27 +41,6 @@ class TargetSpec:
     @property
     def eot_token_ids(self) -> list[int]:
         return list(self.eot)
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def identity(self) -> dict:
-        """What makes features, vocab maps and drafters belong to this target (as Target.identity())."""
-        return {"name": self.name, "sha256": self.sha256, "num_layers": self.num_layers,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "aux_layers": self.aux_layers}
 
     def describe(self) -> dict:
         from .target import default_aux_layers
