@@ -306,6 +306,10 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, c: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = c
+        # from transformers' rope function, here rather than at the first forward, which torch.compile may trace;
+        # not a buffer: the checkpoint does not hold it
+        self.__dict__["_rope_freqs"] = RopeFrequencies(c.head_dim, c.num_attention_heads, c.rope_theta,
+                                                       c.max_position_embeddings, c.rope_scaling)
         if c.hidden_size != c.target_hidden_size:
             raise EyasError(f"drafter hidden size {c.hidden_size} must equal the target's {c.target_hidden_size} "
                             f"(the drafter reads the target's token embeddings)")
@@ -352,12 +356,7 @@ class Eagle3Drafter(nn.Module):
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """cos and sin [B, 1, T, head_dim] of the drafter's rope (its kind: eyas.rope) at these positions."""
-        freqs = self.__dict__.get("_rope_freqs")
-        if freqs is None:  # from transformers' rope function, once (not a buffer: the checkpoint does not hold it)
-            c = self.config
-            freqs = self.__dict__["_rope_freqs"] = RopeFrequencies(c.head_dim, c.num_attention_heads, c.rope_theta,
-                                                                   c.max_position_embeddings, c.rope_scaling)
-        return freqs.cos_sin(position_ids, dtype)
+        return self.__dict__["_rope_freqs"].cos_sin(position_ids, dtype)
 
     def fuse(self, max_len: int) -> None:
         """For decoding, after the drafter has its device and dtype: q/k/v and gate/up each as one product
