@@ -1074,19 +1074,17 @@ def test_a_checkpoint_with_non_finite_weights_is_neither_resumed_nor_fine_tuned_
         initial_drafter(cfg, tiny, load_vocab(tiny_run))
 
 
-def test_ctrl_c_stops_training_as_the_other_commands_stop(tiny_run, tiny, tmp_path, monkeypatch):
+def test_ctrl_c_stops_training_as_the_other_commands_stop(tiny_run, tiny, tmp_path):
     """Ctrl-C stops the training as KeyboardInterrupt (the CLI exits 130), after saving the step under way; SIGTERM
     as Terminated (143: test_sigterm_saves_the_step_under_way_and_resumes_the_same), as regen and the other
     commands do."""
-    import eyas.train as train_mod
     from eyas.util import Terminated
 
-    monkeypatch.setattr(train_mod, "STEP_HOOK", lambda s: s == 2 and os.kill(os.getpid(), signal.SIGINT))
     run = clone_run(tiny_run, tmp_path / "r")
     cfg = resolve(preset_name="tiny", overrides={"out": str(run), "train.batch_tokens": 512, "train.max_seq_len": 256,
                                                  "train.max_steps": 6, "train.greedy_val": 0})
     with pytest.raises(KeyboardInterrupt) as e:
-        run_train(cfg, tiny)
+        run_train(cfg, tiny, on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGINT))
     assert not isinstance(e.value, Terminated)
     assert json.loads((run / "ckpt" / "latest.json").read_text())["step"] == 3
 
