@@ -26,6 +26,22 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    # Kimi-K2's text model (Kimi-K2.5's is the same shape), under a multimodal wrapper's text_config as K2.5 ships it:
+    # MLA, 384 routed experts (8 a token) and a shared one, yarn. --layers and --experts cut it to fit one GPU.
+    "kimi-k2.5": dict(model_type="llava", vision_config=dict(model_type="clip_vision_model", hidden_size=32,
+                                                             intermediate_size=64, num_hidden_layers=1,
+                                                             num_attention_heads=2, image_size=28, patch_size=14),
+                      text_config=dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+                                       moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+                                       num_key_value_heads=64, n_routed_experts=384, num_experts_per_tok=8,
+                                       n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                       routed_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512,
+                                       qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                       vocab_size=163840, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                                       tie_word_embeddings=False,
+                                       rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=32.0,
+                                                            original_max_position_embeddings=4096, beta_fast=1.0,
+                                                            beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
 }
 
 
@@ -33,6 +49,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="the architecture to imitate")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's own)")
+    p.add_argument("--experts", type=int, default=0, help="routed experts of a MoE shape (default: the shape's own; "
+                   "at most the experts a token picks are kept)")
     p.add_argument("--tokenizer", default="smollm2", help="the eyas preset (or HF folder) whose tokenizer to copy")
     p.add_argument("--out", required=True, help="the folder to write (left as it is when it holds a config.json)")
     p.add_argument("--shape-only", action="store_true",
@@ -40,7 +58,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from eyas.config import TargetConfig, preset
     from eyas.target import load_tokenizer
@@ -49,16 +67,21 @@ def main(argv=None) -> int:
     if (out / "config.json").exists():
         print(f"{out} exists; kept")
         return 0
-    fields = dict(SHAPES[a.shape])
+    fields = json.loads(json.dumps(SHAPES[a.shape]))
+    text = fields.get("text_config", fields)
     if a.layers:
-        fields["num_hidden_layers"] = a.layers
+        text["num_hidden_layers"] = a.layers
+    if a.experts and "n_routed_experts" in text:
+        text["n_routed_experts"] = a.experts
+        text["num_experts_per_tok"] = min(text["num_experts_per_tok"], a.experts)
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    auto = AutoModelForImageTextToText if "text_config" in fields else AutoModelForCausalLM
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = None
     if not a.shape_only:
         with torch.device(dev):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            model = auto.from_config(cfg, dtype=torch.bfloat16)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if a.shape_only:

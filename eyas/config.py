@@ -319,8 +319,11 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         if origin is list:
             (inner,) = typing.get_args(tp)
-            if isinstance(value, str):
-                value = [v for v in (s.strip() for s in value.split(",")) if v]
+            if isinstance(value, str):  # "1,2,3" or, as TOML and Python write it, "[1, 2, 3]"
+                text = value.strip()
+                if text.startswith("[") and text.endswith("]"):
+                    text = text[1:-1]
+                value = [v for v in (s.strip().strip("'\"") for s in text.split(",")) if v]
             if not isinstance(value, (list, tuple)):
                 raise ValueError
             return [coerce(v, inner, key) for v in value]

@@ -508,3 +508,14 @@ def test_an_empty_out_is_refused(capsys):
         config_from_args(parser.parse_args(["regen", "--set", "out= "]), maps["regen"])
     assert main(["report", "--out", ""]) == 2
     assert "--out is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["1,2,3", "[1, 2, 3]", " [1,2,3] "])
+def test_a_list_setting_reads_commas_or_brackets(text):
+    cfg = C.Config()
+    C.set_key(cfg, "target.aux_layers", text)
+    assert cfg.target.aux_layers == [1, 2, 3]
+    C.set_key(cfg, "export.formats", "['vllm', \"sglang\"]")
+    assert cfg.export.formats == ["vllm", "sglang"]
+    with pytest.raises(EyasError, match="expected int, got 'x'"):
+        C.set_key(cfg, "target.aux_layers", "[1, x]")
