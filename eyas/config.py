@@ -41,6 +41,9 @@ class TargetConfig:
     tensor_parallel: bool = opt(False, "eyas extract under torchrun: shard the target's layers over the processes "
                                 "(transformers' tensor-parallel plan, tp_plan='auto'), for a target larger than one "
                                 "GPU; the processes compute the same batches and rank 0 writes the shards")
+    device_map: str = opt("", "split the target over this node's devices in one process (transformers' device_map): "
+                          "auto, balanced, sequential, or a JSON object of module -> device; for extraction, eval, "
+                          "parity and regen of a target larger than one GPU; empty: the whole target on target.device")
 
 
 @dataclass
