@@ -188,8 +188,8 @@ class ServerSource:
         self.base = _base_url(url)
         self.timeout = timeout
         self.headers = {"Content-Type": "application/json"}
-        if os.environ.get("EYAS_API_KEY"):
-            self.headers["Authorization"] = f"Bearer {os.environ['EYAS_API_KEY']}"
+        if os.environ.get("OPENAI_API_KEY"):  # as regen's server backend reads it by default; never logged
+            self.headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
         models = self._call("GET", "/v1/models")
         try:
             self.model = models["data"][0]["id"]
