@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .features import (FORMAT, MAX_SHARD_BYTES, PLAN_DEFAULTS, STORE_DTYPES, _check_manifest, _entry, _merge_index,
-                       _shard_matches, _shard_meta, _shard_name, _token_tensors, bytes_per_token, features_dir,
-                       plan_shards, quantize_fp8, target_top, tokens_sha256, write_safetensors)
+from .features import (FORMAT, MAX_SHARD_BYTES, PLAN_DEFAULTS, STORE_DTYPES, OnlineFeatures, _check_manifest, _entry,
+                       _merge_index, _shard_matches, _shard_meta, _shard_name, _token_tensors, bytes_per_token,
+                       features_dir, plan_batches, plan_shards, quantize_fp8, target_top, tokens_sha256,
+                       write_safetensors)
 from .util import EyasError, atomic_write_json, log, progress, read_json, sha256_file, sha256_json
 
 ENGINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -411,3 +412,38 @@ def run_engine_extract(cfg: Config) -> dict:
     log(f"extract: {sum(s['tokens'] for s in splits):,} tokens from vLLM ({extracted:,} read now) at "
         f"{res['tokens_per_s']} tok/s into {Path(cfg.out) / 'features'}")
     return res
+
+
+class EngineOnlineFeatures(OnlineFeatures):
+    """Online features for training whose target runs in an engine: OnlineFeatures (same samples, caches, warm-up)
+    with the engine's states, normed and ranked by the head the trainer holds, in place of the target's forward.
+    Each group of sequences a forward would have taken is asked of the engine at once (`requests` in parallel)."""
+
+    def __init__(self, head, tokens, source, final_norm: FinalNorm, requests: int = 16, **kw):
+        super().__init__(head, tokens, **kw)
+        self.source = source
+        self.final_norm = final_norm
+        self.lm_head = head.lm_head()
+        self.pool = ThreadPoolExecutor(max(1, requests))
+
+    def _forwards(self, seqs: list[torch.Tensor], batch_tokens: int):
+        order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k]))
+        for a, b in plan_batches([len(seqs[k]) for k in order], batch_tokens):
+            group = order[a:b]
+            got = list(self.pool.map(lambda k: self.source.fetch(seqs[k].long()), group))
+            feats = []
+            for k, (ids, states) in zip(group, got):
+                if not torch.equal(ids, seqs[k].long().cpu()):
+                    raise EyasError("the engine's states carry other token ids than the sequence asked for")
+                feats.append(to_features(states, self.final_norm, self.lm_head, self.lm_head.weight.dtype))
+            yield group, feats
+
+
+def engine_online_features(cfg: Config, head, tokens, cache_bytes: int = 0, host_bytes: int = 0):
+    """train.online with features.from_vllm: the trainer's features come from the engine as training asks for them."""
+    source = open_source(cfg.features.from_vllm, head.spec if hasattr(head, "spec") else head)
+    return EngineOnlineFeatures(head, tokens, source, FinalNorm(source.spec, head.final_norm_weight(),
+                                                                cfg.features.norm),
+                                requests=cfg.features.engine_requests,
+                                max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens),
+                                cache_bytes=cache_bytes, host_bytes=host_bytes, norm=cfg.features.norm)

@@ -266,3 +266,42 @@ def test_bad_engine_files_are_named(extracted, tmp_path):
         run_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(d)))
     with pytest.raises(EyasError, match=r"no such folder"):
         run_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(tmp_path / "nowhere")))
+
+
+def test_online_training_streams_features_from_the_server(extracted, tmp_path):
+    """train.online with features.from_vllm: the trainer holds the head, asks the engine for each batch's sequences
+    and gets what the target's own forward gives (OnlineFeatures in-process)."""
+    from eyas.data.prepare import load_tokens
+    from eyas.engine_features import engine_online_features
+    from eyas.features import OnlineFeatures
+    from eyas.target_head import load_target_head
+    from eyas.train import run_train
+    from eyas.vocab import run_vocab
+
+    tiny, ref = extracted
+    storage = tmp_path / "storage"
+    storage.mkdir()
+    handler = type("H", (_FakeVllm,), {"target": tiny, "storage": storage, "requests": []})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        run = tmp_path / "run"
+        engine_run(ref, run)
+        cfg = tiny_cfg(run, from_vllm=f"http://127.0.0.1:{srv.server_address[1]}")
+        toks = load_tokens(run, "train")
+        mine = engine_online_features(cfg, load_target_head(cfg.target), toks)
+        idx = [3, 0, 5]
+        for x, y in zip(OnlineFeatures(tiny, toks).get(idx), mine.get(idx)):
+            torch.testing.assert_close(y.aux, x.aux, rtol=0, atol=1e-5)
+            torch.testing.assert_close(y.final, x.final, rtol=0, atol=1e-5)
+            assert torch.equal(x.top, y.top) and torch.equal(x.input_ids, y.input_ids)
+        assert len(handler.requests) == 3
+        cfg.vocab.draft_vocab_size = 256
+        run_vocab(cfg, tiny)
+        cfg.train.online, cfg.train.greedy_val, cfg.train.max_steps, cfg.train.batch_tokens = True, 0, 2, 256
+        cfg.train.max_seq_len = 256
+        out = run_train(cfg)
+    finally:
+        srv.shutdown()
+    assert out["steps"] == 2 and out["target_held"] == "head"
+    assert len(handler.requests) > 3 and not list(storage.iterdir())
