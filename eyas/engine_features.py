@@ -46,6 +46,7 @@ from .util import EyasError, atomic_write_json, log, progress, read_json, sha256
 
 ENGINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 LOCK_TIMEOUT_S = 60.0  # how long a file whose writer still holds its .lock is waited for
+RETRIES = 3  # further tries of a request the server could not take (429, 5xx) or did not answer
 
 
 def engine_layer_ids(spec) -> list[int]:
@@ -204,16 +205,26 @@ class ServerSource:
         pass
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One request, tried again after 1, 2 and 4 s where the server is busy (429, 5xx) or did not answer."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers=self.headers)
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                raw = r.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            raise EyasError(f"{self.base}{path}: the server answered {e.code} ({detail})") from None
-        except (urllib.error.URLError, HTTPException, OSError) as e:
-            raise EyasError(f"{self.base}{path}: no answer ({getattr(e, 'reason', e)}); is the vLLM server up?") from None
+        for attempt in range(RETRIES + 1):
+            req = urllib.request.Request(self.base + path, data=data, method=method, headers=self.headers)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                    raw = r.read()
+                break
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:300]
+                if (e.code == 429 or e.code >= 500) and attempt < RETRIES:
+                    time.sleep(2 ** attempt)
+                    continue
+                raise EyasError(f"{self.base}{path}: the server answered {e.code} ({detail})") from None
+            except (urllib.error.URLError, HTTPException, OSError) as e:
+                if attempt < RETRIES:
+                    time.sleep(2 ** attempt)
+                    continue
+                raise EyasError(f"{self.base}{path}: no answer after {RETRIES + 1} tries ({getattr(e, 'reason', e)}); "
+                                f"is the vLLM server up?") from None
         try:
             return json.loads(raw)
         except ValueError:

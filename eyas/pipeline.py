@@ -253,7 +253,7 @@ def stage_runs_target(name: str, cfg: C.Config) -> bool:
     description (eyas.target_spec), the trainer on stored features its head (eyas.target_head)."""
     from .target_head import needs_whole_target
 
-    return (name == "regen" and cfg.regen.backend == "embedded" or name == "extract"
+    return (name == "regen" and cfg.regen.backend == "embedded" or name == "extract" and not cfg.features.from_vllm
             or name == "train" and bool(needs_whole_target(cfg)))
 
 

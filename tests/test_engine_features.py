@@ -170,6 +170,7 @@ class _FakeVllm(BaseHTTPRequestHandler):
     states are computed by the target's transformers forward and saved to the connector's storage."""
     target = storage = None
     requests: list = []
+    busy = 0  # answer 503 to this many completion requests first
     lock = threading.Lock()  # one forward at a time: the capture hook sits on the shared model
 
     def log_message(self, *a):
@@ -188,6 +189,10 @@ class _FakeVllm(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with self.lock:
+            if type(self).busy > 0:
+                type(self).busy -= 1
+                return self._send({"error": "engine busy"}, 503)
         type(self).requests.append(body)
         ids = torch.tensor(body["prompt"], dtype=torch.long)
         rid = f"cmpl-{uuid.uuid4().hex}-0"
@@ -204,7 +209,7 @@ def test_server_url_sends_eyas_tokens_and_reads_what_it_wrote(extracted, tmp_pat
     tiny, ref = extracted
     storage = tmp_path / "storage"
     storage.mkdir()
-    handler = type("H", (_FakeVllm,), {"target": tiny, "storage": storage, "requests": []})
+    handler = type("H", (_FakeVllm,), {"target": tiny, "storage": storage, "requests": [], "busy": 1})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     th = threading.Thread(target=srv.serve_forever, daemon=True)
     th.start()
@@ -218,6 +223,7 @@ def test_server_url_sends_eyas_tokens_and_reads_what_it_wrote(extracted, tmp_pat
     assert res["engine"]["model"] == "tiny"
     reqs = handler.requests
     assert len(reqs) == 8 and all(r["max_tokens"] == 1 and r["return_token_ids"] for r in reqs)
+    assert handler.busy == 0  # the one busy answer was tried again
     same_features(ref, run, atol=1e-5)
     assert not list(storage.iterdir())  # read, then deleted with their locks
 
@@ -305,3 +311,14 @@ def test_online_training_streams_features_from_the_server(extracted, tmp_path):
         srv.shutdown()
     assert out["steps"] == 2 and out["target_held"] == "head"
     assert len(handler.requests) > 3 and not list(storage.iterdir())
+
+
+def test_the_pipeline_loads_no_target_to_read_an_engine(tmp_path):
+    from eyas.pipeline import stage_runs_target
+
+    cfg = tiny_cfg(tmp_path)
+    assert stage_runs_target("extract", cfg)
+    cfg.features.from_vllm = "http://127.0.0.1:8000"
+    assert not stage_runs_target("extract", cfg)
+    cfg.train.online, cfg.train.greedy_val = True, 0  # online from the engine: the trainer holds the head
+    assert not stage_runs_target("train", cfg)
