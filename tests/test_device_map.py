@@ -60,3 +60,23 @@ def test_bad_device_maps_are_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(EyasError, match=r"target.device_map and target.tensor_parallel both split the target"):
         load_target(TargetConfig(name="tiny", device="cpu", device_map="cpu", tensor_parallel=True), allow_tp=True)
+
+
+def test_a_split_target_decodes_losslessly_on_transformers_forward(tiny):
+    """The eval's decoder on a target split by device_map (a layer on disk: accelerate's hooks, as between GPUs) takes
+    transformers' forward and writes the plain load's greedy tokens, speculative or not."""
+    from eyas.decode import Decoder
+    from eyas.draft import build_drafter
+    from eyas.evaluate import prompt_ids
+
+    m = _module_map(tiny)
+    m["model.layers.1"] = "disk"
+    split = load_target(TargetConfig(name="tiny", dtype="float32", device="cpu", device_map=json.dumps(m)))
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "Tell me about hawks."}])
+    plain = Decoder(tiny, d, k=3, max_len=128).generate(ids, 16, (), speculative=False).tokens
+    dec = Decoder(split, d, k=3, max_len=128)
+    assert dec.engine == "hf"
+    out = dec.generate(ids, 16, (), speculative=True)
+    assert out.tokens == plain and len(out.accepted) > 0
