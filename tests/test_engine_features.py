@@ -19,7 +19,7 @@ from eyas.features import OfflineFeatures, run_extract
 from eyas.target import load_target
 from eyas.util import EyasError, read_json
 from test_families import make_target, tokenizer_dir  # noqa: F401  (a fixture)
-from test_features import tiny_cfg, write_tokens
+from test_features import shard_hashes, tiny_cfg, write_tokens
 
 
 @torch.no_grad()
@@ -116,9 +116,15 @@ def test_vllm_files_become_the_shards_eyas_extract_writes_and_train(extracted, t
     same_features(ref, run, atol=1e-5)
     man = read_json(run / "features" / "train" / "manifest.json")
     assert man["source"] == {"engine": "vllm"} and man["engine"]["layer_ids"] == [*tiny.aux_layers, tiny.num_layers]
-    # run again: every shard is reused, nothing is read
+    # run again: every shard is reused, nothing is read; a shard lost is read again, the same bytes
+    before = shard_hashes(run)
     again = run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
     assert [s["extracted_tokens"] for s in again["splits"]] == [0, 0]
+    lost = run / "features" / "train" / "shard-000-00001.safetensors"
+    n_lost = read_json(run / "features" / "train" / "index.json")["shards"][1]["tokens"]
+    lost.unlink()
+    again = run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
+    assert [s["extracted_tokens"] for s in again["splits"]] == [n_lost, 0] and shard_hashes(run) == before
     # an in-process extraction into the same folder does not mix its shards with the engine's
     with pytest.raises(EyasError, match=r"manifest.json: features were extracted with other settings \(source"):
         run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128), tiny)
