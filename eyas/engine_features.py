@@ -46,6 +46,7 @@ from .util import EyasError, atomic_write_json, log, progress, read_json, sha256
 
 ENGINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 LOCK_TIMEOUT_S = 60.0  # how long a file whose writer still holds its .lock is waited for
+APPEAR_TIMEOUT_S = 10.0  # how long a file the server named may take to appear
 RETRIES = 3  # further tries of a request the server could not take (429, 5xx) or did not answer
 
 
@@ -244,6 +245,9 @@ class ServerSource:
                             f"{_launch_hint(self.spec)} and --kv-transfer-config '{{\"kv_connector\": "
                             f"\"ExampleHiddenStatesConnector\", \"kv_role\": \"kv_producer\", ...}}'")
         p = Path(path)
+        deadline = time.monotonic() + APPEAR_TIMEOUT_S  # the answer may come before the writer made its lock
+        while not p.exists() and not Path(path + ".lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not p.exists() and not Path(path + ".lock").exists():
             raise EyasError(f"{p}: the server wrote its hidden states here, but this machine cannot see the file; run "
                             f"eyas where the connector's shared_storage_path is mounted")

@@ -328,3 +328,27 @@ def test_the_pipeline_loads_no_target_to_read_an_engine(tmp_path):
     assert not stage_runs_target("extract", cfg)
     cfg.train.online, cfg.train.greedy_val = True, 0  # online from the engine: the trainer holds the head
     assert not stage_runs_target("train", cfg)
+
+
+def test_a_server_whose_files_are_not_visible_here_is_named(extracted, tmp_path, monkeypatch):
+    """The connector's storage is on the server's machine only: the file the answer names never appears here."""
+    import eyas.engine_features as ef
+
+    class Elsewhere(_FakeVllm):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self._send({"choices": [{"prompt_token_ids": body["prompt"]}],
+                        "kv_transfer_params": {"hidden_states_path": "/elsewhere/hs/cmpl-1-0.safetensors"}})
+
+    monkeypatch.setattr(ef, "APPEAR_TIMEOUT_S", 0.2)
+    tiny, ref = extracted
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Elsewhere)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        run = tmp_path / "run"
+        engine_run(ref, run)
+        with pytest.raises(EyasError, match=r"/elsewhere/hs/cmpl-1-0.safetensors: the server wrote its hidden states "
+                                            r"here, but this machine cannot see the file"):
+            run_extract(tiny_cfg(run, from_vllm=f"http://127.0.0.1:{srv.server_address[1]}"))
+    finally:
+        srv.shutdown()
