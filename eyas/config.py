@@ -117,9 +117,10 @@ class FeaturesConfig:
                     "modules: normalize in fp32, round, times the weight) or one_kernel (torch's fused rms_norm in the "
                     "model's dtype, one rounding, as eyas' decoder runs the target: FastLM.norm_one_kernel); in bf16 "
                     "they round differently (docs/defaults.md)", choices=("hf", "one_kernel"))
-    from_vllm: str = opt("", "eyas extract: read the features from vLLM's hidden-state extraction instead of running the "
-                         "target here: the http:// URL of a vLLM server started for it (eyas sends its own tokens) or a "
-                         "folder of the files its connector wrote (docs/features.md: engines)")
+    from_vllm: str = opt("", "read the target's features from vLLM's hidden-state extraction instead of running the "
+                         "target here (eyas extract, and train --online): the http:// URL of a vLLM server started for "
+                         "it (eyas sends its own tokens) or a folder of the files its connector wrote "
+                         "(docs/features.md: engines)")
     engine_requests: int = opt(16, "with features.from_vllm: requests sent to the server at once")
 
 
