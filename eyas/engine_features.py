@@ -1,6 +1,6 @@
 """Feature shards from a serving engine that already runs the target: vLLM's hidden-state extraction.
 
-vLLM (0.23; speculators 0.9.0 drives the same path) serves a target with the speculative method
+vLLM (0.23 and 0.26 read; speculators 0.9.0 drives the same path) serves a target with the speculative method
 `extract_hidden_states` and the `ExampleHiddenStatesConnector`. For each request it writes one safetensors file:
     hidden_states [T, L, H] in the model's dtype: the residual streams of the configured layer ids
                   (`eagle_aux_hidden_state_layer_ids`) stacked in ascending layer order; id k < N is the stream
@@ -20,7 +20,8 @@ Two ways in: a folder of files the engine already wrote (matched to eyas' sequen
 the files are called: `<request id>.safetensors` as vLLM names them, `hs_<i>.safetensors` as speculators renames
 them), or the server's URL: eyas sends each of its tokenized sequences to /v1/completions (max_tokens 1), reads
 the file the answer names (`kv_transfer_params.hidden_states_path`; the server's storage must be visible here) and
-deletes it.
+deletes it. EngineOnlineFeatures does the same for training with online features (train.online): OnlineFeatures with
+the engine in place of the target's forward.
 """
 from __future__ import annotations
 
