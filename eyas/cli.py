@@ -21,7 +21,7 @@ from .util import RUN_LOCK, EyasError, NotBuiltError, Terminated, log, run_lock
 # a section, or "section:field,field" for the fields of it a command reads (the eval reads the data settings that
 # find its held-out prompts, not those of tokenizing; no stage but extract runs the target tensor-parallel)
 EVAL_DATA = "data:source,val_ratio,test_ratio,strict"
-EVAL_TARGET = "target:name,gguf_file,dtype,device,aux_layers,cache_dir,trust_remote_code"
+EVAL_TARGET = "target:name,gguf_file,dtype,device,device_map,aux_layers,cache_dir,trust_remote_code"
 # subcommand -> (help, config sections whose fields become flags, "module:function" of the stage)
 COMMANDS: dict[str, tuple[str, list[str], str]] = {
     "run": ("run the whole pipeline over one run directory (regen, tokenize, vocab, features, train, eval, export)",

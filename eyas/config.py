@@ -41,6 +41,9 @@ class TargetConfig:
     tensor_parallel: bool = opt(False, "eyas extract under torchrun: shard the target's layers over the processes "
                                 "(transformers' tensor-parallel plan, tp_plan='auto'), for a target larger than one "
                                 "GPU; the processes compute the same batches and rank 0 writes the shards")
+    device_map: str = opt("", "split the target over this node's devices in one process (transformers' device_map): "
+                          "auto, balanced, sequential, or a JSON object of module -> device; for extraction, eval, "
+                          "parity and regen of a target larger than one GPU; empty: the whole target on target.device")
 
 
 @dataclass
@@ -114,6 +117,11 @@ class FeaturesConfig:
                     "modules: normalize in fp32, round, times the weight) or one_kernel (torch's fused rms_norm in the "
                     "model's dtype, one rounding, as eyas' decoder runs the target: FastLM.norm_one_kernel); in bf16 "
                     "they round differently (docs/defaults.md)", choices=("hf", "one_kernel"))
+    from_vllm: str = opt("", "read the target's features from vLLM's hidden-state extraction instead of running the "
+                         "target here (eyas extract, and train --online): the http:// URL of a vLLM server started for "
+                         "it (eyas sends its own tokens) or a folder of the files its connector wrote "
+                         "(docs/features.md: engines)")
+    engine_requests: int = opt(16, "with features.from_vllm: requests sent to the server at once")
 
 
 @dataclass

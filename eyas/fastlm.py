@@ -34,6 +34,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .device_map import devices_of, is_split
 from .util import EyasError, compile_failure, log
 
 # model types whose forward is exactly what FastLM computes: unscaled embeddings; per layer
@@ -66,6 +67,9 @@ def supported(model) -> tuple[bool, str]:
     c = model.config
     arch = (getattr(c, "architectures", None) or [type(model).__name__])[0]
     mt = getattr(c, "model_type", "?")
+    if is_split(model):
+        return False, (f"{arch} is split over {', '.join(sorted(devices_of(model)))} (target.device_map); FastLM runs "
+                       f"a model on one device")
     if mt not in SUPPORTED_TYPES:
         return False, (f"{arch} (model_type '{mt}') is not an architecture FastLM implements "
                        f"(it runs {', '.join(SUPPORTED_TYPES)})")

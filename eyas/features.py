@@ -627,6 +627,8 @@ def _check_manifest(path: Path, want: dict) -> None:
     have = {**PLAN_DEFAULTS, **read_json(path)}
     want = {**PLAN_DEFAULTS, **want}
     diffs = [k for k in want if have.get(k) != want[k]]
+    if have.get("source") != want.get("source") and "source" not in diffs:  # an engine's features, or not
+        diffs.append("source")
     if not diffs:
         return
     if "target" in diffs:
@@ -635,7 +637,7 @@ def _check_manifest(path: Path, want: dict) -> None:
                         f"{have.get('target', {}).get('aux_layers')}), not {want['target']['name']} "
                         f"(sha256 {want['target']['sha256']}, aux layers {want['target']['aux_layers']}); "
                         f"delete {path.parent} or use another --out")
-    detail = ", ".join(f"{k}: {have.get(k)!r} -> {want[k]!r}" for k in diffs)
+    detail = ", ".join(f"{k}: {have.get(k)!r} -> {want.get(k)!r}" for k in diffs)
     raise EyasError(f"{path}: features were extracted with other settings ({detail}); finish them with the "
                     f"same settings, or delete {path.parent} to start over")
 
@@ -862,6 +864,10 @@ def run_extract(cfg: Config, target=None) -> dict:
     from .data.prepare import ensure_tokens
     from .target import load_target
 
+    if cfg.features.from_vllm:  # the engine ran the target: read its states, load only the head here
+        from .engine_features import run_engine_extract
+
+        return run_engine_extract(cfg)
     rank, world, local = dist_env()
     own_pg = False
     if world > 1:

@@ -95,7 +95,8 @@ def autosize(cfg: C.Config, device_type: str, cpu_bf16: bool | None = None) -> d
 
 # settings that change how a stage runs, not what it writes: left out of the stage keys, so changing them
 # (or a new eyas adding one) does not rerun finished stages
-EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel", "regen.concurrency",
+EXECUTION_ONLY = {"target.device", "target.cache_dir", "target.tensor_parallel", "target.device_map",
+                  "features.from_vllm", "features.engine_requests", "regen.concurrency",
                   "regen.timeout", "regen.retries", "regen.backoff", "train.num_workers",
                   "train.feature_cache_gb", "train.feature_cache_host_gb", "train.feature_cache_keep",
                   "train.parallel", "train.cuda_graph", "train.compile_loss", "train.compile_drafter",
@@ -253,7 +254,7 @@ def stage_runs_target(name: str, cfg: C.Config) -> bool:
     description (eyas.target_spec), the trainer on stored features its head (eyas.target_head)."""
     from .target_head import needs_whole_target
 
-    return (name == "regen" and cfg.regen.backend == "embedded" or name == "extract"
+    return (name == "regen" and cfg.regen.backend == "embedded" or name == "extract" and not cfg.features.from_vllm
             or name == "train" and bool(needs_whole_target(cfg)))
 
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import TargetConfig
+from .device_map import parse_device_map
 from .util import EyasError, atomic_path, atomic_write_json, file_lock, installed_file, log, sha256_file
 
 # preset name -> (package(s), file(s) inside them, cache name, env var holding a path to the GGUF)
@@ -257,8 +258,9 @@ def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None,
     finally:
         for h in handles:
             h.remove()
-    final = out.last_hidden_state
-    aux = torch.cat([grabbed[a] for a in aux_layers], dim=-1)
+    # a target split by target.device_map leaves each state on its layer's device: gathered where the input is
+    final = out.last_hidden_state.to(input_ids.device)
+    aux = torch.cat([grabbed[a].to(input_ids.device) for a in aux_layers], dim=-1)
     return aux, final
 
 
@@ -597,9 +599,16 @@ def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Targ
     device = _pick_device(cfg.device)
     dtype = _pick_dtype(cfg.dtype, device)
     tok = _tokenizer_from(cfg, source)
+    placed = {"tp_plan": "auto"} if tp else {}
+    if cfg.device_map:  # split over the node's devices by transformers; placed as it loads
+        if tp:
+            raise EyasError("target.device_map and target.tensor_parallel both split the target: choose one")
+        placed = {"device_map": parse_device_map(cfg.device_map)}
+        if isinstance(placed["device_map"], dict) and "disk" in placed["device_map"].values():
+            placed["offload_folder"] = str(cache_root(cfg) / "offload")  # layers read from disk as they run
     try:
         model = _auto_class(source).from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                                    **({"tp_plan": "auto"} if tp else {}))
+                                                    **placed)
     except OSError as e:
         raise _load_error(cfg, source, "model", e) from None
     except SafetensorError as e:  # a weights file cut short (a copy or download that stopped) or damaged
@@ -610,7 +619,7 @@ def load_target(cfg: TargetConfig | None = None, allow_tp: bool = False) -> Targ
         raise EyasError(f"target '{cfg.name}' could not be split over {tp} processes with transformers' "
                         f"tensor-parallel plan ({type(e).__name__}: {e}); its attention heads must divide "
                         f"evenly by the process count") from None
-    if not tp:  # a tensor-parallel model is already placed, one slice per process
+    if not placed:  # a tensor-parallel model is already placed, one slice per process; a device_map'ed one too
         model.to(device)
     model.eval()
     model.requires_grad_(False)

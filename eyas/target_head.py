@@ -234,7 +234,7 @@ def head_for_labels(target, ids: torch.Tensor, features) -> nn.Module:
 def needs_whole_target(cfg) -> str:
     """Why training `cfg` runs the target's decoder layers, in words; "" where its head is all it needs (stored
     features, no greedy validation answers to make)."""
-    if cfg.train.online:
+    if cfg.train.online and not cfg.features.from_vllm:  # from vLLM, the head norms and ranks the engine's states
         return "its features are computed online (train.online)"
     if cfg.train.greedy_val > 0:
         return ("the target answers validation prompts greedily (train.greedy_val; --greedy-val 0 trains holding "

@@ -180,6 +180,10 @@ class Data:
 
 
 def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0, host_bytes: int = 0):
+    if cfg.train.online and cfg.features.from_vllm:  # the target runs in vLLM; this process holds its head
+        from .engine_features import engine_online_features
+
+        return engine_online_features(cfg, target, tokens, cache_bytes, host_bytes)
     if cfg.train.online:
         from .features import OnlineFeatures
 

@@ -155,7 +155,9 @@ def test_stage_keys_ignore_how_a_stage_runs():
     same = stage_keys(C.resolve(None, "smollm2", {"target.device": "cpu", "target.cache_dir": "/x",
                                                    "target.tensor_parallel": "true", "regen.concurrency": "4",
                                                    "train.feature_cache_keep": "longest",
-                                                   "train.compile_loss": "off", "train.compile_drafter": "on"}))
+                                                   "train.compile_loss": "off", "train.compile_drafter": "on",
+                                                   "target.device_map": "auto", "features.engine_requests": "4",
+                                                   "features.from_vllm": "http://127.0.0.1:8000"}))
     assert same == base
     lr = stage_keys(C.resolve(None, "smollm2", {"train.lr": "3e-4"}))
     names = [s[0] for s in STAGES]
