@@ -30,7 +30,7 @@ def load_eval_drafter(path: str | Path, target):
     if not (path / "config.json").exists():
         raise EyasError(f"drafter folder {path} not found or has no config.json (train one with `eyas train`, "
                         f"or pass --draft)")
-    from .export import import_drafter
+    from .formats import import_drafter
 
     return import_drafter(path, target)  # an eyas folder through load_drafter; a damaged config.json is named
 
@@ -41,7 +41,7 @@ def recorded_aux_layers(path: str | Path) -> list[int] | None:
     folder records none (the engines then use the target's default) or cannot be read (the loader says why)."""
     import json
 
-    from .export import config_aux_ids
+    from .aux_layers import config_aux_ids
 
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
@@ -58,7 +58,7 @@ def adopt_drafter_aux_layers(target, path: str | Path, explicit: bool = False) -
     """Capture the layers the drafter at `path` was trained on. Unless the user named the target's aux layers
     (`explicit`: then a drafter trained on others is refused when it is loaded, saying which), the target takes
     the drafter's recorded ones, so `eyas eval --set eval.draft=DIR` needs no `target.aux_layers`."""
-    from .draft import check_drafter_aux_layers
+    from .aux_layers import check_drafter_aux_layers
 
     aux = recorded_aux_layers(path)
     if explicit or aux is None or list(aux) == list(target.aux_layers):
@@ -278,7 +278,7 @@ def report_groups(path: str | Path, method: str | None = None) -> dict:
     1), rounds) in prompt order, `ids` (or None), `texts` (or None), `read` (what was read), `unit` (conversations
     or prompts) and `settings`: what decides the text of each group (prompts, target, K, ...), as far as the report
     records it."""
-    from .draft import json_kind
+    from .util import json_kind
 
     p = Path(path)
     if p.is_dir():

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .aux_layers import check_aux_layers, default_aux_layers
 from .config import TargetConfig
 from .util import EyasError, atomic_path, atomic_write_json, file_lock, installed_file, log, sha256_file
 
@@ -47,20 +48,6 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, n
 def cache_root(cfg: TargetConfig | None = None) -> Path:
     d = (cfg.cache_dir if cfg and cfg.cache_dir else "") or os.environ.get("EYAS_CACHE") or "~/.cache/eyas"
     return Path(d).expanduser()
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:
-    if len(aux) != 3:
-        raise EyasError(f"target.aux_layers must name 3 layers, got {aux}")
-    for a in aux:
-        if not 0 <= a <= num_layers:
-            raise EyasError(f"target.aux_layers: layer {a} is out of range for a target with {num_layers} "
-                            f"decoder layers (valid: 0..{num_layers}, where {num_layers} is the final pre-norm state)")
-    return list(aux)
 
 
 def find_preset_gguf(name: str, cfg: TargetConfig | None = None) -> Path:

@@ -24,8 +24,10 @@ from safetensors.torch import load_file, save_file
 from eyas import config as C
 from eyas.config import Config
 from eyas.draft import build_drafter, save_drafter
-from eyas.export import (check_checkpoint, engine_aux_ids, export_drafter, eyas_aux_ids, import_drafter,
-                         run_export, verifier_architectures, verifier_name)
+from eyas.aux_layers import engine_aux_ids, eyas_aux_ids
+from eyas.draft_config import check_checkpoint
+from eyas.export import export_drafter, run_export, verifier_architectures, verifier_name
+from eyas.formats import import_drafter
 from eyas.util import EyasError
 
 DRAFT_VOCAB = 2048

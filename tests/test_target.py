@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eyas.config import TargetConfig
-from eyas.target import check_aux_layers, default_aux_layers, load_target
+from eyas.aux_layers import check_aux_layers, default_aux_layers
+from eyas.target import load_target
 from eyas.util import EyasError
 
 
