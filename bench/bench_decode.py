@@ -104,7 +104,7 @@ def bench_drafter(spec: str, target):
     import torch
 
     from eyas.draft import build_drafter
-    from eyas.evaluate import adopt_drafter_aux_layers, load_eval_drafter
+    from eyas.evaluate import drafter_aux_layers, load_eval_drafter
 
     if spec in ("", "untrained") or spec.startswith("untrained:"):
         layers = spec.partition(":")[2]
@@ -112,7 +112,7 @@ def bench_drafter(spec: str, target):
             raise SystemExit(f"--draft {spec}: the layer count after 'untrained:' must be a whole number >= 1")
         torch.manual_seed(0)
         return build_drafter(target, 32000, intermediate_size=6144, num_layers=int(layers or 1))
-    adopt_drafter_aux_layers(target, spec)
+    target.aux_layers = drafter_aux_layers(target, spec)  # this benchmark's own target captures them
     return load_eval_drafter(spec, target)
 
 
@@ -171,7 +171,7 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
            "prefill_s": prefill_s, "target_forwards": steps,
            "ms_per_forward_after_prefill": 1e3 * (secs - prefill_s) / steps if steps else None}
     if speculative:
-        from eyas.evaluate import round_sums, tau_interval
+        from eyas.eval_stats import round_sums, tau_interval
 
         k = dec.k
         hist = [acc.count(i) for i in range(k + 1)]

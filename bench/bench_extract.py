@@ -37,8 +37,9 @@ from eyas.data import read_dataset
 from eyas.data.prepare import TokenSet, tokens_dir
 from eyas.data.tokenize import tokenize_conversation
 from eyas.fastlm import one_off_kernels
-from eyas.features import (MAX_SHARD_BYTES, _pad_batch, bytes_per_token, extract_split, plan_batches, plan_shards,
-                           quantize_fp8, target_top)
+from eyas.features import (MAX_SHARD_BYTES, bytes_per_token, extract_split, plan_batches, plan_shards, quantize_fp8,
+                           target_top)
+from eyas.features.extract import _pad_batch
 from eyas.target import load_target
 from eyas.util import atomic_write_json
 from eyas.vocab import choose_vocab, count_tokens, required_token_ids
@@ -218,8 +219,9 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     the captures use cuDNN's attention (after the baselines, whose plain forwards planned these shapes);
     fresh=1 empties torch's cache of pinned host memory first, so this run pins its shard buffers anew as a
     process's first extraction does (later runs otherwise reuse the first one's), and bg=0 pins them all on
-    the main thread before the loop, as eyas did before the background pinning (features._ShardBuffers)."""
-    import eyas.features as F
+    the main thread before the loop, as eyas did before the background pinning (eyas.features.shards._ShardBuffers)."""
+    import eyas.features.extract as F  # where the extraction looks up its writer threads and buffers
+    import eyas.features.shards as FS  # where the shard writer looks up write_safetensors
 
     opts = opts or {}
     shutil.rmtree(run, ignore_errors=True)
@@ -232,7 +234,7 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     cfg.features.batch_tokens = args.batch_tokens
     import eyas.target as T
 
-    saved = F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers
+    saved = F.writer_threads, FS.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers
     if opts.get("bg", "1") == "0":
         class MainThreadBuffers(saved[3]):
             def __init__(self, n_tokens, hidden, dtype, pin, count=3, device=None):
@@ -251,7 +253,7 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
     if "threads" in opts:
         F.writer_threads = lambda: int(opts["threads"])
     if opts.get("hash", "1") == "0" or opts.get("write", "1") == "0":
-        F.write_safetensors = lambda path, tensors, meta, times=None: saved[1](
+        FS.write_safetensors = lambda path, tensors, meta, times=None: saved[1](
             path, tensors, meta, times, hash_data=opts.get("hash", "1") != "0", write_data=opts.get("write", "1") != "0")
     dev = target.device
     try:
@@ -261,14 +263,14 @@ def extract_once(args, target, tokens: TokenSet, run: Path, dtype: str, opts: di
         sync(dev)
         dt = time.perf_counter() - t0
     finally:
-        F.writer_threads, F.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers = saved
+        F.writer_threads, FS.write_safetensors, T.CAPTURE_WITHOUT_CUDNN, F._ShardBuffers = saved
     man = json.loads((Path(info["dir"]) / "manifest.json").read_text())
     shutil.rmtree(run, ignore_errors=True)
     return dt, info, man
 
 
 def loop_steps(target, batches, tokens: TokenSet, dev) -> dict:
-    """The extraction loop (features._extract_shard) built up step by step, tok/s of each prefix."""
+    """The extraction loop (eyas.features.extract._extract_shard) built up step by step, tok/s of each prefix."""
     lm_head = target.model.get_output_embeddings()
     H = target.hidden_size
     pin = dev.type == "cuda"

@@ -109,7 +109,8 @@ def write_features(target, tokens, out: Path, start: int, batch_tokens: int) -> 
     import torch
     from safetensors.torch import save_file
 
-    from eyas.features import _pad_batch, plan_batches
+    from eyas.features import plan_batches
+    from eyas.features.extract import _pad_batch
     from eyas.target import capture_hidden
     from eyas.util import to_device
 

@@ -252,7 +252,7 @@ def cmd_parity(cfg: C.Config, args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .evaluate import compare_reports
+    from .eval_stats import compare_reports
 
     r = compare_reports(args.a, args.b, args.method, args.level)
     if args.json:

@@ -18,7 +18,6 @@ Parameter names follow the EAGLE/SGLang layout (`fc`, `midlayer.*`, `norm`, `lm_
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -26,153 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fastlm import fuse_linears, held_fusion, llama_rms_norm
-from .rope import RopeFrequencies, check_rope_scaling, target_rope
-from .variants import VARIANTS, check_variants
-from .util import EyasError, atomic_path, read_json, refuse_non_finite, writing
+from safetensors.torch import save_file
+
+from .aux_layers import check_drafter_aux_layers
+from .draft_config import (EYAS_FORMAT, NON_FINITE, DraftConfig, check_fits, check_tensors, is_eyas_config,
+                           read_config, read_safetensors)
+from .fastlm import compiled, fuse_linears, held_fusion, llama_rms_norm
+from .rope import RopeFrequencies
+from .util import DAMAGED, EyasError, atomic_path, refuse_non_finite, writing
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-EYAS_FORMAT = 1  # config.json's `eyas_format` in the drafter folders save_drafter writes
-# what to do about a drafter file eyas cannot read: it was damaged or edited by hand after eyas wrote it
-DAMAGED = ("restore it from a copy, or make the folder again (`eyas train` writes a run's draft/, `eyas export` "
-           "its export/)")
-# a drafter whose weights hold NaN or Inf: refused when written or read (it drafts nothing a target accepts, and
-# evaluated it would still pass as lossless)
-NON_FINITE = ("the drafter's weights diverged or the file is damaged: train it again (with a lower train.lr or "
-              "train.grad_clip if the training diverged), or restore the folder from a copy")
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_hidden_size: int
-    target_vocab_size: int
-    draft_vocab_size: int
-    aux_layers: list[int]
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 8192
-    target_num_layers: int = 0
-    target: dict = field(default_factory=dict)  # the target's identity (name, sha256, ...)
-    num_hidden_layers: int = 1  # decoder layers: the first reads the embedding and the hidden state, the rest plain
-    # the rope kind and its settings as the engines read them (eyas.rope); None: plain rope of rope_theta
-    rope_scaling: dict | None = None
-    # the speculators format's drafter variants (its Eagle3SpeculatorConfig flags, same names and meaning):
-    norm_before_residual: bool = False  # the first layer's residual is hidden_norm(h), not h
-    norm_before_fc: bool = False        # one RMSNorm over concat(aux) before fc (`input_norm`)
-    fc_norm: bool = False               # an RMSNorm on each aux state before fc (`fc_norm.<i>`)
-    norm_output: bool = False           # the state fed back is norm(h''), the one lm_head reads
-    layer_type: str = "llama"           # decoder layer: llama, or qwen3 (RMSNorm on each q and k head)
-
-    @classmethod
-    def from_target(cls, target, draft_vocab_size: int, intermediate_size: int = 0,
-                    num_layers: int = 1, variants: dict | None = None) -> "DraftConfig":
-        """A drafter for `target`; `variants`: DraftConfig's variant fields to set (norm_before_residual, ...)."""
-        c = target.config
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        if getattr(c, "kv_lora_rank", None) and getattr(c, "v_head_dim", None):
-            # MLA (DeepSeek-V3, Kimi-K2): its head_dim is the rope part of a query head alone; the drafter's Llama
-            # layer takes whole heads of the value width over the hidden size instead (DeepSeek-V3: 56 of 128)
-            head_dim = c.v_head_dim
-            heads = kv_heads = max(1, c.hidden_size // head_dim)
-        theta, rope_scaling = target_rope(c, f"target '{getattr(target, 'name', '?')}'")
-        return cls(hidden_size=c.hidden_size, intermediate_size=intermediate_size or c.intermediate_size,
-                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                   target_hidden_size=c.hidden_size, target_vocab_size=c.vocab_size,
-                   draft_vocab_size=min(draft_vocab_size, c.vocab_size), aux_layers=list(target.aux_layers),
-                   rms_norm_eps=c.rms_norm_eps, rope_theta=float(theta),
-                   max_position_embeddings=c.max_position_embeddings, target_num_layers=c.num_hidden_layers,
-                   target=target.identity(), num_hidden_layers=int(num_layers), rope_scaling=rope_scaling,
-                   **check_variants(variants or {}, "drafter variants"))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict, where: str = "drafter config") -> "DraftConfig":
-        """From a saved config (a drafter folder's config.json, a checkpoint's state), each field checked for its
-        type: a damaged or hand-edited file is refused naming `where` and the field, where it would otherwise fail
-        deep inside torch, or compare "64" with 64."""
-        if not isinstance(d, dict):
-            raise EyasError(f"{where}: expected a JSON object of drafter settings, got {json_kind(d)}; {DAMAGED}")
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        for f in fields(cls):
-            if f.name not in known:
-                if f.default is MISSING and f.default_factory is MISSING:
-                    raise EyasError(f"{where}: field '{f.name}' is missing; {DAMAGED}")
-                continue
-            v = known[f.name]
-            if f.name == "aux_layers":
-                check_drafter_aux_layers(v, where, field="aux_layers")
-            elif f.name == "rope_scaling":
-                known[f.name] = check_rope_scaling(v, where)
-            elif f.name in VARIANTS:
-                continue  # checked together below (some exclude others)
-            elif f.name == "target":
-                if not isinstance(v, dict):
-                    raise EyasError(f"{where}: field 'target' must be an object, got {json_kind(v)}; {DAMAGED}")
-            elif f.name in _FLOAT_FIELDS:
-                if not _is_number(v) or not v > 0:
-                    raise EyasError(f"{where}: field '{f.name}' must be a positive number, got {json_kind(v)}; "
-                                    f"{DAMAGED}")
-                known[f.name] = float(v)
-            elif not is_int(v) or v < (0 if f.name == "target_num_layers" else 1):
-                want = "a whole number, 0 or more" if f.name == "target_num_layers" else "a positive whole number"
-                raise EyasError(f"{where}: field '{f.name}' must be {want}, got {json_kind(v)}; {DAMAGED}")
-        check_variants({k: known[k] for k in VARIANTS if k in known}, where)
-        return cls(**known)
-
-
-_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
-
-
-def is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no layer count
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def json_kind(v) -> str:
-    """A config value as a message shows it: the value, with its JSON type where that may be the mistake."""
-    if isinstance(v, str):
-        return f"{v!r} (a string)"
-    if isinstance(v, (list, dict)):
-        kind = "a JSON array" if isinstance(v, list) else "a JSON object"
-        return kind if len(json.dumps(v, default=str)) > 60 else f"{json.dumps(v, default=str)} ({kind})"
-    return json.dumps(v, default=str)
-
-
-def check_drafter_aux_layers(aux, where, target=None, field: str = "") -> list[int]:
-    """The aux layers a drafter's config records (eyas ids), checked where they are read: three layer ids, and with
-    `target`, three layers that target has. Refused naming the drafter's file (and `field`, where it says them):
-    these come from the drafter, which was trained on them, not from the user's target.aux_layers."""
-    what = f"the drafter's aux layers ({field})" if field else "the drafter's aux layers"
-    if not isinstance(aux, list) or not all(is_int(a) for a in aux):
-        raise EyasError(f"{where}: {what} must be a list of layer ids, got {json_kind(aux)}; {DAMAGED}")
-    n = getattr(target, "num_layers", None)
-    if len(aux) != 3:
-        ids = f"of target '{target.name}', ids 0..{n}" if n is not None else "of the target"
-        raise EyasError(f"{where}: {what} are {aux}, {len(aux)} layer(s); an EAGLE-3 drafter is fed the target's "
-                        f"states at 3 layers {ids} (its fc reads 3 x the target's hidden size). The file is damaged "
-                        f"or not an eyas drafter's: {DAMAGED}")
-    if any(a < 0 for a in aux):
-        raise EyasError(f"{where}: {what} are {aux}: a layer id is 0 or more; {DAMAGED}")
-    for a in aux:
-        if n is not None and a > n:
-            raise EyasError(f"{where}: {what} are {aux}: target '{target.name}' has no layer {a} (its {n} decoder "
-                            f"layers take ids 0..{n}), so the drafter was trained for another target. Name that one "
-                            f"(--target), or train a drafter for this one")
-    return list(aux)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -405,8 +267,7 @@ class Eagle3Drafter(nn.Module):
         returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
         attends = self.attends(attend)
         if self.__dict__.get("_eyas_compiled") and input_ids.shape[1] <= self.COMPILED_MAX_T:
-            from .fastlm import compiled  # each part one compiled graph (decoding: Decoder.compile_drafter)
-
+            # each part one compiled graph (decoding: Decoder.compile_drafter)
             hidden, q, k, v = compiled(_pre_attention)(self, input_ids, hidden, position_ids, rope_table)
             for i in range(1, len(attends)):
                 hidden, q, k, v = compiled(_between_layers)(self, i, hidden, attends[i - 1](q, k, v), position_ids,
@@ -520,8 +381,6 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None
                  tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """eyas' own drafter folder: config.json (DraftConfig + `extra`) and model.safetensors (the drafter's
     trainable_state_dict, or `tensors` in its place: the full weights gathered from sharded processes)."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     weights = out / "model.safetensors"
     sd = tensors if tensors is not None else drafter.trainable_state_dict()
@@ -551,7 +410,7 @@ def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
         raise EyasError(f"{path}: not a drafter folder (no config.json)")
     raw = read_config(cfg_path)
     if not is_eyas_config(raw, cfg_path):
-        raise EyasError(f"{path}: not an eyas drafter folder; use eyas.export.import_drafter for SGLang/vLLM formats")
+        raise EyasError(f"{path}: not an eyas drafter folder; use eyas.formats.import_drafter for SGLang/vLLM formats")
     c = DraftConfig.from_dict(raw, str(cfg_path))
     if target is not None:
         check_drafter_aux_layers(c.aux_layers, cfg_path, target, field="aux_layers")
@@ -559,8 +418,6 @@ def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
     weights = path / "model.safetensors"
     sd = read_safetensors(weights)
     refuse_non_finite(sd, str(weights), NON_FINITE)
-    from .export import check_tensors  # (eyas.export imports this module)
-
     # load_state_dict(strict=False) still raises on a misshapen tensor, with torch's traceback: checked first
     check_tensors({k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, c, f"{weights} (against {cfg_path.name})",
                   include_embeddings=Eagle3Drafter.FROZEN in sd, hint=DAMAGED)
@@ -570,80 +427,3 @@ def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
     if missing or unexpected:
         raise EyasError(f"{path}/model.safetensors: missing tensors {missing}, unexpected {unexpected}")
     return d.to(device) if device is not None else d
-
-
-def read_config(path: Path) -> dict:
-    """A drafter folder's config.json as a JSON object, or an EyasError naming the file."""
-    raw = read_json(path)
-    if not isinstance(raw, dict):
-        raise EyasError(f"{path}: expected a JSON object (the drafter's settings), got {json_kind(raw)}; {DAMAGED}")
-    return raw
-
-
-def is_eyas_config(raw: dict, path) -> bool:
-    """Whether a drafter's config.json is an eyas folder's (eyas_format). A format number this eyas does not know
-    is refused: read as another layout, it would load as something it is not."""
-    if "eyas_format" not in raw:
-        return False
-    v = raw["eyas_format"]
-    if not is_int(v) or v != EYAS_FORMAT:
-        raise EyasError(f"{path}: eyas_format is {json_kind(v)}, a drafter layout this version of eyas does not know "
-                        f"(it reads {EYAS_FORMAT}): the folder was written by another version of eyas. Read it with "
-                        f"that version, or make it again with this one")
-    return True
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, or an EyasError naming the file when it is missing or damaged."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise EyasError(f"{path}: not found; {DAMAGED}")
-    try:
-        return load_file(str(path))
-    except SafetensorError as e:
-        raise _unreadable(path, e) from None
-    except OSError as e:  # no permission, an I/O error: not the file's content
-        raise EyasError(f"{path}: cannot be read ({e})") from None
-
-
-def _unreadable(path: Path, e: Exception) -> EyasError:
-    return EyasError(f"{path}: not a readable safetensors file ({e}): it is damaged or cut short; {DAMAGED}")
-
-
-def safetensors_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Each tensor's (shape, dtype) in a safetensors file, read from its header alone; an EyasError naming the file
-    when it is missing or damaged."""
-    from safetensors import SafetensorError, safe_open
-
-    if not path.is_file():
-        raise EyasError(f"{path}: not found; {DAMAGED}")
-    dt = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-          "BOOL": torch.bool, "I32": torch.int32}
-    shapes = {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for k in f.keys():
-                sl = f.get_slice(k)
-                shapes[k] = (tuple(sl.get_shape()), dt.get(sl.get_dtype(), torch.float32))
-    except SafetensorError as e:
-        raise _unreadable(path, e) from None
-    except OSError as e:
-        raise EyasError(f"{path}: cannot be read ({e})") from None
-    return shapes
-
-
-def check_fits(c: DraftConfig, target, where: str) -> None:
-    """Refuse a drafter whose shapes do not fit the target, saying which."""
-    problems = []
-    if c.target_hidden_size != target.hidden_size:
-        problems.append(f"hidden size {c.target_hidden_size} != target's {target.hidden_size}")
-    if c.target_vocab_size != target.vocab_size:
-        problems.append(f"vocabulary {c.target_vocab_size} != target's {target.vocab_size}")
-    if len(c.aux_layers) != len(target.aux_layers):
-        problems.append(f"{len(c.aux_layers)} aux layers != the target's {len(target.aux_layers)}")
-    elif list(c.aux_layers) != list(target.aux_layers):
-        problems.append(f"aux layers {c.aux_layers} != the target's {target.aux_layers}")
-    if problems:
-        raise EyasError(f"drafter {where} does not fit target '{target.name}': " + "; ".join(problems))

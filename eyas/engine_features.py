@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .features import (FORMAT, MAX_SHARD_BYTES, PLAN_DEFAULTS, STORE_DTYPES, OnlineFeatures, _check_manifest, _entry,
-                       _merge_index, _shard_matches, _shard_meta, _shard_name, _token_tensors, bytes_per_token,
-                       features_dir, plan_batches, plan_shards, quantize_fp8, target_top, tokens_sha256,
-                       write_safetensors)
+from .features.extract import PLAN_DEFAULTS, _check_manifest, plan_shards, tokens_sha256
+from .features.online import OnlineFeatures, plan_batches, target_top
+from .features.shards import (FORMAT, MAX_SHARD_BYTES, STORE_DTYPES, _entry, _merge_index, _shard_matches, _shard_meta,
+                              _shard_name, _token_tensors, bytes_per_token, features_dir, quantize_fp8,
+                              write_safetensors)
 from .util import EyasError, atomic_write_json, log, progress, read_json, sha256_file, sha256_json
 
 ENGINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)

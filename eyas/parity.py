@@ -24,6 +24,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from .data.tokenize import render
+from .evaluate import check_heldout_split, check_out_dir, load_prompt_set
+from .target import load_tokenizer
 from .util import EyasError, atomic_write_json, progress
 
 GAP_LIMIT = 0.15
@@ -205,8 +208,6 @@ def sglang_acceptance(meta_infos: list[dict]) -> dict:
 
 
 def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dict:
-    from .data.tokenize import render
-
     metas = []
     for msgs in progress(prompts, desc="parity (sglang)", unit="prompt"):
         text = render(tokenizer, msgs, add_generation_prompt=True)
@@ -226,8 +227,6 @@ def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
     cfg.eval.limit): each conversation's first user turn with the system turns before it, the prompt of its first
     answer in `eyas eval`, whose τ over those answers (report.json's by_turn["1"]) is what the engine's is compared
     with."""
-    from .evaluate import check_heldout_split, load_prompt_set
-
     check_heldout_split(cfg, cfg.out)
     name, convs = load_prompt_set(cfg)
     prompts = []
@@ -276,8 +275,6 @@ def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT)
 def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prompts=None, tokenizer=None) -> dict:
     """Send the eval prompts (each conversation's first turn) to `endpoint`, read `engine`'s acceptance counters,
     compare with eyas' τ over the same answers in <run>/eval/report.json and write <run>/eval/parity.json."""
-    from .evaluate import check_out_dir
-
     if engine is None:
         raise EyasError(f"--engine is required: which engine serves the drafter ({' or '.join(ENGINES)})")
     if engine not in ENGINES:
@@ -296,8 +293,6 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
             model = (listed[0].get("id") if isinstance(listed[0], dict) else None) or _vllm_model(endpoint)
         res = _vllm_run(endpoint, prompts, cfg, model)
     else:
-        from .target import load_tokenizer
-
         res = _sglang_run(endpoint, prompts, cfg, tokenizer or load_tokenizer(cfg.target))
 
     run = Path(cfg.out)

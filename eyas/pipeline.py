@@ -24,7 +24,7 @@ from pathlib import Path
 from . import __version__
 from . import config as C
 from . import stage_outputs
-from .draft import is_int
+from .util import is_int
 from .util import (EyasError, NotBuiltError, atomic_write_json, cpu_has_bf16, human_bytes, log, read_json,
                    release_memory, sha256_file, sha256_json)
 

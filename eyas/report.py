@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .data.regen import left_out_words
 from .util import EyasError, atomic_write_text, human_bytes, log
 
 
@@ -72,67 +73,12 @@ def write_report(run: Path) -> dict:
         lines += [f"Target **{tgt.get('name')}** ({tgt.get('num_layers')} layers, hidden {tgt.get('hidden_size')}, "
                   f"vocabulary {tgt.get('vocab_size'):,}), aux layers {tgt.get('aux_layers')}.", ""]
     if ev:
-        ci = ev.get("acceptance_length_ci95")  # a bootstrap over the eval's conversations (eyas.evaluate.tau_interval)
-        ci = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-        lines += ["## Result", ""]
-        by = (stages.get("eval") or {}).get("by")
-        if (stages.get("eval") or {}).get("status") == "replaced":
-            lines += [f"This eval was written by a standalone `eyas {by or 'eval'}` after the run, perhaps with other "
-                      "settings than the run's (the stage table below keeps the run's own figures); the next `eyas run` "
-                      "makes the run's own eval again.", ""]
-        lines += [
-                  f"| acceptance length τ{' (95% interval)' if ci else ''} | K | temperature | speedup vs plain decoding "
-                  "| lossless | prompts | device |",
-                  "| --- | --- | --- | --- | --- | --- | --- |",
-                  f"| **{_fmt(ev.get('acceptance_length'))}**{ci} | {ev.get('k')} | {ev.get('temperature')} | "
-                  f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
-                  f"{ev.get('lossless')} | {_prompts(ev.get('prompts'))} | {ev.get('device')} |", ""]
-        ppa = ev.get("per_position_acceptance")
-        if ppa:
-            lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]
-        for key, what, name in (("by_turn", "the answer's place in its conversation", "answer {}"),
-                                ("by_repetition", "how much the answer repeats itself (the share of its 8-grams "
-                                                  "seen earlier in it)", "{}")):
-            if ev.get(key):
-                lines += [f"τ by {what}: " + ", ".join(
-                    f"{name.format(b)}: {v['acceptance_length']:.2f} ({v['answers']} answers)"
-                    for b, v in ev[key].items()), ""]
-        for png in sorted((run / "eval").glob("*.png")):
-            lines.append(f"![{png.stem}](eval/{png.name})")
-        lines.append("")
+        lines += _result(run, ev, stages)
     if stages:
-        lines += ["## Stages", "", "| stage | status | seconds | summary |", "| --- | --- | --- | --- |"]
-        total = 0.0
-        for name, rec in stages.items():
-            total += rec.get("seconds", 0) or 0
-            status = STATUS_WORDS.get(rec.get("status"), rec.get("status")).format(by=rec.get("by", name))
-            lines.append(f"| {name} | {status} | {_fmt(rec.get('seconds', ''))} | "
-                         f"{rec.get('summary', rec.get('reason', ''))} |")
-        lines += [f"| **total** | | {_fmt(total)} | |", ""]
+        lines += _stage_table(stages)
     regen = (stages.get("regen") or {}).get("result") or {}
     if regen or tok:
-        lines += ["## Data", ""]
-        for k, v in regen.items():
-            if not isinstance(v, (dict, list)):
-                lines.append(f"- regen {k.replace('_', ' ')}: {_fmt(v)}")
-            elif k == "errors" and isinstance(v, dict) and v:
-                from .data.regen import left_out_words
-
-                lines.append(f"- regen conversations left out: {left_out_words(v)}")
-            elif k == "this_call" and isinstance(v, dict):
-                lines.append(f"- regen this call: {_fmt(v.get('generated_tokens'))} answer tokens generated in "
-                             f"{_fmt(v.get('seconds'))} s" + (f", {_fmt(v['rows'])} rows at a time" if v.get("rows")
-                                                              else ""))
-            elif isinstance(v, dict) and k in ("token_stats", "lengths", "answer_tokens"):
-                lines.append(f"- regen {k.replace('_', ' ')}: {json.dumps(v)}")
-        if tok:
-            lines += [f"- tokenized from {tok.get('source')}: {tok.get('conversations')} conversations, "
-                      f"{_fmt(tok.get('tokens'))} tokens ({_fmt(tok.get('loss_tokens'))} trained on), "
-                      f"{tok.get('truncated')} truncated, {len(tok.get('train_ids', []))} train / "
-                      f"{len(tok.get('val_ids', []))} validation"
-                      + ("; seconds " + ", ".join(f"{k} {v}" for k, v in tok["seconds"].items())
-                         if isinstance(tok.get("seconds"), dict) else "")]
-        lines.append("")
+        lines += _data(regen, tok)
     if voc:
         lines += ["## Vocabulary", ""]
         for k, v in voc.items():
@@ -145,25 +91,7 @@ def write_report(run: Path) -> dict:
                   f"{_fmt(feats.get('tokens', 0))} tokens", ""]
     tr = (stages.get("train") or {}).get("result") or {}
     if tr:
-        lines += ["## Training", ""]
-        for k, v in tr.items():
-            if not isinstance(v, (dict, list)):
-                lines.append(f"- {k.replace('_', ' ')}: {_fmt(v)}")
-            elif k in ("val_per_position_accuracy", "per_position_accuracy"):
-                lines.append(f"- {k.replace('_', ' ')}: " + ", ".join(f"{x:.3f}" for x in v))
-            elif k == "best" and isinstance(v, dict) and "val_tau" in v:
-                lines.append(f"- best checkpoint: step {v.get('step')} (picked by {v.get('by', 'val_al')}), "
-                             f"validation τ forecast {v['val_tau']:.2f} at "
-                             f"K={len(v['val_accept'])} (greedy chain acceptance by position "
-                             + ", ".join(f"{x:.3f}" for x in v["val_accept"]) + ")")
-                if "greedy_tau" in v:
-                    lines.append(f"- on the target's greedy answers to validation prompts (what the decoder verifies): "
-                                 f"τ forecast {v['greedy_tau']:.2f}"
-                                 + (f" over {v['greedy_rounds']} decoding rounds ({v['greedy_tau_all']:.2f} averaged over "
-                                    f"every position)" if "greedy_rounds" in v else "")
-                                 + ", acceptance by position " + ", ".join(f"{x:.3f}" for x in v["greedy_accept"]))
-        _img(lines, run, "train/curves.png", "training curves")
-        lines.append("")
+        lines += _training(run, tr)
     if ev:
         lines += ["## Evaluation details", "", "```json", json.dumps({k: v for k, v in ev.items()
                                                                       if k not in ("samples", "outputs")}, indent=1)[:6000],
@@ -172,3 +100,96 @@ def write_report(run: Path) -> dict:
     out = run / "report.md"
     atomic_write_text(out, text)
     return {"report": str(out)}
+
+
+def _result(run: Path, ev: dict, stages: dict) -> list[str]:
+    """The eval's numbers: τ, K, speedup, lossless, by position, turn and repetition, and its plots."""
+    ci = ev.get("acceptance_length_ci95")  # a bootstrap over the eval's conversations (eyas.eval_stats.tau_interval)
+    ci = f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+    lines = ["## Result", ""]
+    by = (stages.get("eval") or {}).get("by")
+    if (stages.get("eval") or {}).get("status") == "replaced":
+        lines += [f"This eval was written by a standalone `eyas {by or 'eval'}` after the run, perhaps with other "
+                  "settings than the run's (the stage table below keeps the run's own figures); the next `eyas run` "
+                  "makes the run's own eval again.", ""]
+    lines += [
+              f"| acceptance length τ{' (95% interval)' if ci else ''} | K | temperature | speedup vs plain decoding "
+              "| lossless | prompts | device |",
+              "| --- | --- | --- | --- | --- | --- | --- |",
+              f"| **{_fmt(ev.get('acceptance_length'))}**{ci} | {ev.get('k')} | {ev.get('temperature')} | "
+              f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
+              f"{ev.get('lossless')} | {_prompts(ev.get('prompts'))} | {ev.get('device')} |", ""]
+    ppa = ev.get("per_position_acceptance")
+    if ppa:
+        lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]
+    for key, what, name in (("by_turn", "the answer's place in its conversation", "answer {}"),
+                            ("by_repetition", "how much the answer repeats itself (the share of its 8-grams "
+                                              "seen earlier in it)", "{}")):
+        if ev.get(key):
+            lines += [f"τ by {what}: " + ", ".join(
+                f"{name.format(b)}: {v['acceptance_length']:.2f} ({v['answers']} answers)"
+                for b, v in ev[key].items()), ""]
+    for png in sorted((run / "eval").glob("*.png")):
+        lines.append(f"![{png.stem}](eval/{png.name})")
+    lines.append("")
+    return lines
+
+
+def _stage_table(stages: dict) -> list[str]:
+    lines = ["## Stages", "", "| stage | status | seconds | summary |", "| --- | --- | --- | --- |"]
+    total = 0.0
+    for name, rec in stages.items():
+        total += rec.get("seconds", 0) or 0
+        status = STATUS_WORDS.get(rec.get("status"), rec.get("status")).format(by=rec.get("by", name))
+        lines.append(f"| {name} | {status} | {_fmt(rec.get('seconds', ''))} | "
+                     f"{rec.get('summary', rec.get('reason', ''))} |")
+    return lines + [f"| **total** | | {_fmt(total)} | |", ""]
+
+
+def _data(regen: dict, tok: dict | None) -> list[str]:
+    """What regen made and what the tokens hold."""
+    lines = ["## Data", ""]
+    for k, v in regen.items():
+        if not isinstance(v, (dict, list)):
+            lines.append(f"- regen {k.replace('_', ' ')}: {_fmt(v)}")
+        elif k == "errors" and isinstance(v, dict) and v:
+            lines.append(f"- regen conversations left out: {left_out_words(v)}")
+        elif k == "this_call" and isinstance(v, dict):
+            lines.append(f"- regen this call: {_fmt(v.get('generated_tokens'))} answer tokens generated in "
+                         f"{_fmt(v.get('seconds'))} s" + (f", {_fmt(v['rows'])} rows at a time" if v.get("rows")
+                                                          else ""))
+        elif isinstance(v, dict) and k in ("token_stats", "lengths", "answer_tokens"):
+            lines.append(f"- regen {k.replace('_', ' ')}: {json.dumps(v)}")
+    if tok:
+        lines += [f"- tokenized from {tok.get('source')}: {tok.get('conversations')} conversations, "
+                  f"{_fmt(tok.get('tokens'))} tokens ({_fmt(tok.get('loss_tokens'))} trained on), "
+                  f"{tok.get('truncated')} truncated, {len(tok.get('train_ids', []))} train / "
+                  f"{len(tok.get('val_ids', []))} validation"
+                  + ("; seconds " + ", ".join(f"{k} {v}" for k, v in tok["seconds"].items())
+                     if isinstance(tok.get("seconds"), dict) else "")]
+    lines.append("")
+    return lines
+
+
+def _training(run: Path, tr: dict) -> list[str]:
+    """The training's summary, its best checkpoint's validation τ forecasts, and its curves."""
+    lines = ["## Training", ""]
+    for k, v in tr.items():
+        if not isinstance(v, (dict, list)):
+            lines.append(f"- {k.replace('_', ' ')}: {_fmt(v)}")
+        elif k in ("val_per_position_accuracy", "per_position_accuracy"):
+            lines.append(f"- {k.replace('_', ' ')}: " + ", ".join(f"{x:.3f}" for x in v))
+        elif k == "best" and isinstance(v, dict) and "val_tau" in v:
+            lines.append(f"- best checkpoint: step {v.get('step')} (picked by {v.get('by', 'val_al')}), "
+                         f"validation τ forecast {v['val_tau']:.2f} at "
+                         f"K={len(v['val_accept'])} (greedy chain acceptance by position "
+                         + ", ".join(f"{x:.3f}" for x in v["val_accept"]) + ")")
+            if "greedy_tau" in v:
+                lines.append(f"- on the target's greedy answers to validation prompts (what the decoder verifies): "
+                             f"τ forecast {v['greedy_tau']:.2f}"
+                             + (f" over {v['greedy_rounds']} decoding rounds ({v['greedy_tau_all']:.2f} averaged over "
+                                f"every position)" if "greedy_rounds" in v else "")
+                             + ", acceptance by position " + ", ".join(f"{x:.3f}" for x in v["greedy_accept"]))
+    _img(lines, run, "train/curves.png", "training curves")
+    lines.append("")
+    return lines

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import torch
@@ -25,6 +24,9 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import TargetConfig
+from .target import _pick_device, _pick_dtype, load_target, text_config
+from .target_source import gguf_to_hf
+from .target_spec import header_tensors, load_spec
 from .util import EyasError, log
 
 EMBED_NAMES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
@@ -33,19 +35,6 @@ HEAD_NAMES = ("lm_head", "output")
 # towers of a multimodal checkpoint whose tensors are never the text model's head
 TOWERS = re.compile(r"(^|\.)(vision|visual|vision_tower|vision_model|vision_encoder|audio|audio_tower|"
                     r"multi_modal_projector|mm_projector|image_newline)(\.|$)")
-
-
-def header_tensors(path: Path) -> dict[str, list[int]]:
-    """The tensors a safetensors file holds, by name, with their shapes: its JSON header alone is read."""
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > 100_000_000:
-                raise ValueError(f"a header of {n:,} bytes")
-            head = json.loads(f.read(n))
-        return {k: v["shape"] for k, v in head.items() if k != "__metadata__"}
-    except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
-        raise EyasError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def tensor_files(folder: Path) -> dict[str, Path]:
@@ -99,8 +88,6 @@ def head_names(names, tied: bool, where: str = "the checkpoint") -> tuple[str, s
 def is_tied(config) -> bool:
     """Whether the output layer shares the embedding's weight: the text config's tie_word_embeddings where it says,
     else the wrapper's."""
-    from .target import text_config
-
     for c in (text_config(config), config):
         v = getattr(c, "tie_word_embeddings", None)
         if v is not None:
@@ -245,8 +232,6 @@ def needs_whole_target(cfg) -> str:
 def load_for_training(cfg, tcfg: TargetConfig, spec=None):
     """What the trainer holds of the target: the whole model where it runs its layers (needs_whole_target), else
     its head alone (TargetHead)."""
-    from .target import load_target
-
     why = needs_whole_target(cfg)
     if why:
         log(f"train: loading the whole target: {why}")
@@ -348,17 +333,12 @@ def load_target_head(cfg: TargetConfig | None = None, spec=None):
     for, whole (lm_head) or the rows the caller needs (lm_head_rows). A GGUF target's come from eyas' dequantized
     cache (made first where it is missing). `spec`: the target's TargetSpec where the caller has it. -> a
     TargetHead; for a hub id, the whole Target (which has the same methods)."""
-    from .target import _pick_device, _pick_dtype, gguf_to_hf
-    from .target_spec import load_spec
-
     cfg = cfg or TargetConfig()
     spec = spec or load_spec(cfg)
     folder = Path(spec.source)
     if str(spec.source).endswith(".gguf"):  # not dequantized yet: the cache holds it as safetensors
         folder, _ = gguf_to_hf(Path(spec.source), cfg)
-    if not folder.is_dir():  # a hub id: transformers fetches and loads it whole, as before
-        from .target import load_target
-
+    if not folder.is_dir():  # a hub id: transformers fetches and loads it whole
         log(f"target: {cfg.name} is a hub id, not a local folder: loading the whole model (its head alone is read "
             f"from a local folder: download it and give its path)")
         return load_target(cfg)

@@ -9,12 +9,17 @@ reads the embedding, final norm and head alone (eyas.target_head).
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .aux_layers import check_aux_layers, default_aux_layers
 from .config import TargetConfig
-from .target import TargetShape
+from .target import (TargetShape, _load_error, _pick_device, _pick_dtype, _tokenizer_from, find_eot_ids,
+                     text_config)
+from .target_source import (PRESET_GGUF, _quiet_transformers, _why, file_sha256, find_preset_gguf, gguf_cache_dir,
+                            resolve_source)
 from .util import EyasError, human_bytes
 
 
@@ -43,8 +48,6 @@ class TargetSpec(TargetShape):
         return list(self.eot)
 
     def describe(self) -> dict:
-        from .target import default_aux_layers
-
         c, w = self.config, self.weights or {}
         return {
             "name": self.name, "source": self.source,
@@ -60,6 +63,19 @@ class TargetSpec(TargetShape):
                         if w else None),
             "sha256": self.sha256,
         }
+
+
+def header_tensors(path: Path) -> dict[str, list[int]]:
+    """The tensors a safetensors file holds, by name, with their shapes: its JSON header alone is read."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > 100_000_000:
+                raise ValueError(f"a header of {n:,} bytes")
+            head = json.loads(f.read(n))
+        return {k: v["shape"] for k, v in head.items() if k != "__metadata__"}
+    except (OSError, ValueError, struct.error, KeyError, TypeError) as e:
+        raise EyasError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def weight_summary(folder: Path) -> dict:
@@ -82,8 +98,6 @@ def weight_summary(folder: Path) -> dict:
         total = sum((folder / f).stat().st_size for f in present)
     params = None
     if files and len(present) == len(files):
-        from .target_head import header_tensors
-
         params = 0
         for f in present:
             for shape in header_tensors(folder / f).values():
@@ -97,8 +111,6 @@ def weight_summary(folder: Path) -> dict:
 def _spec_source(cfg: TargetConfig) -> tuple[str, str, Path | None]:
     """(folder or hub id with config.json and tokenizer, identity hash, GGUF file to read the header of or None):
     resolve_source's answer, but a GGUF file is not dequantized for it; its cache is used where it exists."""
-    from .target import PRESET_GGUF, file_sha256, find_preset_gguf, gguf_cache_dir, resolve_source
-
     gguf = None
     if cfg.name in PRESET_GGUF:
         gguf = find_preset_gguf(cfg.name, cfg)
@@ -117,8 +129,6 @@ def _spec_source(cfg: TargetConfig) -> tuple[str, str, Path | None]:
 
 def _config_of(cfg: TargetConfig, source: str, gguf: Path | None):
     from transformers import AutoConfig
-
-    from .target import _load_error, _why
 
     try:
         if gguf is not None:
@@ -149,9 +159,6 @@ def _generation_config(source: str | None, config):
 def load_spec(cfg: TargetConfig | None = None) -> TargetSpec:
     """The target described from its config and tokenizer alone (seconds, whatever the size of its weights)."""
     from transformers import AutoTokenizer
-
-    from .target import (_pick_device, _pick_dtype, _quiet_transformers, _tokenizer_from, _why, check_aux_layers,
-                         default_aux_layers, find_eot_ids, text_config)
 
     cfg = cfg or TargetConfig()
     _quiet_transformers()

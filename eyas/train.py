@@ -256,7 +256,7 @@ def finetune_source(cfg: Config, target) -> tuple[Eagle3Drafter, Path]:
     if not (p / "config.json").exists():
         raise EyasError(f"train.finetune_from: {p} is not a drafter folder (no config.json), a run directory or a "
                         f"checkpoint folder")
-    from .export import import_drafter
+    from .formats import import_drafter
 
     d = import_drafter(p, target)  # an eyas folder, or an engine's; a damaged config.json or weights file is named
     check_fits(d.config, target, str(p))

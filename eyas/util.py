@@ -225,6 +225,25 @@ def read_json(path: str | os.PathLike) -> Any:
         raise EyasError(f"{path}: line {e.lineno}: invalid JSON ({e.msg})") from None
 
 
+# what to do about a drafter file eyas cannot read: it was damaged or edited by hand after eyas wrote it
+DAMAGED = ("restore it from a copy, or make the folder again (`eyas train` writes a run's draft/, `eyas export` "
+           "its export/)")
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is no layer count
+
+
+def json_kind(v) -> str:
+    """A config value as a message shows it: the value, with its JSON type where that may be the mistake."""
+    if isinstance(v, str):
+        return f"{v!r} (a string)"
+    if isinstance(v, (list, dict)):
+        kind = "a JSON array" if isinstance(v, list) else "a JSON object"
+        return kind if len(json.dumps(v, default=str)) > 60 else f"{json.dumps(v, default=str)} ({kind})"
+    return json.dumps(v, default=str)
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -32,7 +32,7 @@ def test_untrained_drafter_spec_takes_a_layer_count(smol):
 
 
 def test_run_engine_gives_tau_an_interval_over_the_prompts():
-    """A speculative method's τ comes with a bootstrap interval over its prompts (eyas.evaluate.tau_interval), from
+    """A speculative method's τ comes with a bootstrap interval over its prompts (eyas.eval_stats.tau_interval), from
     each prompt's rounds; hand-made generations: two prompts of τ 4 and one of τ 1."""
     from types import SimpleNamespace
 

@@ -6,7 +6,8 @@ import torch
 
 from eyas.config import resolve
 from eyas.draft import build_drafter, save_drafter
-from eyas.evaluate import measure_acceptance, round_sums, run_eval, tau_difference, tau_interval
+from eyas.eval_stats import round_sums, tau_difference, tau_interval
+from eyas.evaluate import measure_acceptance, run_eval
 from eyas.util import EyasError
 
 DESIGN_KEYS = ["target", "k", "temperature", "prompts", "acceptance_length", "per_position_acceptance",
@@ -86,7 +87,7 @@ def test_eval_turns_answers_only_the_first_turns(tiny, tiny_drafter, tmp_path):
 
 
 def test_repeat_bucket_reads_the_answers_own_ngrams():
-    from eyas.evaluate import Tally, by_repetition, repeat_bucket
+    from eyas.eval_stats import Tally, by_repetition, repeat_bucket
 
     assert repeat_bucket(list(range(40))) == "<0.1"  # 33 distinct 8-grams, none repeated
     assert repeat_bucket([1, 2, 3, 4] * 10) == ">=0.5"  # a loop: 4 distinct of 33

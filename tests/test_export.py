@@ -24,8 +24,10 @@ from safetensors.torch import load_file, save_file
 from eyas import config as C
 from eyas.config import Config
 from eyas.draft import build_drafter, save_drafter
-from eyas.export import (check_checkpoint, engine_aux_ids, export_drafter, eyas_aux_ids, import_drafter,
-                         run_export, verifier_architectures, verifier_name)
+from eyas.aux_layers import engine_aux_ids, eyas_aux_ids
+from eyas.draft_config import check_checkpoint
+from eyas.export import export_drafter, run_export, verifier_architectures, verifier_name
+from eyas.formats import import_drafter
 from eyas.util import EyasError
 
 DRAFT_VOCAB = 2048
@@ -231,7 +233,7 @@ def test_engine_captures_the_trained_layers(tiny, tmp_path, aux, fmt, captured):
 def test_eval_captures_the_layers_the_drafter_was_trained_on(tiny, tmp_path, fmt):
     """A drafter trained on other aux layers than the target's default: the eval (and bench_decode) reads them from
     the folder and captures those, unless the user named the target's layers, when loading refuses the drafter."""
-    from eyas.evaluate import adopt_drafter_aux_layers, load_eval_drafter, recorded_aux_layers
+    from eyas.evaluate import drafter_aux_layers, load_eval_drafter, recorded_aux_layers
 
     trained = dataclasses.replace(tiny, aux_layers=[1, 3, 7])
     d = _drafter(trained)
@@ -241,14 +243,13 @@ def test_eval_captures_the_layers_the_drafter_was_trained_on(tiny, tmp_path, fmt
     else:
         export_drafter(d, p, fmt, "x")
     assert recorded_aux_layers(p) == [1, 3, 7]
-    named = dataclasses.replace(tiny)
-    adopt_drafter_aux_layers(named, p, explicit=True)
+    named = dataclasses.replace(tiny, aux_layers=drafter_aux_layers(tiny, p, explicit=True))
     assert named.aux_layers == tiny.aux_layers != [1, 3, 7]
     with pytest.raises(EyasError, match=r"aux layers \[1, 3, 7\] != the target's"):
         load_eval_drafter(p, named)
-    target = dataclasses.replace(tiny)
-    adopt_drafter_aux_layers(target, p)
+    target = dataclasses.replace(tiny, aux_layers=drafter_aux_layers(tiny, p))
     assert target.aux_layers == [1, 3, 7] and load_eval_drafter(p, target).config.aux_layers == [1, 3, 7]
+    assert tiny.aux_layers != [1, 3, 7]  # the target the eval was given is left as it was
     ids = torch.randint(0, tiny.vocab_size, (1, 7))
     with torch.no_grad():
         hs = tiny.model(ids, output_hidden_states=True).hidden_states

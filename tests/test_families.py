@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from eyas.config import TargetConfig
 from eyas.draft import load_drafter
-from eyas.export import import_drafter
+from eyas.formats import import_drafter
 from eyas.target_spec import load_spec
 from test_export import _expected_sglang, _vllm_pretrained_config
 

@@ -258,7 +258,7 @@ def test_fp8_round_trip_bound():
 
 
 def test_shard_buffers_made_in_the_background_are_distinct_and_recycled():
-    from eyas.features import _ShardBuffers
+    from eyas.features.shards import _ShardBuffers
 
     bufs = _ShardBuffers(8, 4, "bf16", pin=False, count=3)
     got = [bufs.get() for _ in range(3)]
@@ -271,7 +271,7 @@ def test_shard_buffers_made_in_the_background_are_distinct_and_recycled():
 
 
 def test_shard_buffers_raise_a_failed_background_allocation(monkeypatch):
-    from eyas.features import _ShardBuffers
+    from eyas.features.shards import _ShardBuffers
 
     made = []
     real = _ShardBuffers._new
@@ -561,7 +561,7 @@ def test_a_flipped_byte_in_a_shard_is_refused_when_read(tiny_run_features):
     """Each shard's sha256 is in index.json: the first read of a shard in a process compares it (once: a second
     reader of the same shard does not hash it again), so a byte flipped inside a tensor's data stops the training
     naming the shard and how to remake it, where it trained on the damaged values before."""
-    import eyas.features as F
+    import eyas.features.offline as F
     from eyas.config import resolve
     from eyas.train import run_train
 

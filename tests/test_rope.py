@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from eyas.draft import DraftConfig, Eagle3Drafter, build_drafter, load_drafter, save_drafter
-from eyas.export import export_drafter, import_drafter
+from eyas.export import export_drafter
+from eyas.formats import import_drafter
 from eyas.rope import check_rope_scaling, target_rope
 from eyas.target import Target, default_aux_layers
 from eyas.ttt import pack_samples, target_labels, ttt_unroll

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from eyas.config import TargetConfig
-from eyas.target import check_aux_layers, default_aux_layers, load_target
+from eyas.aux_layers import check_aux_layers, default_aux_layers
+from eyas.target import load_target
 from eyas.util import EyasError
 
 
@@ -138,7 +139,7 @@ def test_target_command_prints_facts(smol):
 def test_two_processes_dequantize_the_gguf_once(tmp_path):
     """torchrun ranks load the target at the same moment: one builds the safetensors cache, the other waits
     for it (before the lock, the second deleted the first's finished folder while it was being read)."""
-    code = ("import sys; from eyas.target import find_preset_gguf, gguf_to_hf; "
+    code = ("import sys; from eyas.target_source import find_preset_gguf, gguf_to_hf; "
             "out, _ = gguf_to_hf(find_preset_gguf('smollm2')); "
             "from transformers import AutoConfig; print(AutoConfig.from_pretrained(str(out)).model_type)")
     env = {**os.environ, "EYAS_CACHE": str(tmp_path)}

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from eyas.decode import Decoder
 from eyas.draft import DraftConfig, build_drafter, load_drafter, save_drafter
-from eyas.export import export_drafter, import_drafter
+from eyas.export import export_drafter
+from eyas.formats import import_drafter
 from eyas.features import Sample
 from eyas.ttt import pack_samples, target_labels, ttt_unroll
 from eyas.util import EyasError
