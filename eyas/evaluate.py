@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .tree import TreeSpec, serving_flags
 from .util import EyasError, atomic_path, atomic_write_json, atomic_write_text, log, progress, repeated_share
 
 MAX_CONTEXT = 4096  # longest prompt + answer an eval turn may reach; longer turns are skipped
@@ -442,9 +443,14 @@ def by_repetition(tallies: dict[str, "Tally"]) -> dict:
     return _buckets(tallies, REPEAT_BUCKETS)
 
 
-def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None):
+def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None, tree=None):
     from .decode import Decoder
 
+    if tree is not None:  # an EAGLE-2 dynamic tree (eyas.tree_decode); its depth plays K's part
+        from .tree_decode import TreeDecoder
+
+        return TreeDecoder(target, drafter, tree, temperature=temperature, top_p=top_p, max_len=max_len,
+                           compile=compile_, seed=seed)
     return Decoder(target, drafter, k=k, temperature=temperature, top_p=top_p, max_len=max_len,
                    compile=compile_, seed=seed, fused=fused)
 
@@ -503,15 +509,17 @@ def _peak_memory(device: torch.device) -> int:
 
 def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True,
-             fused: bool | None = None, max_turns: int = 0) -> dict:
+             fused: bool | None = None, max_turns: int = 0, tree=None) -> dict:
     """Answer every user turn of every conversation in sequence (the history holds eyas' own
     answers), or its first `max_turns` ones, with speculative decoding and, when `baseline`, plain decoding on
-    the same engine."""
+    the same engine. tree: an eyas.tree.TreeSpec to draft dynamic trees (k must be its depth), or None for a chain."""
     from .data.tokenize import to_messages
 
     tok = target.tokenizer
     max_len = min(MAX_CONTEXT, getattr(target.config, "max_position_embeddings", MAX_CONTEXT) or MAX_CONTEXT)
-    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused)
+    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused, tree)
+    # cache slots a round may write past the committed length: a chain's K + 1, a tree's verified tokens
+    extra = k if tree is None else max(tree.tokens, tree.depth + 1)
     stop = target.eot_token_ids
     t = Tally(k)
     turns: dict[str, Tally] = {}  # by turn_bucket
@@ -545,7 +553,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                     break
                 msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
                 ids = prompt_ids(tok, msgs)
-                if len(ids) + max_new_tokens + k + 2 > max_len:
+                if len(ids) + max_new_tokens + extra + 2 > max_len:
                     # this turn and the later ones, longer still (up to max_turns), are left out
                     left = sum(x.role == "user" for x in conv.turns[i:])
                     skipped += min(left, max_turns - answered) if max_turns else left
@@ -590,7 +598,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         dec.close()
     if too_long:
         why = (f"a prompt of {min(too_long)}{'' if min(too_long) == max(too_long) else f' to {max(too_long)}'} "
-               f"tokens + max_new_tokens {max_new_tokens} + {k + 2} (K + 2) is over the {max_len}-token context the "
+               f"tokens + max_new_tokens {max_new_tokens} + {extra + 2} (K + 2) is over the {max_len}-token context the "
                f"eval decodes in")
         log(f"eval: {skipped} user turns of {len(too_long)} conversations left out: {why} (a conversation's later "
             f"turns, longer still, are left out with its first one too long)")
@@ -598,16 +606,19 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         if not too_long:
             raise EyasError(f"no answer decoded: the {len(convs)} conversations hold no user turn to answer")
         # the most new tokens that let every first turn in, or else the shortest one
-        room_all, room_one = max_len - max(too_long) - k - 2, max_len - min(too_long) - k - 2
+        room_all, room_one = max_len - max(too_long) - extra - 2, max_len - min(too_long) - extra - 2
         room = room_all if room_all >= 1 else room_one
         fix = (f"lower eval.max_new_tokens (--max-new-tokens) to {room} or less" if room >= 1 else
-               f"give prompts shorter than {max_len - k - 3} tokens (eval.prompts)")
+               f"give prompts shorter than {max_len - extra - 3} tokens (eval.prompts)")
         raise EyasError(f"no answer decoded: every conversation's first turn is too long ({why}); {fix}. Nothing "
                         f"was written")
     tps = t.spec_tokens / t.spec_s if t.spec_s else 0.0
     base = t.plain_tokens / t.plain_s if t.plain_s else None
     return {
         "k": k, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+        # the dynamic tree drafted (topk, depth, tokens), or None for a chain of k; with a tree, k is its depth and
+        # per_position_acceptance is per level
+        "tree": tree.as_dict() if tree is not None else None, "serving_flags": serving_flags(tree, k),
         "turns": max_turns, "prompts_answered": n_prompts, "conversations": len(convs),
         "turns_skipped_too_long": skipped, "context": max_len,
         "acceptance_length": t.acceptance_length(), "acceptance_length_ci95": tau_interval(groups),
@@ -687,7 +698,10 @@ def report_markdown(r: dict) -> str:
     ts = r["time_split"]
     lines = [
         f"# eyas eval: {r['target']}", "",
-        f"Drafter `{r.get('draft', '')}`, K = {r['k']}, temperature = {r['temperature']}, top-p = {r['top_p']}, "
+        f"Drafter `{r.get('draft', '')}`, "
+        + (f"dynamic tree topk {r['tree']['topk']}, depth {r['tree']['depth']}, {r['tree']['tokens']} tokens "
+           f"verified (SGLang: `{r['serving_flags']['sglang']}`)" if r.get("tree") else f"K = {r['k']}")
+        + f", temperature = {r['temperature']}, top-p = {r['top_p']}, "
         f"{r['prompts']['count']} prompts from `{r['prompts']['set']}`, up to {r['max_new_tokens']} new tokens, "
         f"device {r['device']}.", "",
         "| metric | value |", "| --- | --- |",
@@ -700,7 +714,8 @@ def report_markdown(r: dict) -> str:
            f"{r['turns_skipped_too_long']} |"] if r.get("turns_skipped_too_long") else []),
         f"| draft / verify / prefill / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['prefill_s']:.2f} / {ts['other_s']:.2f} |",
         f"| peak memory | {r['peak_memory_bytes'] / 1e6:.0f} MB |", "",
-        "Per-position acceptance (draft i accepted given drafts 1..i-1 were): " +
+        ("Per-level acceptance (a node of level i accepted given one of each level before was): " if r.get("tree")
+         else "Per-position acceptance (draft i accepted given drafts 1..i-1 were): ") +
         ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(r["per_position_acceptance"])), "",
         "Accepted drafts per verify step: " +
         ", ".join(f"{i}: {c}" for i, c in enumerate(r["accepted_length_histogram"])), "",
@@ -739,6 +754,7 @@ def check_eval_settings(cfg) -> None:
     check_settings(cfg, (("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1"),
                          ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more")))
     check_prompt_settings(cfg)
+    TreeSpec.parse(cfg.eval.tree, "eval.tree (--tree)")
     if cfg.eval.draft and not (Path(cfg.eval.draft).expanduser() / "config.json").exists():
         raise EyasError(f"eval.draft: {Path(cfg.eval.draft).expanduser()} is not a drafter folder (no config.json)")
 
@@ -757,12 +773,15 @@ def run_eval(cfg) -> dict:
     adopt_drafter_aux_layers(target, draft_path, explicit=bool(cfg.target.aux_layers))
     drafter = load_eval_drafter(draft_path, target)
     set_name, convs = load_prompt_set(cfg)
-    log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
-    res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
+    tree = TreeSpec.parse(e.tree, "eval.tree (--tree)")
+    k = tree.depth if tree is not None else e.k
+    shape = f"tree {tree} (topk, depth, tokens)" if tree is not None else f"K={e.k}"
+    log(f"eval: {len(convs)} conversations from {set_name}, {shape}, temperature={e.temperature}")
+    res = evaluate(target, drafter, convs, k=k, temperature=e.temperature, top_p=e.top_p,
                    max_new_tokens=e.max_new_tokens, compile_=e.compile,
-                   fused={"fused": True, "stepwise": False, "auto": None}[e.round], max_turns=e.turns)
+                   fused={"fused": True, "stepwise": False, "auto": None}[e.round], max_turns=e.turns, tree=tree)
     report = {"target": target.name, "target_identity": target.identity(), "dtype": str(target.dtype).replace("torch.", ""),
-              "draft": str(draft_path), "k": e.k, "temperature": e.temperature,
+              "draft": str(draft_path), "k": k, "temperature": e.temperature,
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},
               **{k: v for k, v in res.items() if k not in ("k", "temperature")}}
     path = write_report(report, Path(cfg.out) / "eval")
@@ -772,7 +791,7 @@ def run_eval(cfg) -> dict:
     speed = (f"{report['tokens_per_s']:,.1f} against {report['baseline_tokens_per_s']:,.1f} tok/s plain "
              f"({report['speedup']:.2f}x)" if report.get("speedup") else "speed not measured")
     unchecked = "not checked" + (" (sampled decoding)" if e.temperature > 0 else "")
-    log(f"eval: τ {report['acceptance_length']:.3f}{ci} at K={e.k} over "
+    log(f"eval: τ {report['acceptance_length']:.3f}{ci} at {shape} over "
         f"{res['prompts_answered']} answers; {speed}; lossless: "
         + ("yes" if loss else unchecked if loss is None else
            f"NO, of {report['lossless_checked']} answers checked, first difference {miss[0] if miss else '?'}")

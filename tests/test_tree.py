@@ -300,6 +300,47 @@ def test_sampled_tree_decoding_runs_and_is_seeded(tiny):
         TreeDecoder(tiny, d, TreeSpec(3, 3, 8), max_len=24).generate(ids, 20)
 
 
+# ---------------------------------------------------------------------------------------------
+# eyas eval --tree, eyas parity, bench/bench_decode.py --tree
+
+def test_eyas_eval_tree_writes_a_tree_report(tiny, tmp_path, capsys):
+    """`eyas eval --tree 2,2,4` decodes with trees on the tiny target: the report says the tree, its depth as k,
+    acceptance per level, SGLang's flags for it, and the lossless check; a malformed --tree stops with one line."""
+    import json
+
+    from eyas.cli import main
+    from eyas.draft import build_drafter, save_drafter
+
+    torch.manual_seed(0)
+    draft = save_drafter(build_drafter(tiny, 1024), tmp_path / "draft")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\nName a fruit.\n")
+    args = ["eval", "--preset", "tiny", "--out", str(tmp_path / "run"), "--prompts", str(prompts), "--draft",
+            str(draft), "--max-new-tokens", "8", "--device", "cpu"]
+    assert main(args + ["--tree", "2,2,4"]) == 0
+    rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert rep["tree"] == {"topk": 2, "depth": 2, "tokens": 4} and rep["k"] == 2
+    assert len(rep["per_position_acceptance"]) == 2 and len(rep["accepted_length_histogram"]) == 3
+    assert rep["serving_flags"]["sglang"] == ("--speculative-eagle-topk 2 --speculative-num-steps 2 "
+                                              "--speculative-num-draft-tokens 4")
+    assert rep["lossless"] is True and rep["lossless_checked"] == 2
+    md = (tmp_path / "run" / "eval" / "report.md").read_text()
+    assert "dynamic tree topk 2, depth 2, 4 tokens" in md and "Per-level acceptance" in md
+    assert "at tree 2,2,4 (topk, depth, tokens) over 2 answers" in capsys.readouterr().err
+    assert main(args + ["--tree", "2,2,9"]) == 2
+    assert "eval.tree (--tree): tokens (verified per round, the root included) must be 2 to 7" in \
+        capsys.readouterr().err
+
+
+def test_parity_notes_the_engine_flags_of_a_tree_report():
+    from eyas.parity import tree_settings_note
+
+    rep = {"tree": {"topk": 4, "depth": 5, "tokens": 16}, "k": 5}
+    assert "--speculative-eagle-topk 4 --speculative-num-steps 5 --speculative-num-draft-tokens 16" in \
+        tree_settings_note(rep, "sglang")
+    assert "static" in tree_settings_note(rep, "vllm") and tree_settings_note({"k": 3}, "vllm") is None
+
+
 @pytest.mark.gpu
 def test_graphed_tree_rounds_decode_losslessly_on_gpu():
     """On a GPU with CUDA graphs (the default there), each greedy tree round is one graph per span of the cache,
