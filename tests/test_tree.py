@@ -341,6 +341,39 @@ def test_parity_notes_the_engine_flags_of_a_tree_report():
     assert "static" in tree_settings_note(rep, "vllm") and tree_settings_note({"k": 3}, "vllm") is None
 
 
+def test_bench_decode_sweeps_trees_beside_chains(tmp_path):
+    """bench/bench_decode.py --tree times each tree as its own method beside the chain of --k and the plain
+    baseline of the same run, with τ, per-level acceptance, tok/s and the speedup over plain in its JSON."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))  # bench_decode imports its sibling gpu_watch
+    try:
+        spec = importlib.util.spec_from_file_location("bench_decode_tree", bench / "bench_decode.py")
+        bd = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bd)
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("Hello there\nName a fruit.\n")
+        out = tmp_path / "r.json"
+        assert bd.main(["--draft", "untrained", "--target", "tiny", "--prompts", str(prompts), "--limit", "2",
+                        "--k", "2", "--tree", "2,2,4", "3,3,8", "--max-new-tokens", "8", "--budget", "60",
+                        "--ew", "0", "--skip-hf", "--out", str(out)]) == 0  # --ew 0: no compiling on the CPU
+    finally:
+        sys.path.remove(str(bench))
+    methods = json.loads(out.read_text())["methods"]
+    assert {"eyas_plain_ew0", "eyas_spec_k2_fused_ew0", "eyas_tree_2_2_4_ew0", "eyas_tree_3_3_8_ew0"} <= set(methods)
+    for name, depth in (("eyas_tree_2_2_4_ew0", 2), ("eyas_tree_3_3_8_ew0", 3)):
+        r = methods[name]
+        assert r["tree"]["depth"] == depth and len(r["per_position_acceptance"]) == depth
+        assert r["same_as_plain"] == "2/2" and r["tokens_per_s"] > 0 and r["speedup_vs_plain"] > 0
+        assert r["acceptance_length"] >= 1
+    with pytest.raises(SystemExit):
+        bd.main(["--draft", "untrained", "--tree", "4,4"])
+
+
 @pytest.mark.gpu
 def test_graphed_tree_rounds_decode_losslessly_on_gpu():
     """On a GPU with CUDA graphs (the default there), each greedy tree round is one graph per span of the cache,
