@@ -17,7 +17,9 @@ x[L-1] is the tree's root; the drafter's cache holds positions 0..L-2 and its la
 
 Greedy tree decoding gives exactly plain greedy decoding's tokens. Both target engines run it: eyas' FastLM (a tree
 mask path in its forward) and transformers' StaticCache (a 4-D additive mask). Targets with sliding-window layers
-are refused. The rounds run eagerly (no CUDA graphs yet); plain decoding in the same decoder keeps its graphs.
+are refused. A greedy round has no host sync until its packed result is read, so on a GPU with `compile` it runs as
+one CUDA graph per span of attended cache slots (checked against eager runs, as the chain's); a sampled round walks
+the tree on the host and runs eagerly. A greedy round's time is reported as verify time, as a fused chain round's.
 """
 from __future__ import annotations
 
