@@ -239,6 +239,11 @@ def main(argv=None) -> int:
                          "forecasts; plain decoding's entry says how many answers equal the stored ones)")
     ap.add_argument("--limit", type=int, default=80)
     ap.add_argument("--k", default="3", help="draft length, or a comma list (3,7)")
+    ap.add_argument("--tree", nargs="*", default=[], metavar="TOPK,DEPTH,TOKENS",
+                    help="also time EAGLE-2 dynamic trees, one method each (eyas_tree_TOPK_DEPTH_TOKENS), e.g. --tree "
+                         "4,4,16 8,6,32: SGLang's speculative-eagle-topk, speculative-num-steps and "
+                         "speculative-num-draft-tokens (the root included); each reports τ, per-level acceptance, "
+                         "tok/s and its speedup over the plain baseline of the same run")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds per method (time box)")
     ap.add_argument("--hf-budget", type=float, default=0.0,
@@ -290,6 +295,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results.json")
     a = ap.parse_args(argv)
     hf_budget = a.hf_budget or a.budget
+    from eyas.tree import TreeSpec
+    from eyas.util import EyasError
+
+    try:
+        trees = [TreeSpec.parse(t, "--tree") for t in a.tree]
+    except EyasError as e:
+        ap.error(str(e))
     engines = a.engine.split(",")
     if any(e not in ("auto", "fast", "hf") for e in engines) or len(set(engines)) != len(engines):
         ap.error(f"--engine {a.engine}: give auto, fast or hf, or a comma list of them without repeats")
@@ -299,6 +311,7 @@ def main(argv=None) -> int:
     from eyas.config import TargetConfig
     from eyas.decode import Decoder
     from eyas.evaluate import _device_name
+    from eyas.tree_decode import TreeDecoder
     from eyas.util import atomic_write_json
     from gpu_watch import GpuWatch
 
@@ -319,7 +332,8 @@ def main(argv=None) -> int:
     else:
         prompts = load_prompts(a.prompts, a.limit, target.tokenizer)
     stop = target.eot_token_ids
-    max_len = max(len(p) for p in prompts) + max(a.max_new_tokens, 32) + max(int(k) for k in a.k.split(",")) + 2
+    max_len = max(len(p) for p in prompts) + max(a.max_new_tokens, 32) + max(
+        [int(k) for k in a.k.split(",")] + [max(t.tokens, t.depth + 1) for t in trees]) + 2
     ks = [int(k) for k in a.k.split(",")]
     warm = prompts[:2]
     results = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": _device_name(dev), "target": target.name,
@@ -406,6 +420,16 @@ def main(argv=None) -> int:
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
+        for tree in trees:
+            dec = TreeDecoder(target, drafter, tree, max_len=max_len, compile=compile_, engine=engine)
+            warm_s = warm_up(dec, True)
+            run_engine(dec, warm, 32, stop, True, 1e9)
+            res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
+            res.pop("outputs")
+            # per_position_acceptance is per level of the tree
+            record(f"eyas_tree_{tree.topk}_{tree.depth}_{tree.tokens}" + sfx,
+                   {**res, **engine_facts(dec), "tree": tree.as_dict(), "variant": sfx, "warm_up_s": warm_s})
+            dec.close()
     for (cls, name), value in saved.items():
         setattr(cls, name, value)
     if not a.skip_hf:
@@ -426,7 +450,7 @@ def main(argv=None) -> int:
             first = plains.get(name.removesuffix(f"_{e}")) if name.endswith(f"_{e}") else None
             if first and first.get("tokens_per_s"):
                 r["tokens_per_s_vs_first_engine"] = r["tokens_per_s"] / first["tokens_per_s"]
-    for name in [n for n in results["methods"] if n.startswith("eyas_spec_k")]:
+    for name in [n for n in results["methods"] if n.startswith(("eyas_spec_k", "eyas_tree_"))]:
         r = results["methods"][name]
         plain_name = "eyas_plain" + r.get("variant", "")  # the same target forward
         base = plain_of.get(plain_name)

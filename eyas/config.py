@@ -230,6 +230,10 @@ class TrainConfig:
 class EvalConfig:
     prompts: str = opt("sharegpt", "prompt set: sharegpt (held-out test split), humaneval, or a .jsonl/.txt path")
     k: int = opt(3, "draft tokens proposed per target forward")
+    tree: str = opt("", "draft an EAGLE-2 dynamic tree instead of a chain of eval.k: TOPK,DEPTH,TOKENS (SGLang's "
+                        "speculative-eagle-topk, speculative-num-steps, speculative-num-draft-tokens, the root "
+                        "included), e.g. 4,4,16; the report's per-position acceptance is then per level. Empty: a "
+                        "chain")
     temperature: float = opt(0.0, "0 = greedy (lossless check); >0 = rejection sampling")
     top_p: float = opt(1.0, "nucleus sampling threshold when temperature > 0")
     max_new_tokens: int = opt(256, "tokens generated per answer")
@@ -278,7 +282,7 @@ KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.lab
                       "train.loss_positions": "answers", "train.loss_path": "all", "train.draft_layers": 1,
                       "eval.turns": 0, "train.draft_norm_before_residual": False,
                       "train.draft_norm_before_fc": False, "train.draft_fc_norm": False,
-                      "train.draft_norm_output": False, "train.draft_layer_type": "llama"}
+                      "train.draft_norm_output": False, "train.draft_layer_type": "llama", "eval.tree": ""}
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},

@@ -55,7 +55,10 @@ def report_markdown(r: dict) -> str:
     ts = r["time_split"]
     lines = [
         f"# eyas eval: {r['target']}", "",
-        f"Drafter `{r.get('draft', '')}`, K = {r['k']}, temperature = {r['temperature']}, top-p = {r['top_p']}, "
+        f"Drafter `{r.get('draft', '')}`, "
+        + (f"dynamic tree topk {r['tree']['topk']}, depth {r['tree']['depth']}, {r['tree']['tokens']} tokens "
+           f"verified (SGLang: `{r['serving_flags']['sglang']}`)" if r.get("tree") else f"K = {r['k']}")
+        + f", temperature = {r['temperature']}, top-p = {r['top_p']}, "
         f"{r['prompts']['count']} prompts from `{r['prompts']['set']}`, up to {r['max_new_tokens']} new tokens, "
         f"device {r['device']}.", "",
         "| metric | value |", "| --- | --- |",
@@ -68,7 +71,8 @@ def report_markdown(r: dict) -> str:
            f"{r['turns_skipped_too_long']} |"] if r.get("turns_skipped_too_long") else []),
         f"| draft / verify / prefill / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['prefill_s']:.2f} / {ts['other_s']:.2f} |",
         f"| peak memory | {r['peak_memory_bytes'] / 1e6:.0f} MB |", "",
-        "Per-position acceptance (draft i accepted given drafts 1..i-1 were): " +
+        ("Per-level acceptance (a node of level i accepted given one of each level before was): " if r.get("tree")
+         else "Per-position acceptance (draft i accepted given drafts 1..i-1 were): ") +
         ", ".join(f"{i + 1}: {a:.3f}" for i, a in enumerate(r["per_position_acceptance"])), "",
         "Accepted drafts per verify step: " +
         ", ".join(f"{i}: {c}" for i, c in enumerate(r["accepted_length_histogram"])), "",

@@ -26,6 +26,8 @@ from .eval_report import write_report
 from .eval_stats import Tally, by_repetition, by_turn, repeat_bucket, round_sums, tau_interval, turn_bucket
 from .formats import import_drafter
 from .target import load_target
+from .tree import TreeSpec, serving_flags
+from .tree_decode import TreeDecoder
 from .util import EyasError, log, progress
 
 MAX_CONTEXT = 4096  # longest prompt + answer an eval turn may reach; longer turns are skipped
@@ -178,7 +180,10 @@ def check_out_dir(out: str | Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # measuring
 
-def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None):
+def _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed=0, fused=None, tree=None):
+    if tree is not None:  # an EAGLE-2 dynamic tree (eyas.tree_decode); its depth plays K's part
+        return TreeDecoder(target, drafter, tree, temperature=temperature, top_p=top_p, max_len=max_len,
+                           compile=compile_, seed=seed)
     return Decoder(target, drafter, k=k, temperature=temperature, top_p=top_p, max_len=max_len,
                    compile=compile_, seed=seed, fused=fused)
 
@@ -245,19 +250,20 @@ class _Measured:
     skipped: int = 0  # user turns left out, too long for the context
     too_long: list[int] = field(default_factory=list)  # the prompt length of each conversation's first turn left out
     groups: list = field(default_factory=list)  # each conversation's (Σ (accepted + 1), rounds), for the interval
+    extra: int = 3  # cache slots a round may write past the committed length: a chain's K, a tree's verified tokens
 
 
 def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 256, compile_: bool = False, seed: int = 0, baseline: bool = True,
-             fused: bool | None = None, max_turns: int = 0) -> dict:
+             fused: bool | None = None, max_turns: int = 0, tree=None) -> dict:
     """Answer every user turn of every conversation in sequence (the history holds eyas' own
     answers), or its first `max_turns` ones, with speculative decoding and, when `baseline`, plain decoding on
-    the same engine."""
+    the same engine. tree: an eyas.tree.TreeSpec to draft dynamic trees (k must be its depth), or None for a chain."""
     tok = target.tokenizer
     max_len = min(MAX_CONTEXT, getattr(target.config, "max_position_embeddings", MAX_CONTEXT) or MAX_CONTEXT)
-    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused)
+    dec = _new_decoder(target, drafter, k, temperature, top_p, max_len, compile_, seed, fused, tree)
     stop = target.eot_token_ids
-    m = _Measured(Tally(k))
+    m = _Measured(Tally(k), extra=k if tree is None else max(tree.tokens, tree.depth + 1))
     if target.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(target.device)
     try:
@@ -277,8 +283,11 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
         bar.close()
     finally:
         dec.close()
-    _check_answered(m, len(convs), k, max_len, max_new_tokens)
-    return _result(m, dec, target, convs, k, temperature, top_p, max_new_tokens, max_turns, max_len)
+    _check_answered(m, len(convs), max_len, max_new_tokens)
+    res = _result(m, dec, target, convs, k, temperature, top_p, max_new_tokens, max_turns, max_len)
+    # the dynamic tree drafted (topk, depth, tokens), or None for a chain of k; with a tree, k is its depth and
+    # per_position_acceptance is per level
+    return {**res, "tree": tree.as_dict() if tree is not None else None, "serving_flags": serving_flags(tree, k)}
 
 
 def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max_len, max_new_tokens, max_turns,
@@ -299,7 +308,7 @@ def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max
             break
         msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
         ids = prompt_ids(tok, msgs)
-        if len(ids) + max_new_tokens + k + 2 > max_len:
+        if len(ids) + max_new_tokens + m.extra + 2 > max_len:
             # this turn and the later ones, longer still (up to max_turns), are left out
             left = sum(x.role == "user" for x in conv.turns[i:])
             m.skipped += min(left, max_turns - answered) if max_turns else left
@@ -346,9 +355,9 @@ def _plain(dec, ids, g, t: Tally, stop, max_new_tokens, temperature, conv_id) ->
             t.mismatches.append(f"{conv_id}: first difference at new token {first}")
 
 
-def _check_answered(m: _Measured, n_convs: int, k: int, max_len: int, max_new_tokens: int) -> None:
+def _check_answered(m: _Measured, n_convs: int, max_len: int, max_new_tokens: int) -> None:
     """Say which turns were left out, too long for the context; refuse an eval that answered none."""
-    too_long = m.too_long
+    too_long, k = m.too_long, m.extra
     if too_long:
         why = (f"a prompt of {min(too_long)}{'' if min(too_long) == max(too_long) else f' to {max(too_long)}'} "
                f"tokens + max_new_tokens {max_new_tokens} + {k + 2} (K + 2) is over the {max_len}-token context the "
@@ -406,6 +415,7 @@ def check_eval_settings(cfg) -> None:
     check_settings(cfg, (("eval.max_new_tokens", cfg.eval.max_new_tokens >= 1, "at least 1"),
                          ("eval.turns", cfg.eval.turns >= 0, "0 (every turn) or more")))
     check_prompt_settings(cfg)
+    TreeSpec.parse(cfg.eval.tree, "eval.tree (--tree)")
     if cfg.eval.draft and not (Path(cfg.eval.draft).expanduser() / "config.json").exists():
         raise EyasError(f"eval.draft: {Path(cfg.eval.draft).expanduser()} is not a drafter folder (no config.json)")
 
@@ -422,12 +432,15 @@ def run_eval(cfg) -> dict:
     target = replace(target, aux_layers=drafter_aux_layers(target, draft_path, explicit=bool(cfg.target.aux_layers)))
     drafter = load_eval_drafter(draft_path, target)
     set_name, convs = load_prompt_set(cfg)
-    log(f"eval: {len(convs)} conversations from {set_name}, K={e.k}, temperature={e.temperature}")
-    res = evaluate(target, drafter, convs, k=e.k, temperature=e.temperature, top_p=e.top_p,
+    tree = TreeSpec.parse(e.tree, "eval.tree (--tree)")
+    k = tree.depth if tree is not None else e.k
+    shape = f"tree {tree} (topk, depth, tokens)" if tree is not None else f"K={e.k}"
+    log(f"eval: {len(convs)} conversations from {set_name}, {shape}, temperature={e.temperature}")
+    res = evaluate(target, drafter, convs, k=k, temperature=e.temperature, top_p=e.top_p,
                    max_new_tokens=e.max_new_tokens, compile_=e.compile,
-                   fused={"fused": True, "stepwise": False, "auto": None}[e.round], max_turns=e.turns)
+                   fused={"fused": True, "stepwise": False, "auto": None}[e.round], max_turns=e.turns, tree=tree)
     report = {"target": target.name, "target_identity": target.identity(), "dtype": str(target.dtype).replace("torch.", ""),
-              "draft": str(draft_path), "k": e.k, "temperature": e.temperature,
+              "draft": str(draft_path), "k": k, "temperature": e.temperature,
               "prompts": {"set": set_name, "count": res["prompts_answered"], "conversations": len(convs)},
               **{k: v for k, v in res.items() if k not in ("k", "temperature")}}
     path = write_report(report, Path(cfg.out) / "eval")
@@ -437,7 +450,7 @@ def run_eval(cfg) -> dict:
     speed = (f"{report['tokens_per_s']:,.1f} against {report['baseline_tokens_per_s']:,.1f} tok/s plain "
              f"({report['speedup']:.2f}x)" if report.get("speedup") else "speed not measured")
     unchecked = "not checked" + (" (sampled decoding)" if e.temperature > 0 else "")
-    log(f"eval: τ {report['acceptance_length']:.3f}{ci} at K={e.k} over "
+    log(f"eval: τ {report['acceptance_length']:.3f}{ci} at {shape} over "
         f"{res['prompts_answered']} answers; {speed}; lossless: "
         + ("yes" if loss else unchecked if loss is None else
            f"NO, of {report['lossless_checked']} answers checked, first difference {miss[0] if miss else '?'}")

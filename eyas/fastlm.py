@@ -347,7 +347,7 @@ class FastLM:
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, rows=None, last_only: bool = False,
                 want_aux: bool = False, upto: int | None = None, last_idx: torch.Tensor | None = None,
-                one_off: bool = False):
+                one_off: bool = False, tree: tuple[torch.Tensor, torch.Tensor] | None = None):
         """ids [b, T] at positions pos[b]..pos[b]+T-1 of the cache rows `rows` (None: all B rows in order;
         a slice; or a LongTensor [b] of row indices). Returns (logits, aux): logits [b, T, V], or [b, 1, V]
         at the last token (last_only) or at per-row token index last_idx [b] (a right-padded prefill);
@@ -355,9 +355,12 @@ class FastLM:
         that must exceed every position in this call (default max_len, the one shape for CUDA graphs); with row
         groups (set_groups) and rows=None, a tuple of one such bound per group.
         one_off: the shape of this call is unlikely to come again (a prompt prefill): on a GPU, attention
-        avoids kernels that build a plan per shape."""
+        avoids kernels that build a plan per shape.
+        tree: (positions [T], anc [T, T] bool) for a draft tree's verify (one row, eyas.tree): the T tokens are
+        written to slots pos..pos+T-1 but roped at `positions`, and token i attends to the slots before pos and to
+        the tree slots pos+j where anc[i, j] (its ancestors and itself)."""
         with one_off_kernels(self.device, on=one_off):
-            return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx, one_off)
+            return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx, one_off, tree)
 
     def _use_gqa(self, T: int, one_off: bool) -> bool:
         """Whether a call of T tokens passes q unfolded with enable_gqa: short multi-token calls, not prefills,
@@ -405,11 +408,16 @@ class FastLM:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         return _compiled_flex
 
-    def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False):
+    def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False, tree=None):
         b, T = ids.shape
         idx = self._rows(rows, b)
         qpos = pos.to(self.device, torch.long)[:, None] + torch.arange(T, device=self.device)  # [b, T]
-        flex = (self.flex_decode and T == 1 and not one_off and self.groups is None
+        wpos = qpos  # the slots written: the positions, except in a tree's verify
+        if tree is not None:
+            if b != 1 or any(self.windows) or self.groups is not None:
+                raise EyasError("FastLM.forward: a tree verify takes one row, no row groups and no sliding window")
+            qpos = tree[0].to(self.device, torch.long).view(1, T)
+        flex = (tree is None and self.flex_decode and T == 1 and not one_off and self.groups is None
                 and (rows is None or isinstance(rows, slice)) and not any(self.windows))
         if flex:
             fmask, fattn = self._flex_mask(qpos[:, 0]), self._flex_attention()
@@ -431,7 +439,11 @@ class FastLM:
         for w in ([] if flex else dict.fromkeys(self.windows)):
             masks[w] = []
             for a, z, u in parts:
-                vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
+                if tree is not None:  # the slots before the tree's, and the tree slots of the token's ancestors
+                    rel = self.slots[:u] - wpos[0, 0]
+                    vis = ((rel < 0)[None] | (tree[1][:, rel.clamp(0, T - 1)] & (rel < T)[None]))[None]
+                else:
+                    vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
                 if w is not None:
                     vis &= self.slots[None, None, :u] > qpos[a:z, :, None] - w
                 m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
@@ -449,7 +461,7 @@ class FastLM:
         # SmolLM2 verify). One row index per token, built here once, has
         # qpos' strides. (A one-token call's indices already agree.)
         ri = idx[:, None] if T == 1 else torch.zeros_like(qpos).add_(idx[:, None])
-        write_at = (ri, slice(None), qpos)
+        write_at = (ri, slice(None), wpos)
         ew = self.compile_elementwise and not one_off
         rotate = compiled(_rotate) if ew else _rotate
         pend = None  # the last MLP's output, added to h together with the next norm (add_norm)

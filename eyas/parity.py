@@ -264,6 +264,26 @@ def eyas_first_answers(report: dict) -> dict:
                                       "`eyas eval` for a report with by_turn"}
 
 
+def tree_settings_note(report: dict, engine: str) -> str | None:
+    """For a report of an EAGLE-2 dynamic tree (eyas eval --tree): the engine flags that serve the same tree, which
+    the server must have been started with for the two acceptance lengths to compare (None for a chain's report)."""
+    tree = report.get("tree")
+    if not isinstance(tree, dict):
+        return None
+    from .tree import TreeSpec, serving_flags
+
+    try:
+        spec = TreeSpec(int(tree["topk"]), int(tree["depth"]), int(tree["tokens"]))
+    except (KeyError, TypeError, ValueError):
+        return f"eyas' report has a tree setting it cannot read ({tree!r}); run `eyas eval --tree` again"
+    flags = serving_flags(spec, spec.depth)
+    if engine == "sglang":
+        return (f"eyas' τ is of the dynamic tree {spec} (topk, depth, tokens): compare with SGLang serving it, "
+                f"started with {flags['sglang']}")
+    return (f"eyas' τ is of the dynamic tree {spec} (topk, depth, tokens); vLLM has {flags['vllm']}: compare "
+            f"with SGLang (--engine sglang, {flags['sglang']}) or evaluate a chain in eyas (eval.k)")
+
+
 def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT) -> dict:
     """gap = (eyas - engine) / eyas; |gap| > limit is flagged."""
     if eyas_tau is None or not eyas_tau or (isinstance(eyas_tau, float) and math.isnan(eyas_tau)):
@@ -324,7 +344,10 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
             if report.get(key) is not None and float(report[key]) != float(getattr(cfg.eval, key)):
                 notes.append(f"eyas' report used {what} {report[key]}, parity used {getattr(cfg.eval, key)}")
         k_engine = res.get("k")
-        if report.get("k") is not None and k_engine and int(report["k"]) != int(k_engine):
+        tree_note = tree_settings_note(report, engine)
+        if tree_note:
+            notes.append(tree_note)
+        elif report.get("k") is not None and k_engine and int(report["k"]) != int(k_engine):
             notes.append(f"eyas' report used k={report['k']}, the server drafts {k_engine} tokens")
         if mine["answers"] is not None and int(mine["answers"]) != len(prompts):
             notes.append(f"eyas' figure covers {mine['answers']} first answers, parity sent {len(prompts)} prompts "
@@ -352,6 +375,8 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         "eyas_compared": mine["compared"],  # which of the report's figures: the answers to the prompts sent
         "eyas_per_position_acceptance": mine["per_position"],
         "gap": cmp["gap"], "gap_limit": GAP_LIMIT, "flagged": cmp["flagged"], "verdict": verdict, "notes": notes,
+        # the engine flags that serve what eyas evaluated (a dynamic tree or a chain of k)
+        "serving_flags": (report or {}).get("serving_flags") if isinstance(report, dict) else None,
     }
     atomic_write_json(run / "eval" / "parity.json", out)
     return out

@@ -1,0 +1,405 @@
+"""EAGLE-2 dynamic draft trees: tree construction on hand-made probabilities, the target's tree-mask verify against
+per-branch forwards (both engines), greedy tree decoding against plain greedy decoding on the real SmolLM2 (through
+acceptances and rejections on every branch and level), and the sampled tree rule against exact distributions."""
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eyas.decode import Decoder, FastTargetRunner, TargetRunner, probs_from_logits
+from eyas.draft import causal_attend
+from eyas.tree import Tree, TreeSpec, accept_sample, grow_tree, serving_flags
+from eyas.tree_decode import TreeDecoder, _keep_path, _target_tree_forward
+from eyas.util import EyasError
+
+from test_decode import FEW, NEW, _chi2, plain_outputs, prompt_set, trained  # noqa: F401 (fixtures)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tree setting and tree construction
+
+def test_tree_spec_parses_and_refuses_bad_settings():
+    assert TreeSpec.parse("4,4,16") == TreeSpec(4, 4, 16) and TreeSpec.parse("") is None
+    assert TreeSpec.parse(" 1, 3, 4 ").grown == 3 and TreeSpec(8, 6, 32).grown == 8 + 5 * 64
+    for bad, why in [("4,4", "TOPK,DEPTH,TOKENS"), ("a,b,c", "TOPK,DEPTH,TOKENS"), ("0,4,16", "at least 1"),
+                     ("2,2,8", "2 to 7"), ("4,4,1", "2 to")]:
+        with pytest.raises(EyasError, match=why):
+            TreeSpec.parse(bad, "--tree")
+    flags = serving_flags(TreeSpec(4, 5, 16), 3)
+    assert flags["sglang"] == "--speculative-eagle-topk 4 --speculative-num-steps 5 --speculative-num-draft-tokens 16"
+    assert "static" in flags["vllm"]
+    assert "--speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4" == \
+        serving_flags(None, 3)["sglang"]
+
+
+def _logp(probs: dict[int, float], V: int = 6) -> torch.Tensor:
+    p = torch.full((V,), 1e-9)
+    for t, x in probs.items():
+        p[t] = x
+    return p.log()
+
+
+def test_grow_tree_keeps_the_best_scored_nodes_as_a_tree():
+    """topk 2, depth 3, 7 tokens on hand-made probabilities. Level 1: tokens 0 (.5), 1 (.3). Level 2 grows node 1's
+    children 2 (.5*.7=.35), 3 (.15) and node 2's 4 (.3*.9=.27), 5 (.03); its frontier is nodes 3 (.35) and 5 (.27),
+    whose children are 1 (.245), 0 (.105) and 3 (.216), 2 (.054). The six best grown nodes: .5 .35 .3 .27 .245 .216,
+    a tree through both branches."""
+    children = {0: {2: .7, 3: .3}, 1: {4: .9, 5: .1}, 2: {1: .7, 0: .3}, 4: {3: .8, 2: .2}}
+    calls = []
+
+    def expand(frontier, tokens, level, anc):
+        calls.append((frontier.tolist(), tokens.tolist(), level))
+        return torch.stack([_logp(children[t]) for t in tokens.tolist()])
+
+    tree = grow_tree(TreeSpec(2, 3, 7), torch.tensor([5]), _logp({0: .5, 1: .3, 2: .1, 3: .05, 4: .03}), expand)
+    assert calls == [([1, 2], [0, 1], 1), ([3, 5], [2, 4], 2)]
+    assert tree.tokens.tolist() == [5, 0, 1, 2, 4, 1, 3]
+    assert tree.parents.tolist() == [0, 0, 0, 1, 2, 3, 4]
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 3, 3]
+    want = [[j == i or j in anc for j in range(7)]
+            for i, anc in enumerate([(), (0,), (0,), (0, 1), (0, 2), (0, 1, 3), (0, 2, 4)])]
+    assert tree.anc.tolist() == want
+    assert torch.allclose(tree.scores.exp(), torch.tensor([1, .5, .3, .35, .27, .245, .216]), atol=1e-6)
+    # token ids map through to_target (the draft vocabulary's offsets)
+    mapped = grow_tree(TreeSpec(2, 3, 7), torch.tensor([5]), _logp({0: .5, 1: .3, 2: .1, 3: .05, 4: .03}),
+                       lambda f, t, lv, a: torch.stack([_logp(children[x - 10]) for x in t.tolist()]),
+                       to_target=lambda i: i + 10)
+    assert mapped.tokens.tolist() == [5, 10, 11, 12, 14, 11, 13]
+    # equal scores (probability 1 all the way down): a parent is kept before its child, so the nodes stay a tree
+    chain = grow_tree(TreeSpec(1, 3, 3), torch.tensor([0]), _logp({4: 1.0}), lambda f, t, lv, a: _logp({4: 1.0})[None])
+    assert chain.parents.tolist() == [0, 0, 1] and chain.depth.tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# the tree-mask verify equals each branch's own forward
+
+def _qwen3():
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                                max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32).eval()
+    from eyas.target import Target, default_aux_layers
+
+    return Target(model=model, tokenizer=None, name="random-qwen3", source="random", sha256="",
+                  aux_layers=default_aux_layers(4), eot_token_ids=[0])
+
+
+@pytest.mark.parametrize("family", ["tiny", "qwen3"])
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_tree_verify_equals_each_branch_forward(tiny, family, engine):
+    """A hand-made tree of 7 nodes after a 9-token prefix: each node's logits and aux states from the one tree
+    forward equal those of a forward over its own branch (prefix, root, ancestors, node, at consecutive positions);
+    moving a path's cache entries to consecutive slots leaves the cache of that branch's forward."""
+    target = tiny if family == "tiny" else _qwen3()
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(1, 500, (1, 9), generator=g)
+    toks = torch.randint(1, 500, (7,), generator=g)
+    parents = [0, 0, 0, 1, 2, 3, 3]
+    depth = [0, 1, 1, 2, 2, 3, 3]
+    anc = torch.eye(7, dtype=torch.bool)
+    for i in range(1, 7):
+        anc[i] |= anc[parents[i]]
+    Runner = FastTargetRunner if engine == "fast" else TargetRunner
+
+    def prefilled():
+        r = Runner(target, 64)
+        r.forward(prefix, torch.arange(9))
+        return r
+
+    with torch.no_grad():
+        r = prefilled()
+        logits, aux = _target_tree_forward(r, toks[None], 9 + torch.tensor(depth), torch.tensor([9]), anc, 64)
+        for i in range(7):
+            branch = [j for j in range(7) if anc[i, j]]
+            ref = prefilled()
+            rl, ra = ref.forward(toks[branch][None], torch.arange(9, 9 + len(branch)))
+            torch.testing.assert_close(logits[0, i], rl[0, -1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(aux[0, i], ra[0, -1], rtol=1e-4, atol=1e-4)
+        path = [0, 1, 3, 5]  # the root, then levels 1..3
+        _keep_path(r, torch.tensor([9 + j for j in path[1:]]), torch.tensor([10, 11, 12]))
+        ref = prefilled()
+        ref.forward(toks[path][None], torch.arange(9, 13))
+        mine = ([(a, b) for a, b in zip(r.lm.k, r.lm.v)] if engine == "fast"
+                else [(x.keys, x.values) for x in r.cache.layers])
+        theirs = ([(a, b) for a, b in zip(ref.lm.k, ref.lm.v)] if engine == "fast"
+                  else [(x.keys, x.values) for x in ref.cache.layers])
+        for (k1, v1), (k2, v2) in zip(mine, theirs):
+            torch.testing.assert_close(k1[:, :, :13], k2[:, :, :13], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v1[:, :, :13], v2[:, :, :13], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy tree decoding on the real target
+
+SHAPES = ["4,4,16", "2,3,6", "1,3,4", "3,1,3"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_tree_decoding_equals_plain(smol, prompt_set, plain_outputs, trained, shape):
+    """Tree rounds of several shapes (a wide tree, a narrow one, a chain, one level) give plain greedy decoding's
+    tokens; the trained drafter gets drafts accepted."""
+    spec = TreeSpec.parse(shape)
+    dec = TreeDecoder(smol, trained, spec, max_len=256)
+    acc = []
+    for ids, ref in list(zip(prompt_set, plain_outputs))[:3]:
+        g = dec.generate(ids, NEW, smol.eot_token_ids)
+        assert g.tokens == ref[:NEW], (shape, smol.tokenizer.decode(ids[-12:]))
+        assert all(0 <= a <= spec.depth for a in g.accepted)
+        acc += g.accepted
+    assert sum(acc) > 0, acc
+
+
+def test_transformers_engine_decodes_trees_losslessly(smol, prompt_set, plain_outputs, trained):
+    dec = TreeDecoder(smol, trained, TreeSpec(4, 4, 16), max_len=256, engine="hf")
+    assert dec.engine == "hf"
+    for ids, ref in list(zip(prompt_set, plain_outputs))[:2]:
+        assert dec.generate(ids, NEW, smol.eot_token_ids).tokens == ref[:NEW]
+
+
+class ScriptedTreeDecoder(TreeDecoder):
+    """Grows the real drafter's tree (so the drafter's tree attention runs), then rewrites its tokens so that the
+    target's greedy continuation lies along the LAST node's branch of level e (round r: e = r % (depth + 1), the
+    deepest level the tree has if shallower) and no other node matches it: acceptances of every length, down
+    branches other than the first, so the cache compaction moves entries from scattered slots."""
+
+    def __init__(self, *a, reference, prompt_len, **kw):
+        super().__init__(*a, **kw)
+        self.reference, self.n, self.rounds = reference, prompt_len, 0
+
+    def grow(self, last, h_last, logits_last, pos0, upto):
+        tree = super().grow(last, h_last, logits_last, pos0, upto)
+        L = int(pos0) + 1
+        ref = self.reference[L - self.n:] + [0] * (self.tree.depth + 1)
+        depth, parents = tree.depth.tolist(), tree.parents.tolist()
+        e = min(self.rounds % (self.tree.depth + 1), max(depth))
+        self.rounds += 1
+        end = max(i for i in range(tree.size) if depth[i] == e)
+        on_path = set()
+        while end:
+            on_path.add(end)
+            end = parents[end]
+        V = self.target.vocab_size
+        toks = [tree.tokens[0].item()] + [ref[depth[i] - 1] if i in on_path else (ref[depth[i] - 1] + 1 + i) % V
+                                          for i in range(1, tree.size)]
+        return Tree(tokens=torch.tensor(toks), parents=tree.parents, depth=tree.depth, anc=tree.anc,
+                    scores=tree.scores)
+
+
+@pytest.mark.parametrize("shape", ["3,3,8", "2,4,9"])
+def test_scripted_acceptance_on_every_branch_keeps_the_caches_right(smol, prompt_set, trained, shape):
+    """Every accepted length 0..depth, along the last branch of its level: the output equals plain greedy decoding,
+    and afterwards the target's cache and the drafter's hold what fresh passes over the final sequence compute."""
+    from eyas.fastlm import FastLM
+
+    spec = TreeSpec.parse(shape)
+    ids = prompt_set[1]
+    ref = Decoder(smol, None, max_len=256).generate(ids, 40, (), speculative=False).tokens
+    dec = ScriptedTreeDecoder(smol, trained, spec, max_len=256, reference=ref, prompt_len=len(ids))
+    g = dec.generate(ids, 30, ())
+    assert g.tokens == ref[:30]
+    assert set(g.accepted) == set(range(spec.depth + 1)), g.accepted
+    seq = torch.tensor([ids + g.tokens])
+    m = seq.shape[1] - 1
+    fresh = FastLM(smol.model, 1, 256)
+    fresh.forward(seq, torch.tensor([0]))
+    for i in range(smol.num_layers):
+        for have, want in ((dec.runner.lm.k[i], fresh.k[i]), (dec.runner.lm.v[i], fresh.v[i])):
+            torch.testing.assert_close(have[:, :, :m], want[:, :, :m], atol=1e-4, rtol=1e-4)
+    aux, _ = smol.capture(seq)
+    keys = []
+    trained(seq[:, 1:], aux[:, :-1], attend=lambda q, k, v: keys.append(k) or causal_attend(q, k, v))
+    torch.testing.assert_close(dec.dcaches[0].k[:, :, :m], keys[0], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampled tree rule, statistically (a Markov-chain "model" with exact probabilities)
+
+def _wrong_no_renormalise(tree, p, generator=None):
+    """A plausible bug: each sibling accepted with p(c), forgetting the mass of the siblings rejected before it."""
+    parents, toks = tree.parents.tolist(), tree.tokens.tolist()
+    node, path = 0, []
+    while True:
+        kids = sorted((c for c in range(1, tree.size) if parents[c] == node), key=lambda c: -float(tree.scores[c]))
+        nxt = next((c for c in kids if float(torch.rand(1, generator=generator)) < float(p[node, toks[c]])), None)
+        if nxt is None:
+            r = p[node].clone()
+            r[[toks[c] for c in kids]] = 0
+            return len(path), path, int(torch.multinomial(r / r.sum(), 1, generator=generator))
+        node = nxt
+        path.append(nxt)
+
+
+def _wrong_residual_is_p(tree, p, generator=None):
+    """Another: after every child is rejected, draw from p itself (the rejected children not taken out)."""
+    a, path, _ = accept_sample(tree, p, generator)
+    node = path[-1] if path else 0
+    return a, path, int(torch.multinomial(p[node], 1, generator=generator))
+
+
+def _tree_sample_joint(rule, P, Q, spec, n_tokens, N, seed):
+    """N sequences of a Markov chain from token 0, each made by tree rounds (the tree grown from drafter Q's
+    log-probabilities, verified against target P by `rule`) -> counts of their first n_tokens."""
+    g = torch.Generator().manual_seed(seed)
+    V = P.shape[0]
+    trees = [grow_tree(spec, torch.tensor([x]), Q[x].log(), lambda f, t, lv, a: Q[t].log()) for x in range(V)]
+    counts = torch.zeros(V ** n_tokens, dtype=torch.float64)
+    for _ in range(N):
+        out, x = [], 0
+        while len(out) < n_tokens:
+            tree = trees[x]
+            _, path, nxt = rule(tree, P[tree.tokens], g)
+            out += tree.tokens[path].tolist() + [nxt] if path else [nxt]
+            x = out[-1]
+        idx = 0
+        for t in out[:n_tokens]:
+            idx = idx * V + t
+        counts[idx] += 1
+    return counts
+
+
+def test_tree_sampling_reproduces_target_distribution():
+    """First 2 emitted tokens of a 5-token Markov chain, tree 3,2,6 (12 nodes grown, 5 kept with the root), 6k
+    sequences: the joint law of the emitted tokens equals the target chain's (chi-square below df + 6·sqrt(2·df), a
+    >6-sigma bound), while two deliberately wrong rules exceed it. The target's nucleus (0.9) puts zero mass on
+    tokens the tree may hold."""
+    torch.manual_seed(0)
+    V, n, N = 5, 2, 6_000
+    P = probs_from_logits(torch.randn(V, V), 1.0, 0.9).double()
+    Q = probs_from_logits(torch.randn(V, V), 1.0, 1.0).double()
+    P, Q = P / P.sum(-1, keepdim=True), Q / Q.sum(-1, keepdim=True)
+    assert (P == 0).any()
+    exact = (P[0][:, None] * P).reshape(-1)
+    spec = TreeSpec(3, 2, 6)
+    stats = {}
+    for name, rule in [("right", accept_sample), ("no-renormalise", _wrong_no_renormalise),
+                       ("residual-is-p", _wrong_residual_is_p)]:
+        chi2, df = _chi2(_tree_sample_joint(rule, P, Q, spec, n, N, seed=1), exact)
+        stats[name] = (chi2, df + 6 * math.sqrt(2 * df))
+    assert stats["right"][0] < stats["right"][1], stats
+    for name in ("no-renormalise", "residual-is-p"):
+        assert stats[name][0] > stats[name][1], (name, stats)
+
+
+def test_sampled_tree_decoding_runs_and_is_seeded(tiny):
+    from eyas.draft import build_drafter
+    from eyas.evaluate import prompt_ids
+
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    ids = prompt_ids(tiny.tokenizer, [{"role": "user", "content": "hi"}])
+    outs = []
+    for _ in range(2):
+        dec = TreeDecoder(tiny, d, TreeSpec(3, 3, 8), temperature=0.8, max_len=128, seed=7)
+        g = dec.generate(ids, 12, ())
+        assert len(g.tokens) == 12 and all(0 <= t < tiny.vocab_size for t in g.tokens)
+        outs.append(g.tokens)
+    assert outs[0] == outs[1]
+    with pytest.raises(EyasError, match="fit"):
+        TreeDecoder(tiny, d, TreeSpec(3, 3, 8), max_len=24).generate(ids, 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# eyas eval --tree, eyas parity, bench/bench_decode.py --tree
+
+def test_eyas_eval_tree_writes_a_tree_report(tiny, tmp_path, capsys):
+    """`eyas eval --tree 2,2,4` decodes with trees on the tiny target: the report says the tree, its depth as k,
+    acceptance per level, SGLang's flags for it, and the lossless check; a malformed --tree stops with one line."""
+    import json
+
+    from eyas.cli import main
+    from eyas.draft import build_drafter, save_drafter
+
+    torch.manual_seed(0)
+    draft = save_drafter(build_drafter(tiny, 1024), tmp_path / "draft")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello there\nName a fruit.\n")
+    args = ["eval", "--preset", "tiny", "--out", str(tmp_path / "run"), "--prompts", str(prompts), "--draft",
+            str(draft), "--max-new-tokens", "8", "--device", "cpu"]
+    assert main(args + ["--tree", "2,2,4"]) == 0
+    rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert rep["tree"] == {"topk": 2, "depth": 2, "tokens": 4} and rep["k"] == 2
+    assert len(rep["per_position_acceptance"]) == 2 and len(rep["accepted_length_histogram"]) == 3
+    assert rep["serving_flags"]["sglang"] == ("--speculative-eagle-topk 2 --speculative-num-steps 2 "
+                                              "--speculative-num-draft-tokens 4")
+    assert rep["lossless"] is True and rep["lossless_checked"] == 2
+    md = (tmp_path / "run" / "eval" / "report.md").read_text()
+    assert "dynamic tree topk 2, depth 2, 4 tokens" in md and "Per-level acceptance" in md
+    assert "at tree 2,2,4 (topk, depth, tokens) over 2 answers" in capsys.readouterr().err
+    assert main(args + ["--tree", "2,2,9"]) == 2
+    assert "eval.tree (--tree): tokens (verified per round, the root included) must be 2 to 7" in \
+        capsys.readouterr().err
+
+
+def test_parity_notes_the_engine_flags_of_a_tree_report():
+    from eyas.parity import tree_settings_note
+
+    rep = {"tree": {"topk": 4, "depth": 5, "tokens": 16}, "k": 5}
+    assert "--speculative-eagle-topk 4 --speculative-num-steps 5 --speculative-num-draft-tokens 16" in \
+        tree_settings_note(rep, "sglang")
+    assert "static" in tree_settings_note(rep, "vllm") and tree_settings_note({"k": 3}, "vllm") is None
+
+
+def test_bench_decode_sweeps_trees_beside_chains(tmp_path):
+    """bench/bench_decode.py --tree times each tree as its own method beside the chain of --k and the plain
+    baseline of the same run, with τ, per-level acceptance, tok/s and the speedup over plain in its JSON."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))  # bench_decode imports its sibling gpu_watch
+    try:
+        spec = importlib.util.spec_from_file_location("bench_decode_tree", bench / "bench_decode.py")
+        bd = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bd)
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("Hello there\nName a fruit.\n")
+        out = tmp_path / "r.json"
+        assert bd.main(["--draft", "untrained", "--target", "tiny", "--prompts", str(prompts), "--limit", "2",
+                        "--k", "2", "--tree", "2,2,4", "3,3,8", "--max-new-tokens", "8", "--budget", "60",
+                        "--ew", "0", "--skip-hf", "--out", str(out)]) == 0  # --ew 0: no compiling on the CPU
+    finally:
+        sys.path.remove(str(bench))
+    methods = json.loads(out.read_text())["methods"]
+    assert {"eyas_plain_ew0", "eyas_spec_k2_fused_ew0", "eyas_tree_2_2_4_ew0", "eyas_tree_3_3_8_ew0"} <= set(methods)
+    for name, depth in (("eyas_tree_2_2_4_ew0", 2), ("eyas_tree_3_3_8_ew0", 3)):
+        r = methods[name]
+        assert r["tree"]["depth"] == depth and len(r["per_position_acceptance"]) == depth
+        assert r["same_as_plain"] == "2/2" and r["tokens_per_s"] > 0 and r["speedup_vs_plain"] > 0
+        assert r["acceptance_length"] >= 1
+    with pytest.raises(SystemExit):
+        bd.main(["--draft", "untrained", "--tree", "4,4"])
+
+
+@pytest.mark.gpu
+def test_graphed_tree_rounds_decode_losslessly_on_gpu():
+    """On a GPU with CUDA graphs (the default there), each greedy tree round is one graph per span of the cache,
+    captured by warm_up and checked against eager runs: the tiny model's plain greedy tokens (fp32) across every
+    span, the same accepted counts as eager tree rounds, and the graphs stay on."""
+    from eyas.config import TargetConfig
+    from eyas.draft import build_drafter
+    from eyas.target import load_target
+
+    t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
+    torch.manual_seed(0)
+    d = build_drafter(t, 512)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, t.vocab_size, (n,), generator=g).tolist() for n in (40, 240, 500)]
+    runs = {}
+    for graphs in (True, False):
+        dec = TreeDecoder(t, d, TreeSpec(4, 4, 16), max_len=600, compile=graphs)
+        assert dec.graphs.enabled == graphs
+        if graphs:
+            dec.warm_up()
+            assert any(key[0].startswith("tree@") for key in dec.graphs.graphs)
+        runs[graphs] = []
+        for ids in prompts:
+            plain = dec.generate(ids, 40, (), speculative=False).tokens
+            spec = dec.generate(ids, 40, ())
+            assert spec.tokens == plain
+            runs[graphs].append(spec.accepted)
+        assert dec.graphs.enabled == graphs
+    assert runs[True] == runs[False]
