@@ -306,7 +306,8 @@ def test_run_export_writes_both_formats(tiny, drafter, tmp_path, capsys):
         back = import_drafter(tmp_path / "export" / f, target=tiny)
         assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
     raw = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
-    assert raw["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    # the verifier is the target eyas trained with, written as a transformers folder (tests/test_serve_target.py)
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str((tmp_path / "export" / "target").resolve())
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.eval.k
     assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     # an export of one format says that the other one's folder, not rewritten, may hold an earlier drafter
