@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .util import EyasError, atomic_write_json, log
+from .util import EyasError, atomic_write_json, log, share, writing
 
 MARKER = "eyas_target.json"  # what the folder was written from; also tells a target folder eyas may replace
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")
@@ -50,7 +50,7 @@ def write_target_folder(tcfg, out: Path) -> Path:
     eot = find_eot_ids(tok, gen)
     with _fresh_folder(out, check=_check_replaceable) as tmp:
         for f in [src / "config.json", *weights]:
-            _link_or_copy(f, tmp / f.name)
+            _link_or_copy(f, tmp / f.name, out / f.name)
         gen.eos_token_id = eot if len(eot) > 1 else eot[0]
         gen.save_pretrained(tmp)
         if tok.eos_token_id not in eot:  # the engines stop at the tokenizer's EOS as well
@@ -72,12 +72,16 @@ def serve_target(cfg, run: Path) -> str:
     return str(write_target_folder(cfg.target, run / "export" / "target").resolve())
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link to `src` (its dequantized cache, never rewritten in place), or a copy across file systems."""
+def _link_or_copy(src: Path, dst: Path, shown: Path) -> None:
+    """A hard link to `src` (eyas' dequantized cache, never rewritten in place), or a copy across file systems; made
+    readable as a plain file is (the cache's safetensors file is its owner's alone, which keeps an engine run as
+    another user from reading it). A failed copy (a full disk) is named as `shown`."""
     try:
         os.link(src, dst)
     except OSError:
-        shutil.copyfile(src, dst)
+        with writing(shown, src.stat().st_size):
+            shutil.copyfile(src, dst)
+    share(dst)
 
 
 def _check_replaceable(out: Path) -> None:

@@ -64,6 +64,9 @@ def test_export_names_the_target_folder_in_both_formats(tiny, tmp_path):
     ids = torch.randint(0, tiny.vocab_size, (1, 9))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, tiny.model(ids).logits)
+    from eyas.util import FILE_MODE
+
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == FILE_MODE  # an engine run as another user reads it
     run_export(cfg)  # written again over its own earlier folder
 
     cfg.export.target_folder = False  # named by the preset's name instead, the folder left as it is
@@ -82,3 +85,19 @@ def test_target_folder_only_for_targets_eyas_builds_and_never_over_a_foreign_fol
         write_target_folder(TargetConfig(name="tiny"), foreign)
     assert (foreign / "notes.txt").read_text() == "mine" and not (foreign / MARKER).exists()
     assert not list(Path(tmp_path).glob(".target.*"))  # nothing left beside it
+
+
+def test_target_folder_copies_where_it_cannot_link(tmp_path, monkeypatch):
+    """Across file systems (no hard link to eyas' cache) the weights are copied, byte for byte."""
+    import os
+
+    from eyas.target import resolve_source
+
+    def no_link(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_link)
+    out = write_target_folder(TargetConfig(name="tiny"), tmp_path / "target")
+    source = Path(resolve_source(TargetConfig(name="tiny"))[0])
+    copied, cached = out / "model.safetensors", source / "model.safetensors"
+    assert copied.stat().st_ino != cached.stat().st_ino and copied.read_bytes() == cached.read_bytes()
