@@ -28,7 +28,7 @@ import torch
 
 from .draft import (DAMAGED, NON_FINITE, DraftConfig, Eagle3Drafter, check_drafter_aux_layers, check_fits,
                     is_eyas_config, is_int, json_kind, load_drafter, read_config, read_safetensors, safetensors_shapes)
-from .rope import check_rope_scaling
+from .rope import check_rope_scaling, without_served_mscale
 from .serve_target import serve_target
 from .variants import LAYER_ARCHS, from_speculators, sglang_refusal, speculators_fields, variant_tensors
 from .util import EyasError, atomic_path, atomic_write_json, log, read_json, refuse_non_finite, writing
@@ -579,6 +579,7 @@ def _engine_rope(f: "_Fields", cfg_file: Path) -> tuple[float, dict | None]:
     mrope = "mrope_section" in scaling
     if scaling.get("rope_type", scaling.get("type", "default")) == "default" and not mrope:
         return theta, None
+    scaling = without_served_mscale(scaling, str(cfg_file), f"{f.prefix}{key}.")  # SpecForge's yarn writes them
     return theta, check_rope_scaling(scaling, str(cfg_file), f"{f.prefix}{key}.")
 
 
