@@ -36,6 +36,7 @@ def _interop(py: str, tmp_path: Path, rope: str) -> tuple[subprocess.CompletedPr
     return got, rows
 
 
+@pytest.mark.slow
 def test_sglang_export_computes_in_specforge_what_eyas_computes(specforge_python, tmp_path):
     got, rows = _interop(specforge_python, tmp_path, "default")
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
