@@ -28,7 +28,9 @@ target folder by `load_embedding`), then checks:
   the same names), d2t/t2d equal and read the way SpecForge's accuracy and SGLang's hot_token_id read them;
 * forward: a 3-step training-time-test unroll through SpecForge's own `OnlineEagle3Model.forward` (its input shift,
   positions, KV cache; per-step fed-back hidden state and draft logits taken by hooks) on the target's real aux
-  states, against eyas' Eagle3Drafter with eyas' TTT attention, under SpecForge's sdpa and flex_attention backends.
+  states, against eyas' Eagle3Drafter with eyas' TTT attention, under SpecForge's sdpa and flex_attention backends;
+* the other direction: the SpecForge model written as SpecForge's SGLang exporter writes it (its serving state,
+  save_pretrained, the legacy rope fields) and read back by eyas' import_drafter: the same tensors and unroll.
 
 Input conventions (read from the code): SpecForge's step j takes the token ids shifted left by j (zeros past the
 end), positions arange(T) + j (its attention adds the cache depth), the previous step's decoder-layer output before
@@ -370,7 +372,44 @@ def main(argv=None) -> int:
             check_weights(rep, "weights sglang-emb/", folders[name], drafter, m, report, target, True)
         sh, sl = specforge_unroll(sf, m, x, g, args.steps, backend, target_logits)
         compare_unroll(rep, f"forward {name}/ {backend}", eh, el, sh, sl, flex=backend == "flex_attention")
+    check_reimport(rep, model, out / "specforge-export", drafter, target, x, g, args.steps)
     return finish(rep, out, args, sf, transformers)
+
+
+def check_reimport(rep, model, folder: Path, drafter, target, x, g, steps: int):
+    """The other direction: the SpecForge model written the way its SGLang exporter writes one (export/to_sglang.py:
+    its serving state, save_pretrained, the legacy rope fields), read back by eyas' import_drafter."""
+    import shutil
+
+    import torch
+    from specforge.export.checkpoint_io import apply_legacy_rope_scaling
+    from specforge.export.to_sglang import WEIGHT_MAPS, _serving_state
+
+    from eyas.export import import_drafter
+    from eyas.util import EyasError
+
+    S = "import specforge-export/"
+    shutil.rmtree(folder, ignore_errors=True)
+    full = {k: v for k, v in model.state_dict().items() if "embed" not in k.lower()}
+    model.save_pretrained(str(folder), state_dict=_serving_state(full, WEIGHT_MAPS["LlamaForCausalLMEagle3"]))
+    apply_legacy_rope_scaling(str(folder))
+    written = json.loads((folder / "config.json").read_text())
+    try:
+        back = import_drafter(folder, target=target).eval()
+    except EyasError as e:
+        rep.add(S, "eyas import_drafter reads SpecForge's SGLang export", False, str(e))
+        return
+    rep.add(S, "eyas import_drafter reads SpecForge's SGLang export", True,
+            f"rope_scaling as written: {written.get('rope_scaling')}")
+    rep.same(S, "aux layers (eagle_config ids + 1)", list(drafter.config.aux_layers), list(back.config.aux_layers),
+             "eyas import")
+    rep.same(S, "rope settings", drafter.config.rope_scaling, back.config.rope_scaling, "eyas import")
+    esd, bsd = drafter.state_dict(), back.state_dict()
+    wrong = [k for k in esd if k not in bsd or not torch.equal(esd[k], bsd[k])]
+    rep.add(S, "every tensor equal to the drafter exported", not wrong, wrong or f"{len(esd)} equal")
+    eh, el = eyas_unroll(drafter, x, g, steps)
+    bh, bl = eyas_unroll(back, x, g, steps)
+    rep.add(S, f"{steps}-step unroll equal", all(torch.equal(a, b) for a, b in zip(el + eh, bl + bh)), "bit-equal")
 
 
 def finish(rep, out: Path, args, sf, transformers) -> int:

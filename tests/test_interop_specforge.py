@@ -1,5 +1,6 @@
 """bench/interop_specforge.py: eyas' SGLang export read and run by SpecForge's own EAGLE-3 draft model
-(LlamaForCausalLMEagle3, its warm start and TTT loop), where SpecForge can be imported. SpecForge pins sglang and a
+(LlamaForCausalLMEagle3, its warm start and TTT loop), and SpecForge's SGLang export read back by eyas, where SpecForge
+can be imported. SpecForge pins sglang and a
 CUDA torch, so it lives in a virtualenv of its own (the script's docstring says how): EYAS_SPECFORGE_PYTHON names
 that virtualenv's python; without it, or where it cannot import specforge, these tests are skipped."""
 import json
@@ -43,7 +44,7 @@ def test_sglang_export_computes_in_specforge_what_eyas_computes(specforge_python
     assert rows and all(r["status"] == "PASS" for r in rows)
     sections = {r["section"] for r in rows}
     assert {"config", "weights sglang/", "d2t/t2d", "forward sglang/ sdpa", "forward sglang/ flex_attention",
-            "forward sglang-emb/ sdpa"} <= sections
+            "forward sglang-emb/ sdpa", "import specforge-export/"} <= sections
 
 
 # each rope kind eyas exports: SpecForge computes the same (linear, llama3; yarn once the two mscale settings it
@@ -62,5 +63,6 @@ def test_every_rope_kind_eyas_exports(specforge_python, tmp_path, rope):
         assert not known
     else:
         assert known and known[0]["section"] == KNOWN[rope]
-        if rope != "longrope":  # SpecForge runs it: the forward is compared
+        if rope != "longrope":  # SpecForge runs it: the forward is compared, and eyas reads what SpecForge writes
             assert any(r["section"].startswith("forward") for r in rows)
+            assert [r["status"] for r in rows if r["section"] == "import specforge-export/"] == ["PASS"] * 5
