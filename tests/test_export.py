@@ -530,7 +530,7 @@ def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_export(cfg)
     monkeypatch.undo()
-    assert _files(vllm) == before and sorted(p.name for p in vllm.parent.iterdir()) == ["vllm"]
+    assert _files(vllm) == before and sorted(p.name for p in vllm.parent.iterdir()) == ["target", "vllm"]
     # what an export killed outright left (its process is gone) is deleted by the next export; where the system
     # cannot swap two folders in one step, the old one is moved aside first
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -539,7 +539,7 @@ def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
     (left / "config.json").write_text("{}")
     monkeypatch.setattr(E, "_exchange", lambda a, b: False)
     run_export(cfg)
-    assert sorted(p.name for p in vllm.parent.iterdir()) == ["vllm"] and _files(vllm) != before
+    assert sorted(p.name for p in vllm.parent.iterdir()) == ["target", "vllm"] and _files(vllm) != before
     assert torch.equal(_logits(import_drafter(vllm, target=tiny), tiny), _logits(_drafter(tiny, seed=5), tiny))
     plain = tmp_path / "plain"
     plain.write_text("x")  # the new folder's files have a plain file's mode (an engine run as another user reads them)

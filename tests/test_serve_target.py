@@ -38,7 +38,8 @@ def test_smollm2_folder_serves_the_weights_eyas_trained_on(smol, tmp_path):
     assert tok(text).input_ids == smol.tokenizer(text).input_ids
     assert tok.decode(ids[0]) == smol.tokenizer.decode(ids[0])
     # the engines stop where eyas ends a turn: SmolLM2's GGUF tokenizer names <|im_start|> as its EOS
-    assert smol.tokenizer.eos_token == "<|im_start|>" and smol.eot_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert smol.tokenizer.eos_token == "<|im_start|>" and smol.eot_token_ids == [im_end]
     assert tok.eos_token == "<|im_end|>"
     assert GenerationConfig.from_pretrained(str(out)).eos_token_id == smol.eot_token_ids[0]
     marker = json.loads((out / MARKER).read_text())
@@ -81,7 +82,8 @@ def test_target_folder_only_for_targets_eyas_builds_and_never_over_a_foreign_fol
     foreign = tmp_path / "target"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(EyasError, match=r"target: exists and is not a target folder eyas wrote .*export.target_folder=false"):
+    with pytest.raises(EyasError, match=r"target: exists and is not a target folder eyas wrote .*"
+                                        r"export.target_folder=false"):
         write_target_folder(TargetConfig(name="tiny"), foreign)
     assert (foreign / "notes.txt").read_text() == "mine" and not (foreign / MARKER).exists()
     assert not list(Path(tmp_path).glob(".target.*"))  # nothing left beside it
