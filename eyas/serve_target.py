@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+from .target import PRESET_GGUF, find_eot_ids, resolve_source
 from .util import EyasError, atomic_write_json, log, share, writing
 
 MARKER = "eyas_target.json"  # what the folder was written from; also tells a target folder eyas may replace
@@ -23,8 +24,6 @@ WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")
 
 def needs_folder(tcfg) -> bool:
     """Whether the target is one eyas builds itself (a preset, a .gguf file): only then is a folder written."""
-    from .target import PRESET_GGUF
-
     return tcfg.name == "tiny" or tcfg.name in PRESET_GGUF or Path(tcfg.name).suffix == ".gguf"
 
 
@@ -33,8 +32,7 @@ def write_target_folder(tcfg, out: Path) -> Path:
     whole, never left half-written."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from .export import _fresh_folder
-    from .target import find_eot_ids, resolve_source
+    from .export import _fresh_folder  # export imports this module
 
     source, digest = resolve_source(tcfg)
     src = Path(source)
@@ -51,11 +49,13 @@ def write_target_folder(tcfg, out: Path) -> Path:
     with _fresh_folder(out, check=_check_replaceable) as tmp:
         for f in [src / "config.json", *weights]:
             _link_or_copy(f, tmp / f.name, out / f.name)
-        gen.eos_token_id = eot if len(eot) > 1 else eot[0]
-        gen.save_pretrained(tmp)
-        if tok.eos_token_id not in eot:  # the engines stop at the tokenizer's EOS as well
-            tok.eos_token = tok.convert_ids_to_tokens(eot[0])
-        tok.save_pretrained(tmp)
+        if eot:
+            gen.eos_token_id = eot if len(eot) > 1 else eot[0]
+            if tok.eos_token_id not in eot:  # the engines stop at the tokenizer's EOS as well
+                tok.eos_token = tok.convert_ids_to_tokens(eot[0])
+        with writing(out):  # a full disk named as the folder
+            gen.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         atomic_write_json(tmp / MARKER, {"target": tcfg.name, "source": str(src), "sha256": digest,
                                          "eos_token_ids": eot})
     log(f"export: wrote the target eyas trained with as a transformers folder for the engines: {out}")
