@@ -76,7 +76,8 @@ def import_speculators():
 # ----------------------------------------------------------------------------------- report
 
 class Report:
-    def __init__(self):
+    def __init__(self, other: str = "speculators"):
+        self.other = other  # the implementation compared with, as the summary names it
         self.rows: list[dict] = []
         self.forward_known = ""  # why speculators' forward cannot equal the engines' (and eyas') for this rope
 
@@ -104,7 +105,7 @@ class Report:
         n_fail = sum(r["status"] == "FAIL" for r in self.rows)
         n_known = sum(r["status"] == "KNOWN" for r in self.rows)
         print(f"\n{len(self.rows)} checks: {len(self.rows) - n_fail - n_known} pass, {n_fail} fail, "
-              f"{n_known} known speculators-side issue(s)")
+              f"{n_known} known {self.other}-side issue(s)")
         return n_fail
 
 

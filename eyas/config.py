@@ -257,6 +257,10 @@ class EvalConfig:
 class ExportConfig:
     formats: list[str] = opt(["sglang", "vllm"], "export formats")
     include_embeddings: bool = opt(False, "also write the target embedding into the exported drafter")
+    target_folder: bool = opt(True, "for a preset or .gguf target (weights eyas dequantized), also write those "
+                              "weights with config, tokenizer and chat template as a transformers folder "
+                              "<run>/export/target for the engines to serve, and name it as the exports' target "
+                              "(off: the exports name the preset's hub id)")
 
 
 @dataclass

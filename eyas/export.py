@@ -34,6 +34,7 @@ from .formats import VLLM_MODEL_TYPE
 from .target_head import load_target_head
 from .target_spec import load_spec
 from .variants import LAYER_ARCHS, sglang_refusal, speculators_fields
+from .serve_target import serve_target
 from .util import EyasError, atomic_path, atomic_write_json, log, read_json, refuse_non_finite, writing
 
 # SGLang's later draft layers (BasicDecoderLayer in llama_eagle3.py, commit 03d5a77) restart the residual from the
@@ -94,8 +95,9 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
     n_layers = c.target_num_layers or int(c.target.get("num_layers", 0) or 0)
     ids = engine_aux_ids(list(c.aux_layers), fmt, n_layers)
     dtype = sd["fc.weight"].dtype
+    # serve_target: the target to serve the drafter with (a hub id, or the folder of the weights it trained on)
     eyas_meta = {"format": fmt, "aux_layers": list(c.aux_layers), "target": c.target,
-                 "target_num_layers": n_layers}
+                 "target_num_layers": n_layers, "serve_target": target_name_or_path}
     if fmt == "sglang":
         tensors = dict(sd)
         config = {"architectures": [SGLANG_ARCH], **_llama_fields(c, dtype),
@@ -140,13 +142,14 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
 # ----------------------------------------------------------------------------- writing a folder whole
 
 @contextlib.contextmanager
-def _fresh_folder(out: Path):
+def _fresh_folder(out: Path, check=None):
     """Yield an empty temporary folder beside `out`; when the block succeeds, it takes out's place in one step. So
     `out` holds exactly what the block wrote: no file of an earlier export survives there to be read with the new
     ones (a reader loads every weights file a folder holds when it has no index), and a reader, or an export killed
-    midway, finds the old folder whole or the new one whole. What a killed export leaves beside `out` (a hidden
+    midway, finds the old folder whole or the new one whole (`check` refuses an `out` it may not replace: by default
+    anything but a drafter export). What a killed export leaves beside `out` (a hidden
     `.<name>.<pid>.tmp` folder) is deleted by the next one."""
-    _check_replaceable(out)
+    (check or _check_replaceable)(out)
     with writing(out):
         out.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(out)
@@ -308,11 +311,13 @@ def run_export(cfg) -> dict:
     if cfg.export.include_embeddings:  # the embedding read from the target's files, no decoder layer
         target = load_target_head(replace(cfg.target, aux_layers=list(fit.aux_layers)))
     drafter = load_drafter(draft_dir, target=target)
+    serve = serve_target(cfg, run)  # <run>/export/target for a target eyas dequantized, else the target's name
+    archs = verifier_architectures(replace(cfg.target, name=serve) if Path(serve).is_dir() else cfg.target)
     out = {}
     for f in formats:
-        p = export_drafter(drafter, run / "export" / f, f, verifier_name(cfg.target),
+        p = export_drafter(drafter, run / "export" / f, f, serve,
                            include_embeddings=cfg.export.include_embeddings, num_speculative_tokens=cfg.eval.k,
-                           verifier_architectures=verifier_architectures(cfg.target))
+                           verifier_architectures=archs)
         log(f"exported the drafter for {f}: {p}")
         out[f] = str(p)
     for f in FORMATS:  # an export this call did not rewrite may hold an earlier drafter: said, not removed
@@ -320,6 +325,6 @@ def run_export(cfg) -> dict:
             why = "not in export.formats" if f not in cfg.export.formats else f"{f} does not serve this drafter"
             log(f"export: {run / 'export' / f} is an earlier export, not written this time ({why}); it may hold an "
                 f"earlier drafter than {draft_dir}")
-    return {"formats": list(out), "export": out, "aux_layers": list(drafter.config.aux_layers),
+    return {"formats": list(out), "export": out, "serve_target": serve, "aux_layers": list(drafter.config.aux_layers),
             "engine_aux_ids": {f: engine_aux_ids(list(drafter.config.aux_layers), f,
                                                  drafter.config.target_num_layers) for f in formats}}

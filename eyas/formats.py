@@ -13,7 +13,7 @@ from .aux_layers import check_drafter_aux_layers, config_aux_ids, eyas_aux_ids, 
 from .draft import Eagle3Drafter, load_drafter
 from .draft_config import (NON_FINITE, DraftConfig, check_fits, check_tensors, is_eyas_config, read_config,
                            read_safetensors, shapes_of)
-from .rope import check_rope_scaling
+from .rope import check_rope_scaling, without_served_mscale
 from .variants import from_speculators
 from .util import DAMAGED, EyasError, json_kind, read_json, refuse_non_finite
 
@@ -133,6 +133,7 @@ def _engine_rope(f: "_Fields", cfg_file: Path) -> tuple[float, dict | None]:
     mrope = "mrope_section" in scaling
     if scaling.get("rope_type", scaling.get("type", "default")) == "default" and not mrope:
         return theta, None
+    scaling = without_served_mscale(scaling, str(cfg_file), f"{f.prefix}{key}.")  # SpecForge's yarn writes them
     return theta, check_rope_scaling(scaling, str(cfg_file), f"{f.prefix}{key}.")
 
 

@@ -453,8 +453,11 @@ def closing_line(run: Path) -> str:
                      + (", lossless" if loss else ", NOT lossless" if loss is False else ""))
     exports = sorted(p.name for p in (run / "export").iterdir() if (p / "config.json").exists() and not p.name.startswith(".")) \
         if (run / "export").is_dir() else []
+    served = "target" in exports  # the target eyas trained with, as a folder to serve (eyas.serve_target)
+    exports = [e for e in exports if e != "target"]
     if exports:
-        parts.append(f"drafter for {' and '.join(exports)} in {run / 'export'}")
+        parts.append(f"drafter for {' and '.join(exports)} in {run / 'export'}"
+                     + (f", its target in {run / 'export' / 'target'}" if served else ""))
     parts.append(f"report {run / 'report.md'}")
     return "; ".join(parts)
 
@@ -566,7 +569,7 @@ def one_line(name: str, r: dict) -> str:
         "extract": ["tokens", "bytes", "tokens_per_s"],
         "train": ["steps", "best_sim_acceptance_length", "tokens_per_s"],
         "eval": ["acceptance_length", "acceptance_length_ci95", "speedup", "lossless"],
-        "export": ["formats"],
+        "export": ["formats", "serve_target"],
     }.get(name, [])
     def fmt(v):
         if isinstance(v, float):

@@ -83,6 +83,32 @@ def target_rope(config, where: str = "target") -> tuple[float, dict | None]:
     return theta, check_rope_scaling({"rope_type": kind, **scaling}, where, "rope_parameters.")
 
 
+def without_served_mscale(d: dict, where: str, prefix: str = "rope_scaling.") -> dict:
+    """A yarn drafter config's settings without `mscale` / `mscale_all_dim` where they give the cos/sin scale the
+    engines serve. SpecForge cannot build yarn without both (it scales by yarn_get_mscale(factor, mscale) /
+    yarn_get_mscale(factor, mscale_all_dim)), and with 1 and 0 that is 0.1·ln(factor) + 1, what SGLang's and vLLM's
+    Llama draft layer apply reading neither. Other values trained another scale: refused, naming both."""
+    kind = d.get("rope_type", d.get("type"))
+    factor = d.get("factor")
+    if kind != "yarn" or not ({"mscale", "mscale_all_dim"} & set(d)) or not _number(factor) or not factor > 0:
+        return d
+    ms, ms_all = d.get("mscale", 1.0), d.get("mscale_all_dim", 0.0)
+    for k, v in (("mscale", ms), ("mscale_all_dim", ms_all)):
+        if not _number(v):
+            raise EyasError(f"{where}: {prefix}{k} must be a number, got {v!r}")
+
+    def scale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    trained, served = scale(ms) / scale(ms_all), scale(1.0)
+    if abs(trained - served) <= 1e-9 * served:
+        return {k: v for k, v in d.items() if k not in ("mscale", "mscale_all_dim")}
+    k = "mscale" if "mscale" in d else "mscale_all_dim"
+    raise EyasError(f"{where}: {prefix}{k}={d[k]!r} is a yarn rope setting the eyas drafter does not run: mscale "
+                    f"{ms} with mscale_all_dim {ms_all} scale cos/sin by {trained:.5g} (as SpecForge trains), where "
+                    f"SGLang and vLLM serve {served:.5g} = 0.1·ln(factor) + 1 for a Llama draft layer")
+
+
 def check_rope_scaling(d, where: str, prefix: str = "rope_scaling.") -> dict | None:
     """A drafter's rope_scaling (the engines' spelling), checked: None or default is None; a kind eyas does not run,
     a missing or mistyped setting, or one it would not honour, is refused naming it."""

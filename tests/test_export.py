@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from eyas import config as C
 from eyas.config import Config
-from eyas.draft import build_drafter, save_drafter
+from eyas.draft import Eagle3Drafter, build_drafter, save_drafter
 from eyas.aux_layers import engine_aux_ids, eyas_aux_ids
 from eyas.draft_config import check_checkpoint
 from eyas.export import export_drafter, run_export, verifier_architectures, verifier_name
@@ -307,7 +307,8 @@ def test_run_export_writes_both_formats(tiny, drafter, tmp_path, capsys):
         back = import_drafter(tmp_path / "export" / f, target=tiny)
         assert torch.equal(_logits(back, tiny), _logits(drafter, tiny))
     raw = json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())
-    assert raw["speculators_config"]["verifier"]["name_or_path"] == "tiny"
+    # the verifier is the target eyas trained with, written as a transformers folder (tests/test_serve_target.py)
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str((tmp_path / "export" / "target").resolve())
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.eval.k
     assert raw["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
     # an export of one format says that the other one's folder, not rewritten, may hold an earlier drafter
@@ -339,6 +340,32 @@ def test_import_refuses_a_drafter_that_does_not_fit(tiny, drafter, tmp_path, fmt
     four = types.SimpleNamespace(name="f", hidden_size=64, vocab_size=tiny.vocab_size, aux_layers=[1, 2, 3, 4])
     with pytest.raises(EyasError, match="3 aux layers != the target's 4"):
         import_drafter(p, target=four)
+
+
+def test_import_reads_specforge_yarn_settings(tiny, drafter, tmp_path, capsys):
+    """SpecForge 0.2.0 cannot build a yarn draft layer without mscale and mscale_all_dim (it scales cos/sin by
+    their ratio), so every SGLang folder it writes for yarn carries them, under rope_scaling and transformers 5's
+    rope_parameters. With 1 and 0 that ratio is SGLang's 0.1 ln(factor) + 1: such a drafter imports, as the eyas
+    drafter SGLang serves. Other values trained another scale than the engines serve, and are refused."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+            "beta_slow": 1.0}
+    c = dataclasses.replace(drafter.config, rope_scaling=yarn, max_position_embeddings=256)
+    d = Eagle3Drafter(c, tiny.embed_tokens().weight.detach().float())
+    d.load_state_dict(drafter.state_dict())
+    p = export_drafter(d.eval(), tmp_path / "sf", "sglang", "x")
+    raw = json.loads((p / "config.json").read_text())
+    raw["rope_scaling"] = {**yarn, "mscale": 1.0, "mscale_all_dim": 0.0}  # as SpecForge's export writes it
+    raw["rope_parameters"] = {**raw["rope_scaling"], "rope_theta": raw["rope_theta"]}
+    (p / "config.json").write_text(json.dumps(raw))
+    back = import_drafter(p, target=tiny)
+    assert back.config.rope_scaling == yarn
+    assert torch.equal(_logits(back, tiny), _logits(d, tiny))
+    for ms, ms_all in ((0.707, 0.707), (1.0, 1.0), (0.7, None)):  # DeepSeek's pair: scale 1 where SGLang scales
+        raw["rope_scaling"] = {**yarn, "mscale": ms, **({} if ms_all is None else {"mscale_all_dim": ms_all})}
+        (p / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(EyasError, match=rf"rope_scaling.mscale={ms} is a yarn rope setting the eyas drafter does "
+                                            rf"not run: .* scale cos/sin by .* SGLang and vLLM serve 1.1386"):
+            import_drafter(p, target=tiny)
 
 
 def test_import_refuses_what_eyas_cannot_run(tiny, drafter, tmp_path):
@@ -504,7 +531,7 @@ def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_export(cfg)
     monkeypatch.undo()
-    assert _files(vllm) == before and sorted(p.name for p in vllm.parent.iterdir()) == ["vllm"]
+    assert _files(vllm) == before and sorted(p.name for p in vllm.parent.iterdir()) == ["target", "vllm"]
     # what an export killed outright left (its process is gone) is deleted by the next export; where the system
     # cannot swap two folders in one step, the old one is moved aside first
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -513,7 +540,7 @@ def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
     (left / "config.json").write_text("{}")
     monkeypatch.setattr(E, "_exchange", lambda a, b: False)
     run_export(cfg)
-    assert sorted(p.name for p in vllm.parent.iterdir()) == ["vllm"] and _files(vllm) != before
+    assert sorted(p.name for p in vllm.parent.iterdir()) == ["target", "vllm"] and _files(vllm) != before
     assert torch.equal(_logits(import_drafter(vllm, target=tiny), tiny), _logits(_drafter(tiny, seed=5), tiny))
     plain = tmp_path / "plain"
     plain.write_text("x")  # the new folder's files have a plain file's mode (an engine run as another user reads them)

@@ -57,7 +57,10 @@ def test_report_tau_and_lossless(full_run):
     for stage in ("regen", "train", "eval"):  # one line per stage as it finishes
         assert f"[{stage}] done" in r.stderr
     assert (f"eyas run: {out}; τ {rep['acceptance_length']:.3f} at K=3, {rep['speedup']:.2f}x plain decoding, "
-            f"lossless; drafter for sglang and vllm in {out / 'export'}; report {out / 'report.md'}") in r.stderr
+            f"lossless; drafter for sglang and vllm in {out / 'export'}, its target in {out / 'export' / 'target'}; "
+            f"report {out / 'report.md'}") in r.stderr
+    vllm = json.loads((out / "export" / "vllm" / "config.json").read_text())  # the weights it trained on, to serve
+    assert vllm["speculators_config"]["verifier"]["name_or_path"] == str((out / "export" / "target").resolve())
     by = best["by"]  # and training's own last line says which drafter it kept
     assert f"{out / 'draft'} holds the best, step {best['step']} by {by} {best[by]:.3f}" in r.stderr
     lo, hi = rep["acceptance_length_ci95"]  # τ's interval over the eval's two conversations, on the page and the line
