@@ -14,7 +14,7 @@ from eyas.draft import DraftConfig, Eagle3Drafter, build_drafter, load_drafter, 
 from eyas.export import export_drafter, import_drafter
 from eyas.rope import check_rope_scaling, target_rope
 from eyas.target import Target, default_aux_layers
-from eyas.ttt import pack_samples, target_labels, ttt_unroll
+from eyas.train.ttt import pack_samples, target_labels, ttt_unroll
 from eyas.features import Sample
 from eyas.util import EyasError
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from eyas import ttt
+from eyas.train import ttt
 from eyas.draft import build_drafter
 from eyas.features import OnlineFeatures, Sample
-from eyas.ttt import (TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
+from eyas.train.ttt import (TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
                       ttt_dense_mask, ttt_unroll)
 
 LENGTHS = [9, 4, 13, 2, 7]
@@ -636,7 +636,7 @@ def test_chain_step_cuts_where_the_data_leave_the_greedy_path():
     """A position stays in the simulated chain only while every draft was accepted and the data's next token
     is the drafted one; where the data differ the chain is cut (not counted), where the draft is wrong it is
     rejected (counted, not accepted), and a target token outside the draft vocabulary is never accepted."""
-    from eyas.ttt import chain_acceptance, chain_step
+    from eyas.train.ttt import chain_acceptance, chain_step
 
     draft_ids = torch.tensor([10, 11, 12, 13])  # draft index -> target id
     ids = torch.tensor([5, 9, 11, 12, 13, 9])  # the data's tokens by row

@@ -34,14 +34,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import KEYED_WHEN_CHANGED, Config, check_settings
-from .draft import NON_FINITE, Eagle3Drafter, build_drafter, check_fits, read_safetensors, save_drafter
+from ..config import KEYED_WHEN_CHANGED, Config, check_settings
+from ..draft import NON_FINITE, Eagle3Drafter, build_drafter, check_fits, read_safetensors, save_drafter
 from .ttt import (PackedBatch, StepStats, acceptance_length, chain_acceptance, count_positions, decoder_rounds,
                   drafter_compile_on, drafter_state, loss_state, pack_samples, target_labels, ttt_unroll)
-from .rope import target_rope
+from ..rope import target_rope
 from .stepgraph import AccumGraph, StepGraph, graph_unfit
-from .target_head import HeadRows, draft_rows, head_for_labels
-from .util import (EyasError, PhaseClock, Terminated, atomic_path, atomic_write_json, human_bytes, log, progress,
+from ..target_head import HeadRows, draft_rows, head_for_labels
+from ..util import (EyasError, PhaseClock, Terminated, atomic_path, atomic_write_json, human_bytes, log, progress,
                    read_json, refuse_non_finite, share, stable_hash, text_lines, writing)
 
 # what to do about a training whose loss or weights stopped being finite numbers
@@ -181,12 +181,12 @@ class Data:
 
 def make_features(cfg: Config, target, tokens, split: str, cache_bytes: int = 0, host_bytes: int = 0):
     if cfg.train.online:
-        from .features import OnlineFeatures
+        from ..features import OnlineFeatures
 
         return OnlineFeatures(target, tokens, max_batch_tokens=max(cfg.features.batch_tokens, cfg.train.batch_tokens),
                               cache_bytes=cache_bytes, norm=cfg.features.norm, host_bytes=host_bytes)
     try:
-        from .features import OfflineFeatures
+        from ..features import OfflineFeatures
     except ImportError:
         raise EyasError("offline features are not available in this version of eyas; use --online") from None
     feats = OfflineFeatures(cfg.out, split)
@@ -252,7 +252,7 @@ def finetune_source(cfg: Config, target) -> tuple[Eagle3Drafter, Path]:
     if not (p / "config.json").exists():
         raise EyasError(f"train.finetune_from: {p} is not a drafter folder (no config.json), a run directory or a "
                         f"checkpoint folder")
-    from .export import import_drafter
+    from ..export import import_drafter
 
     d = import_drafter(p, target)  # an eyas folder, or an engine's; a damaged config.json or weights file is named
     check_fits(d.config, target, str(p))
@@ -332,7 +332,7 @@ def scale_fc_init(drafter: Eagle3Drafter, batches) -> list[float]:
 
 
 def _drafter_from_checkpoint(p: Path, target) -> Eagle3Drafter:
-    from .draft import DraftConfig
+    from ..draft import DraftConfig
 
     state = read_json(p / "state.json")
     c = DraftConfig.from_dict(state["draft_config"])
@@ -653,7 +653,7 @@ class Metrics:
 
 
 def atomic_write_text_lines(path: Path, rows: list[dict]) -> None:
-    from .util import atomic_write_text
+    from ..util import atomic_write_text
 
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
@@ -784,7 +784,7 @@ def trajectory(cfg: Config) -> dict:
 
 
 def fingerprint(cfg: Config, target, draft_ids: torch.Tensor, world: int) -> dict:
-    from .data.prepare import tokens_key
+    from ..data.prepare import tokens_key
 
     return {"train": trajectory(cfg), "target": target.identity(),
             "draft_vocab": int(draft_ids.numel()), "draft_vocab_hash": stable_hash(str(draft_ids.tolist())),
@@ -800,7 +800,7 @@ LAG_STATS = True  # read a step's statistics one step later, so the host never w
 def check_train_settings(cfg: Config) -> None:
     """Refuse train settings out of range, and the tokenize stage's (which `eyas train` runs when the run has no
     tokens), naming the key, before anything is tokenized or trained."""
-    from .data.prepare import check_tokenize_settings
+    from ..data.prepare import check_tokenize_settings
 
     tc = cfg.train
     check_settings(cfg, (
@@ -835,9 +835,9 @@ def run_train(cfg: Config, target=None, on_step=None) -> dict:
     """Train the drafter of run directory `cfg.out` (tokenizing and choosing the vocabulary first if
     those stages have not run) and write the best drafter to `<run>/draft/`. on_step: called with the step number
     after each optimizer step (a profiler's schedule, bench/bench_train.py --profile-steps)."""
-    from .data.prepare import ensure_tokens, load_tokens, tokens_dir
-    from .target_head import load_for_training, target_bytes_held
-    from .vocab import ensure_vocab, load_vocab
+    from ..data.prepare import ensure_tokens, load_tokens, tokens_dir
+    from ..target_head import load_for_training, target_bytes_held
+    from ..vocab import ensure_vocab, load_vocab
 
     tc = cfg.train
     check_train_settings(cfg)
@@ -863,7 +863,7 @@ def run_train(cfg: Config, target=None, on_step=None) -> dict:
     cache = {"train": 0, "val": 0}
     host = dict(cache)
     if tc.online:  # the budgets split between the splits by their tokens
-        from .features import feature_cache_budget, host_cache_budget, train_step_bytes
+        from ..features import feature_cache_budget, host_cache_budget, train_step_bytes
 
         budget = feature_cache_budget(tc.feature_cache_gb, target.device,
                                       train_step_bytes(tc.batch_tokens, tc.ttt_steps, int(draft_ids.numel())))
@@ -888,7 +888,7 @@ def run_train(cfg: Config, target=None, on_step=None) -> dict:
                         "train.best_by=val_tau or val_al")
     greedy = None  # the target's greedy answers to validation prompts: the decoder's tau forecast (eyas.greedyval)
     if tc.greedy_val > 0 and len(val_tokens):
-        from .features import OnlineFeatures
+        from ..features import OnlineFeatures
         from .greedyval import greedy_val_set
 
         n_new = cfg.eval.max_new_tokens

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .features import Sample, target_top
-from .target_head import HeadRows
-from .util import EyasError, compile_failure, log, to_device
+from ..features import Sample, target_top
+from ..target_head import HeadRows
+from ..util import EyasError, compile_failure, log, to_device
 
 
 @dataclass

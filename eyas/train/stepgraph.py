@@ -30,7 +30,7 @@ from dataclasses import fields
 import torch
 
 from .ttt import PackedBatch
-from .util import compile_failure, log
+from ..util import compile_failure, log
 
 WARMUP = 3  # eager steps before the capture (PyTorch's whole-network capture example warms up 3)
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .data.prepare import TokenSet
-from .data.tokenize import Tokenized
-from .util import EyasError, atomic_write_json, log, progress, read_json, stable_hash
+from ..data.prepare import TokenSet
+from ..data.tokenize import Tokenized
+from ..util import EyasError, atomic_write_json, log, progress, read_json, stable_hash
 
 
 def first_prompts(seqs, n: int, max_prompt: int) -> list[tuple[int, list[int]]]:
@@ -48,7 +48,7 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
     a turn (kept, as the decoder keeps it). engine: "static", regen's static-cache decode loop on eyas' own forward
     (all prompts in its rows at once); "generate", transformers' generate on prompts left-padded in batches of about
     `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target, since generate is far slower."""
-    from .fastlm import fast_engine_runs
+    from ..fastlm import fast_engine_runs
 
     if engine == "static" or (engine == "auto" and fast_engine_runs(target.model, "greedy validation")):
         return _static_answers(target, prompts, max_new_tokens)
@@ -90,8 +90,8 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
 def _static_answers(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """greedy_answers on regen's StaticEngine: the prompts' tokens straight into its queue, its rows decoding at
     temperature 0, each answer's tokens kept as generated (through the turn's end)."""
-    from .config import RegenConfig
-    from .data.regen import StaticEngine
+    from ..config import RegenConfig
+    from ..data.regen import StaticEngine
 
     class Tokens(StaticEngine):
         def result(self, rid, prompt_len, tokens):
