@@ -20,7 +20,10 @@ from eyas.data.prepare import TokenSet, load_tokens
 from eyas.data.tokenize import tokenize_conversation
 from eyas.draft import DraftConfig, Eagle3Drafter, build_drafter, save_drafter
 from eyas.features import OnlineFeatures
-from eyas.train.trainer import initial_drafter, lr_factor, pack_indices, run_train
+from eyas.train import run_train
+from eyas.train.batches import pack_indices
+from eyas.train.drafter_init import initial_drafter
+from eyas.train.steps import lr_factor
 from eyas.train.ttt import pack_samples, target_labels, ttt_unroll
 from eyas.util import EyasError
 from eyas.vocab import choose_vocab, count_tokens, load_vocab, required_token_ids, run_vocab
@@ -95,7 +98,7 @@ def test_scaled_fc_init_puts_every_aux_layer_at_one_scale(smol):
     """SmolLM2's aux layers differ several-fold in scale: with PyTorch's init the deepest dominates
     fc's output. scale_fc_init divides each layer's block of columns by that layer's RMS (first
     token of each sequence, an attention sink, left out), so each block contributes alike."""
-    from eyas.train.trainer import scale_fc_init
+    from eyas.train.drafter_init import scale_fc_init
 
     toks = [tokenize_conversation(smol.tokenizer, Conversation(f"qa{i}", [Turn("user", q), Turn("assistant", a)]),
                                   512, "keep", smol.eot_token_ids) for i, (q, a) in enumerate(QA)]
@@ -215,7 +218,7 @@ def test_stored_features_read_ahead_give_the_same_losses(tiny_run, tiny, tmp_pat
     """train.num_workers threads read the stored features of the next steps while one trains: the same batches, so
     the same losses as reading them in the loop, and the reads do come from the threads."""
     from eyas.features import run_extract
-    from eyas.train import trainer as T
+    from eyas.train import batches as T
 
     runs = {}
     for workers in (0, 2):
@@ -370,7 +373,7 @@ def test_fsdp_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
 def test_slot_bins_keep_each_sequence_with_one_slot(tiny_run):
     """Slot j of `slots` packs exactly the sequences i % slots == j every epoch, each once; one slot is
     the plain epoch packing."""
-    from eyas.train.trainer import Data
+    from eyas.train.batches import Data
 
     data = Data(load_tokens(tiny_run, "train"), None, 256, 512)
     n = len(data.lengths)
@@ -538,7 +541,7 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
     """train.loss_positions=all counts every position of a sequence that has a label at each TTT step (the answers
     are a strict part of them), moves the loss off the answers-only one from the first step, and keys the
     checkpoint like any training setting."""
-    from eyas.train.trainer import Data
+    from eyas.train.batches import Data
 
     tokens = load_tokens(tiny_run, "train")
     answers, every = Data(tokens, None, 256, 512), Data(tokens, None, 256, 512, all_positions=True)

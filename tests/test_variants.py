@@ -172,7 +172,7 @@ def test_speculators_defaults_import_finetune_decode(tiny, tmp_path):
 def test_train_with_variants(tiny, tmp_path):
     """The train.draft_* settings reach the drafter a run trains (and the one it saves)."""
     from eyas.config import resolve
-    from eyas.train.trainer import draft_variants, initial_drafter
+    from eyas.train.drafter_init import draft_variants, initial_drafter
 
     cfg = resolve(preset_name="tiny", overrides={"out": str(tmp_path / "run"), "train.draft_norm_output": True,
                                                  "train.draft_fc_norm": True, "train.draft_layer_type": "qwen3"})

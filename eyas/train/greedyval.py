@@ -6,7 +6,7 @@ decoder's τ. So the training can also score its drafter on the target's
 greedy answers to the validation split's first prompts (`train.greedy_val` of them), generated once here at the
 start of training and kept in `<run>/train/greedy_val.safetensors`. On that text the validation's simulated greedy
 chain is what eyas' decoder accepts round by round (`test_ttt_chain_simulates_the_decoders_acceptance`), and walking
-the decoder's rounds over it (`eyas.ttt.decoder_rounds`) gives `greedy_tau`, the decoder's τ on first answers, from a
+the decoder's rounds over it (`eyas.train.ttt.decoder_rounds`) gives `greedy_tau`, the decoder's τ on first answers, from a
 few hundred of them at every evaluation.
 """
 from __future__ import annotations
