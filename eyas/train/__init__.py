@@ -17,6 +17,6 @@ with the same command continues from the last checkpoint and, on the CPU, repeat
 process, Ctrl-C or SIGTERM lets the step under way finish and saves a checkpoint there before stopping.
 """
 from .drafter_init import finetune_source
-from .trainer import check_train_settings, run_train
+from .stage import check_train_settings, run_train
 
 __all__ = ["check_train_settings", "finetune_source", "run_train"]

@@ -1,13 +1,16 @@
-"""What a training reports as it goes: `train/metrics.jsonl`, TensorBoard scalars (when it is installed) and
-`train/curves.png`."""
+"""What a training reports as it goes: each step's bookkeeping (rates, the progress bar), `train/metrics.jsonl`,
+TensorBoard scalars (when it is installed) and `train/curves.png`."""
 from __future__ import annotations
 
 import json
+import math
+import time
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..util import atomic_path, atomic_write_text, text_lines, writing
+from ..util import EyasError, PhaseClock, atomic_path, atomic_write_text, text_lines, writing
+from .checkpoint import DIVERGED
 
 try:  # TensorBoard is optional
     from torch.utils.tensorboard import SummaryWriter
@@ -102,3 +105,61 @@ def time_shares(totals: dict[str, float]) -> dict:
     """Seconds per phase of the training step and each one's share of their sum."""
     s = sum(totals.values()) or 1.0
     return {k: {"s": round(v, 4), "share": round(v / s, 3)} for k, v in totals.items()}
+
+
+class StepLog:
+    """Each step's bookkeeping once its statistics are on the host: the rate (overall, steady, per epoch), where the
+    steady steps' time went, the metrics row and the progress bar; a loss or gradient norm that stopped being a finite
+    number stops the training there."""
+
+    def __init__(self, metrics: Metrics, bar, clock: PhaseClock, ttt_steps: int):
+        self.metrics, self.bar, self.clock, self.ttt_steps = metrics, bar, clock, ttt_steps
+        self.tok_done = 0
+        self.tok_window, self.t_window = 0, time.perf_counter()
+        self.steady = [0.0, 0]  # seconds and tokens of the steady steps (compilation and warm-up left out)
+        self.per_epoch: dict[int, list] = {}  # epoch -> [seconds, tokens] of its steady steps
+        self.last_done = time.perf_counter()  # when the last step's statistics were read (or the last eval/save ended)
+
+    def finish(self, rec: tuple) -> None:
+        """rec: (step, epoch, lr, statistics on the host, the event of their copy or None, the step's loss-masked
+        positions per TTT step, the step's phase marks, whether it is a warm-up step)."""
+        s_, ep, lr_, host, ev, den, marks, warm = rec
+        if ev is not None:
+            ev.synchronize()  # waits for that step only, not for the one queued behind it
+        vals = host.tolist()
+        acc = [float(c) / dn for c, dn in zip(vals[1:1 + self.ttt_steps], den)]
+        ntok = int(vals[-2])
+        self.tok_done += ntok
+        now = time.perf_counter()
+        dt, self.last_done = now - self.last_done, now  # steps end one after another: the time between two ends
+        if not warm:  # compilation and warm-up are not a step's usual time
+            self.clock.fold(marks)  # the step's events are done: its statistics came after them
+            self.steady[0] += dt
+            self.steady[1] += ntok
+            e_rate = self.per_epoch.setdefault(ep, [0.0, 0])
+            e_rate[0] += dt
+            e_rate[1] += ntok
+        self.tok_window += ntok
+        tps = self.tok_window / max(now - self.t_window, 1e-9)
+        if now - self.t_window > 10:
+            self.tok_window, self.t_window = 0, now
+        row = {"step": s_, "epoch": ep, "loss": vals[0], "acc": acc, "lr": lr_, "grad_norm": vals[-1],
+               "tokens": ntok, "tok_s": tps}
+        self.metrics.add(row)
+        # read here anyway (no wait of its own), and always before a validation or checkpoint writes anything
+        for what, v in (("training loss", vals[0]), ("gradient norm", vals[-1])):
+            if not math.isfinite(v):
+                self.bar.close()
+                raise EyasError(f"train: the {what} is {v} at step {s_} (lr {lr_:.3g}): the training diverged and "
+                                f"stops here, writing nothing of it; {DIVERGED}")
+        # the postfix without a refresh of its own: update() redraws at most every mininterval, where a refresh per
+        # step would write every step into a captured log
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", acc="/".join(f"{a:.2f}" for a in acc), tok_s=f"{tps:,.0f}",
+                             refresh=False)
+        self.bar.update(1)
+
+    def rates(self, wall: float) -> dict:
+        """The summary's rates over a training of `wall` seconds."""
+        return {"tokens_trained": self.tok_done, "tok_s": self.tok_done / wall if self.tok_done else 0.0,
+                "tok_s_steady": self.steady[1] / self.steady[0] if self.steady[1] else None,
+                "epoch_tok_s": {str(e): round(n / t, 1) for e, (t, n) in sorted(self.per_epoch.items()) if t > 0}}
