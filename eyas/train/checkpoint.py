@@ -218,8 +218,8 @@ def _refuse_other_run(run: Path, stored: dict, fp: dict) -> None:
 def precheck_checkpoint(cfg: Config, target, world: int) -> None:
     """Refuse a checkpoint of another training run before anything of the run is made again: what the fingerprint
     holds that is known before the tokens and the vocabulary (the training settings, the target, the process count,
-    the draft vocabulary's size). Before, `eyas train --draft-vocab-size N` chose the vocabulary again and only then
-    refused the checkpoint, leaving the run's vocabulary unlike its drafter and exports."""
+    the draft vocabulary's size), so that `eyas train --draft-vocab-size N` does not choose the vocabulary again before
+    refusing the checkpoint, leaving the run's vocabulary unlike its drafter and exports."""
     run = Path(cfg.out)
     if not (ckpt_dir(run) / "latest.json").exists():
         return
