@@ -325,7 +325,7 @@ def main(argv=None) -> int:
     drafter = bench_drafter(a.draft, target)
     stored = None  # greedy:RUN: the target's greedy answers the training scored greedy_tau on
     if a.prompts.startswith("greedy:"):
-        from eyas.greedyval import read_greedy_val
+        from eyas.train.greedyval import read_greedy_val
 
         pairs = read_greedy_val(a.prompts[len("greedy:"):])[:a.limit]
         prompts, stored = [p for p, _ in pairs], [x for _, x in pairs]

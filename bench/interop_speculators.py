@@ -206,7 +206,7 @@ def unroll_eyas(drafter, x, g, pos, steps: int):
     past the end), the previous step's hidden state, positions + j."""
     import torch
 
-    from eyas.ttt import TTTAttend
+    from eyas.train.attention import TTTAttend
 
     T = x.shape[1]
     attend = TTTAttend(torch.zeros(T, dtype=torch.int32), "auto", steps)

@@ -677,7 +677,7 @@ def test_greedy_val_answers_are_the_decoders_text(smol, prompt_set, plain_output
     """The text `greedy_tau` is scored on (eyas.greedyval: regen's static decode loop, every prompt in its rows at
     once, or transformers' generate, several prompts a batch, left padded) is the decoder's plain greedy output token
     for token, the turn's end kept as the decoder keeps it."""
-    from eyas.greedyval import greedy_answers
+    from eyas.train.greedyval import greedy_answers
 
     got = greedy_answers(smol, prompt_set, NEW, batch_tokens=3 * (max(map(len, prompt_set)) + NEW), engine=engine)
     assert got == plain_outputs
@@ -689,7 +689,7 @@ def test_ttt_chain_simulates_the_decoders_acceptance(smol, prompt_set, plain_out
     simulated chain length equals the round's accepted count. It ties the unroll's attention pattern, rope
     positions and inputs to the decoder's."""
     from eyas.features import Sample, target_top
-    from eyas.ttt import pack_samples, target_labels, ttt_unroll
+    from eyas.train.ttt import pack_samples, target_labels, ttt_unroll
 
     dec = Decoder(smol, trained, k=3, max_len=256)
     lm_head = smol.model.get_output_embeddings()
@@ -724,7 +724,7 @@ def test_decoder_rounds_count_what_the_decoder_accepts(smol, prompt_set, plain_o
     (rounds the unroll sees to their end). Averaging the chain over every position gives another figure (1.900
     against the rounds' 1.944 here)."""
     from eyas.features import Sample, target_top
-    from eyas.ttt import acceptance_length, chain_acceptance, decoder_rounds, pack_samples, target_labels, ttt_unroll
+    from eyas.train.ttt import acceptance_length, chain_acceptance, decoder_rounds, pack_samples, target_labels, ttt_unroll
 
     dec = Decoder(smol, trained, k=3, max_len=256)
     lm_head = smol.model.get_output_embeddings()

@@ -727,7 +727,7 @@ def test_a_drafter_with_non_finite_weights_is_refused_naming_file_and_tensor(tin
     from eyas.cli import main
     from eyas.draft import load_drafter
     from eyas.evaluate import load_eval_drafter
-    from eyas.train import initial_drafter
+    from eyas.train.drafter_init import initial_drafter
 
     run = tmp_path / "run"
     save_drafter(drafter, run / "draft")

@@ -592,7 +592,7 @@ def test_greedy_speculative_decoding_is_lossless(tiny, model_type, kw, fused):
 def test_greedy_validation_on_qwen3_equals_generate(tiny):
     """The trainer's greedy validation (and regen's static engine under it) on a Qwen3 with alternating sliding
     windows, prompts of different lengths in one batch, gives transformers' generate answers token for token."""
-    from eyas.greedyval import greedy_answers
+    from eyas.train.greedyval import greedy_answers
 
     model = random_model("qwen3", vocab_size=tiny.vocab_size, max_position_embeddings=256, initializer_range=0.2,
                          use_sliding_window=True, sliding_window=6, max_window_layers=3)
@@ -612,7 +612,7 @@ def test_fallback_is_logged_once_with_its_reason(tiny, capsys):
     from eyas.config import RegenConfig
     from eyas.data.regen import GenerateEngine, embedded_engine
     from eyas.decode import Decoder
-    from eyas.greedyval import greedy_answers
+    from eyas.train.greedyval import greedy_answers
 
     eyas.fastlm._FALLBACK_LOGGED.clear()
     model = random_model("gpt_neox", vocab_size=tiny.vocab_size, max_position_embeddings=128)

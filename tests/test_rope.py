@@ -15,7 +15,7 @@ from eyas.export import export_drafter
 from eyas.formats import import_drafter
 from eyas.rope import check_rope_scaling, target_rope
 from eyas.target import Target, default_aux_layers
-from eyas.ttt import pack_samples, target_labels, ttt_unroll
+from eyas.train.ttt import pack_samples, target_labels, ttt_unroll
 from eyas.features import Sample
 from eyas.util import EyasError
 

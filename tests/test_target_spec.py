@@ -344,7 +344,7 @@ def test_labels_from_rows_alone_need_the_stored_top_token():
     """The labels from the draft vocabulary's rows equal those from the whole layer (the same rows, the same
     product); without the target's top token, which the rows cannot give, they are refused in words."""
     from eyas.target_head import HeadRows
-    from eyas.ttt import target_labels
+    from eyas.train.ttt import target_labels
 
     torch.manual_seed(0)
     V, H = 50, 8

@@ -20,8 +20,11 @@ from eyas.data.prepare import TokenSet, load_tokens
 from eyas.data.tokenize import tokenize_conversation
 from eyas.draft import DraftConfig, Eagle3Drafter, build_drafter, save_drafter
 from eyas.features import OnlineFeatures
-from eyas.train import initial_drafter, lr_factor, pack_indices, run_train
-from eyas.ttt import pack_samples, target_labels, ttt_unroll
+from eyas.train import run_train
+from eyas.train.batches import pack_indices
+from eyas.train.drafter_init import initial_drafter
+from eyas.train.steps import lr_factor
+from eyas.train.ttt import pack_samples, target_labels, ttt_unroll
 from eyas.util import EyasError
 from eyas.vocab import choose_vocab, count_tokens, load_vocab, required_token_ids, run_vocab
 
@@ -95,7 +98,7 @@ def test_scaled_fc_init_puts_every_aux_layer_at_one_scale(smol):
     """SmolLM2's aux layers differ several-fold in scale: with PyTorch's init the deepest dominates
     fc's output. scale_fc_init divides each layer's block of columns by that layer's RMS (first
     token of each sequence, an attention sink, left out), so each block contributes alike."""
-    from eyas.train import scale_fc_init
+    from eyas.train.drafter_init import scale_fc_init
 
     toks = [tokenize_conversation(smol.tokenizer, Conversation(f"qa{i}", [Turn("user", q), Turn("assistant", a)]),
                                   512, "keep", smol.eot_token_ids) for i, (q, a) in enumerate(QA)]
@@ -215,7 +218,7 @@ def test_stored_features_read_ahead_give_the_same_losses(tiny_run, tiny, tmp_pat
     """train.num_workers threads read the stored features of the next steps while one trains: the same batches, so
     the same losses as reading them in the loop, and the reads do come from the threads."""
     from eyas.features import run_extract
-    from eyas import train as T
+    from eyas.train import batches as T
 
     runs = {}
     for workers in (0, 2):
@@ -370,7 +373,7 @@ def test_fsdp_kill_and_resume_repeats_the_same_losses(tiny_run, tmp_path):
 def test_slot_bins_keep_each_sequence_with_one_slot(tiny_run):
     """Slot j of `slots` packs exactly the sequences i % slots == j every epoch, each once; one slot is
     the plain epoch packing."""
-    from eyas.train import Data
+    from eyas.train.batches import Data
 
     data = Data(load_tokens(tiny_run, "train"), None, 256, 512)
     n = len(data.lengths)
@@ -538,7 +541,7 @@ def test_loss_positions_all_trains_on_every_token(tiny_run, tiny, tmp_path):
     """train.loss_positions=all counts every position of a sequence that has a label at each TTT step (the answers
     are a strict part of them), moves the loss off the answers-only one from the first step, and keys the
     checkpoint like any training setting."""
-    from eyas.train import Data
+    from eyas.train.batches import Data
 
     tokens = load_tokens(tiny_run, "train")
     answers, every = Data(tokens, None, 256, 512), Data(tokens, None, 256, 512, all_positions=True)
@@ -624,7 +627,7 @@ def test_greedy_val_scores_the_targets_greedy_answers(tiny_run, tiny, tmp_path, 
     each evaluation reports greedy_tau (over the decoder's rounds on them) beside val_tau, the best checkpoint
     carries it, and the same run reads the answers back instead of generating them again; a failure to make them is
     reported and the training goes on; 0 turns it off."""
-    import eyas.greedyval as gv
+    import eyas.train.greedyval as gv
     from eyas.data.prepare import TokenSet
 
     run = clone_run(tiny_run, tmp_path / "g")
@@ -733,7 +736,7 @@ def test_statistics_read_a_step_late_log_what_reading_at_once_logs(tiny_run, tin
     """LAG_STATS (each step's loss, accuracies, grad norm and tokens read one step later, so the host does not wait
     for the device between steps) logs the same rows in the same order as reading them at once, through the
     validations and checkpoints that read them at once, and trains the same drafter."""
-    import eyas.train as train_mod
+    import eyas.train.trainer as train_mod
     from safetensors.torch import load_file
 
     out = {}
@@ -892,7 +895,7 @@ def test_graph_step_on_cpu_trains_like_the_plain_step(tiny_run, tiny, tmp_path, 
     step, then one for clipping and AdamW. Their losses, validations and drafter are the plain loop's, to the
     rounding the padding brings; a step that read a stale batch, denominator or token count, or lost or doubled a
     micro-batch's gradients, would not be."""
-    import eyas.train as train_mod
+    import eyas.train.trainer as train_mod
 
     monkeypatch.setattr(train_mod, "GRAPH_ON_CPU", True)
     out = _graph_runs(tiny_run, tiny, tmp_path, **({"train.grad_accum": accum} if accum > 1 else {}))
@@ -911,7 +914,7 @@ def test_graph_step_on_cpu_trains_like_the_plain_step(tiny_run, tiny, tmp_path, 
 
 def test_graph_step_refused_where_it_cannot_run():
     """The reasons train.cuda_graph falls back to eager steps, one line each."""
-    from eyas.stepgraph import graph_unfit
+    from eyas.train.stepgraph import graph_unfit
 
     cuda = torch.device("cuda")
     assert "GPU" in graph_unfit(torch.device("cpu"), 1, 1, 0.0, True, False)
@@ -1038,7 +1041,7 @@ def test_diverged_training_stops_naming_the_step_and_writes_nothing_of_it(tiny_r
     one line naming the step, where it finished with val_loss NaN and a drafter of Inf before. Its statistics are
     read where they were anyway (a step late, LAG_STATS): no checkpoint or drafter is written after they went bad,
     in the plain loop and in the CUDA-graph step (run eagerly on the CPU)."""
-    import eyas.train as train_mod
+    import eyas.train.trainer as train_mod
 
     monkeypatch.setattr(train_mod, "GRAPH_ON_CPU", step == "graph")
     run = clone_run(tiny_run, tmp_path / "r")

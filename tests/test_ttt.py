@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from eyas import ttt
+from eyas.train import attention, ttt
 from eyas.draft import build_drafter
 from eyas.features import OnlineFeatures, Sample
-from eyas.ttt import (TTTAttend, acceptance_length, count_positions, pack_samples, target_labels,
-                      ttt_dense_mask, ttt_unroll)
+from eyas.train.attention import TTTAttend, ttt_dense_mask
+from eyas.train.ttt import acceptance_length, count_positions, pack_samples, target_labels, ttt_unroll
 
 LENGTHS = [9, 4, 13, 2, 7]
 
@@ -310,12 +310,12 @@ def test_layers_share_each_steps_flex_mask(tiny, setup, monkeypatch):
     (forward only: flex has no backward on a CPU)."""
     drafter = _deeper(tiny, setup, 2)
     samples, draft_ids = setup[1], setup[2]
-    batch = pack_samples(samples, pad_to=ttt.FLEX_BLOCK, multiple=ttt.FLEX_BLOCK)  # as on CUDA
+    batch = pack_samples(samples, pad_to=attention.FLEX_BLOCK, multiple=attention.FLEX_BLOCK)  # as on CUDA
     labels = target_labels(batch.final, tiny.model.get_output_embeddings(), draft_ids)
     built = []
-    real, made = ttt._block_mask, ttt._last_step_mask
-    monkeypatch.setattr(ttt, "_block_mask", lambda doc, total, j: built.append((total, j)) or real(doc, total, j))
-    monkeypatch.setattr(ttt, "_last_step_mask", lambda doc, total: built.append(("last", total)) or made(doc, total))
+    real, made = attention._block_mask, attention._last_step_mask
+    monkeypatch.setattr(attention, "_block_mask", lambda doc, total, j: built.append((total, j)) or real(doc, total, j))
+    monkeypatch.setattr(attention, "_last_step_mask", lambda doc, total: built.append(("last", total)) or made(doc, total))
     with torch.no_grad():
         flex = ttt_unroll(drafter, batch, labels, 3, backend="flex")
         dense = ttt_unroll(drafter, batch, labels, 3, backend="dense")
@@ -346,16 +346,16 @@ def test_step_masks_list_the_blocks_of_the_mask_they_stand_for(total):
         masks = {}
         for j in range(total):
             def pattern(b, h, q, kv, j=j):
-                return ttt.ttt_mask_mod(doc, n)(b, h, q, kv) & (kv // n <= j)
+                return attention.ttt_mask_mod(doc, n)(b, h, q, kv) & (kv // n <= j)
 
             ref = create_block_mask(pattern, None, None, n, total * n, device="cpu", _compile=False)
-            got = ttt._step_mask(doc, total, j, masks)
+            got = attention._step_mask(doc, total, j, masks)
             assert got.seq_lengths == ref.seq_lengths and tuple(got.BLOCK_SIZE) == tuple(ref.BLOCK_SIZE)
-            for num, idx in ttt.BLOCK_FIELDS:
+            for num, idx in attention.BLOCK_FIELDS:
                 assert torch.equal(getattr(got, num), getattr(ref, num)), (lengths, j, num)
                 for f in (num, idx):  # as create_block_mask's; flex's CUDA kernels read index rows as if their stride were 1
                     assert getattr(got, f).is_contiguous() and getattr(ref, f).is_contiguous(), (lengths, j, f)
-            assert ttt.block_lists(got) == ttt.block_lists(ref), (lengths, j)
+            assert attention.block_lists(got) == attention.block_lists(ref), (lengths, j)
             fulls += int(ref.full_kv_num_blocks.sum())
             cut_away += int(masks[(total, total - 1)].kv_num_blocks.sum() - ref.kv_num_blocks.sum())
         assert list(masks) == [(total, total - 1)]  # one made a batch (the unroll keeps the cut ones beside it)
@@ -636,7 +636,7 @@ def test_chain_step_cuts_where_the_data_leave_the_greedy_path():
     """A position stays in the simulated chain only while every draft was accepted and the data's next token
     is the drafted one; where the data differ the chain is cut (not counted), where the draft is wrong it is
     rejected (counted, not accepted), and a target token outside the draft vocabulary is never accepted."""
-    from eyas.ttt import chain_acceptance, chain_step
+    from eyas.train.ttt import chain_acceptance, chain_step
 
     draft_ids = torch.tensor([10, 11, 12, 13])  # draft index -> target id
     ids = torch.tensor([5, 9, 11, 12, 13, 9])  # the data's tokens by row

@@ -13,7 +13,7 @@ from eyas.draft import DraftConfig, build_drafter, load_drafter, save_drafter
 from eyas.export import export_drafter
 from eyas.formats import import_drafter
 from eyas.features import Sample
-from eyas.ttt import pack_samples, target_labels, ttt_unroll
+from eyas.train.ttt import pack_samples, target_labels, ttt_unroll
 from eyas.util import EyasError
 
 VARIANTS = {
@@ -173,7 +173,7 @@ def test_speculators_defaults_import_finetune_decode(tiny, tmp_path):
 def test_train_with_variants(tiny, tmp_path):
     """The train.draft_* settings reach the drafter a run trains (and the one it saves)."""
     from eyas.config import resolve
-    from eyas.train import draft_variants, initial_drafter
+    from eyas.train.drafter_init import draft_variants, initial_drafter
 
     cfg = resolve(preset_name="tiny", overrides={"out": str(tmp_path / "run"), "train.draft_norm_output": True,
                                                  "train.draft_fc_norm": True, "train.draft_layer_type": "qwen3"})

@@ -6,7 +6,7 @@ decoder's τ. So the training can also score its drafter on the target's
 greedy answers to the validation split's first prompts (`train.greedy_val` of them), generated once here at the
 start of training and kept in `<run>/train/greedy_val.safetensors`. On that text the validation's simulated greedy
 chain is what eyas' decoder accepts round by round (`test_ttt_chain_simulates_the_decoders_acceptance`), and walking
-the decoder's rounds over it (`eyas.ttt.decoder_rounds`) gives `greedy_tau`, the decoder's τ on first answers, from a
+the decoder's rounds over it (`eyas.train.ttt.decoder_rounds`) gives `greedy_tau`, the decoder's τ on first answers, from a
 few hundred of them at every evaluation.
 """
 from __future__ import annotations
@@ -16,9 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .data.prepare import TokenSet
-from .data.tokenize import Tokenized
-from .util import EyasError, atomic_write_json, log, progress, read_json, stable_hash
+from ..config import RegenConfig
+from ..data.prepare import TokenSet
+from ..data.regen import StaticEngine
+from ..data.tokenize import Tokenized
+from ..fastlm import fast_engine_runs
+from ..util import EyasError, atomic_write_json, log, progress, read_json, stable_hash
 
 
 def first_prompts(seqs, n: int, max_prompt: int) -> list[tuple[int, list[int]]]:
@@ -48,10 +51,10 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
     a turn (kept, as the decoder keeps it). engine: "static", regen's static-cache decode loop on eyas' own forward
     (all prompts in its rows at once); "generate", transformers' generate on prompts left-padded in batches of about
     `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target, since generate is far slower."""
-    from .fastlm import fast_engine_runs
-
     if engine == "static" or (engine == "auto" and fast_engine_runs(target.model, "greedy validation")):
         return _static_answers(target, prompts, max_new_tokens)
+    # imported here: transformers takes about 2 s to import, which a training on stored features and the target's
+    # head alone (eyas.target_head) would otherwise pay for nothing
     from transformers import GenerationConfig
 
     stop = [int(s) for s in target.eot_token_ids]
@@ -90,9 +93,6 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
 def _static_answers(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """greedy_answers on regen's StaticEngine: the prompts' tokens straight into its queue, its rows decoding at
     temperature 0, each answer's tokens kept as generated (through the turn's end)."""
-    from .config import RegenConfig
-    from .data.regen import StaticEngine
-
     class Tokens(StaticEngine):
         def result(self, rid, prompt_len, tokens):
             return rid, list(tokens)

@@ -30,7 +30,7 @@ from dataclasses import fields
 import torch
 
 from .ttt import PackedBatch
-from .util import compile_failure, log
+from ..util import compile_failure, log
 
 WARMUP = 3  # eager steps before the capture (PyTorch's whole-network capture example warms up 3)
 
@@ -70,8 +70,8 @@ def _desc(t) -> str:
 
 def graph_unfit(device: torch.device, world: int, grad_accum: int, noise_std: float, compiled: bool,
                 sharded: bool) -> str:
-    """Why the training step cannot run as a graph (one line), or "" when it can. `world` and `grad_accum` no
-    longer refuse it: several micro-batches a step run as `AccumGraph`."""
+    """Why the training step cannot run as a graph (one line), or "" when it can. `world` and `grad_accum` do not
+    refuse it: several micro-batches a step run as `AccumGraph`."""
     if device.type != "cuda":
         return "not on a GPU"
     if sharded:
