@@ -400,7 +400,7 @@ def main(argv=None) -> int:
         run_engine(plain, warm, 32, stop, False, 1e9)
         plain_res = watched(run_engine, plain, prompts, a.max_new_tokens, stop, False, a.budget)
         reference = plain_res["outputs"]  # kept in the report: what the target wrote, to study tau by kind of text
-        if stored is not None:  # the training's greedy text (eyas.greedyval, made in a batch) against the decoder's
+        if stored is not None:  # the training's greedy text (eyas.train.greedyval, made in a batch) against the decoder's
             plain_res["same_as_greedy_val"] = f"{sum(o == r for o, r in zip(reference, stored))}/{len(reference)}"
         first = first_engine_outputs.setdefault(vsfx, reference)
         if engine != engines[0]:  # the engines' greedy tokens, prompt for prompt (on the prompts both finished)

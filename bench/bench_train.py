@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", default="1", choices=("0", "1"),
                    help="train.cuda_graph: each step captured as one CUDA graph after 3 eager steps and replayed (1, "
                         "the default; with several processes or --grad-accum above 1, a graph per micro-batch and one "
-                        "for the update, the gradients summed between: eyas.stepgraph.AccumGraph), or eager steps (0, "
+                        "for the update, the gradients summed between: eyas.train.stepgraph.AccumGraph), or eager steps (0, "
                         "under torchrun with DDP), to time both; the result's step_graph says which ran")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="train.grad_accum: micro-batches of --batch-tokens per process and optimizer step")

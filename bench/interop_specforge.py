@@ -279,7 +279,7 @@ def specforge_unroll(sf, model, x, g, steps: int, backend: str, target_logits):
 def eyas_unroll(drafter, x, g, steps: int):
     import torch
 
-    from eyas.ttt import TTTAttend
+    from eyas.train.attention import TTTAttend
 
     T = x.shape[1]
     attend = TTTAttend(torch.zeros(T, dtype=torch.int32), "auto", steps)

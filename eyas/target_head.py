@@ -206,7 +206,7 @@ def draft_rows(target, ids: torch.Tensor) -> nn.Module:
 
 
 def head_for_labels(target, ids: torch.Tensor, features) -> nn.Module:
-    """What the trainer's labels (eyas.ttt.target_labels) read of the target's output layer: the draft vocabulary's
+    """What the trainer's labels (eyas.train.ttt.target_labels) read of the target's output layer: the draft vocabulary's
     rows where every feature set in `features` carries the target's top token (its full-vocabulary argmax, stored
     by extraction), else the whole layer, which that argmax needs."""
     old = [f for f in features if f is not None and not getattr(f, "carries_top", True)]

@@ -674,7 +674,7 @@ def test_graphed_prefill_gives_the_eager_prefill_generation_on_gpu(monkeypatch):
 
 @pytest.mark.parametrize("engine", ["static", "generate"])
 def test_greedy_val_answers_are_the_decoders_text(smol, prompt_set, plain_outputs, engine):
-    """The text `greedy_tau` is scored on (eyas.greedyval: regen's static decode loop, every prompt in its rows at
+    """The text `greedy_tau` is scored on (eyas.train.greedyval: regen's static decode loop, every prompt in its rows at
     once, or transformers' generate, several prompts a batch, left padded) is the decoder's plain greedy output token
     for token, the turn's end kept as the decoder keeps it."""
     from eyas.train.greedyval import greedy_answers
