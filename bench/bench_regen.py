@@ -102,7 +102,7 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     with HF's rounding steps instead of one kernel in the model's dtype, `flex=1` decode steps through flex attention
     bounded by each row's own position)."""
     from eyas.data.regen import StaticEngine, run_regen
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
 
     name, *opts = engine.split(":")
     saved = {}

@@ -18,7 +18,7 @@ Greedy verification is exactly lossless (the output equals plain greedy decoding
 sampling is lossless in distribution. `Decoder.generate(..., speculative=False)` is plain decoding
 on the same caches and code path, the baseline for speedups. Batch size 1.
 
-The target runs on eyas' own static-cache forward (`eyas.fastlm`) where it supports the
+The target runs on eyas' own static-cache forward (`eyas.engine.fastlm`) where it supports the
 architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: fastlm.supported), else on transformers
 with its StaticCache (logged once, with the reason). On CUDA, the fixed-shape steps (verify,
 drafter step, plain decode step) are captured as CUDA graphs on first use; the first replays of
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .fastlm import attended_slots, one_off_kernels
+from .engine.fastlm import attended_slots, one_off_kernels
 from .target import decoder_layers
 from .util import EyasError, PhaseClock, log
 
@@ -98,7 +98,7 @@ class FastTargetRunner:
     position p sees slots 0..p, so rollback is free."""
 
     def __init__(self, target, max_len: int):
-        from .fastlm import FastLM
+        from .engine.fastlm import FastLM
 
         self.lm = FastLM(target.model, 1, max_len, target.aux_layers)
 
@@ -115,7 +115,7 @@ class FastTargetRunner:
 class TargetRunner:
     """The target with a preallocated transformers StaticCache and pre-hooks that grab the aux
     states (the residual streams entering the aux layers) of every forward pass (for
-    architectures eyas.fastlm does not run)."""
+    architectures eyas.engine.fastlm does not run)."""
 
     def __init__(self, target, max_len: int):
         from transformers import StaticCache
@@ -254,7 +254,7 @@ class _Graphs:
         self.replays = 0
 
     def _capture(self, fn, args):
-        from .fastlm import capture_cuda_graph
+        from .engine.fastlm import capture_cuda_graph
 
         static = [a.clone() for a in args]
         if self.pool is None:
@@ -342,7 +342,7 @@ class Decoder:
         self.max_len = max_len
         if engine not in ("auto", "fast", "hf"):
             raise EyasError(f"decoder engine must be auto, fast or hf, got {engine!r}")
-        from .fastlm import fast_engine_runs, supported
+        from .engine.fastlm import fast_engine_runs, supported
 
         ok, why = supported(target.model)
         if engine == "fast" and not ok:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fastlm import fuse_linears, held_fusion, llama_rms_norm
+from .engine.fastlm import fuse_linears, held_fusion, llama_rms_norm
 from .rope import RopeFrequencies, check_rope_scaling, target_rope
 from .variants import VARIANTS, check_variants
 from .util import EyasError, atomic_path, read_json, refuse_non_finite, writing
@@ -405,7 +405,7 @@ class Eagle3Drafter(nn.Module):
         returns (next hidden [B,T,H] before the final norm, draft-vocab logits [B,T,V_d])."""
         attends = self.attends(attend)
         if self.__dict__.get("_eyas_compiled") and input_ids.shape[1] <= self.COMPILED_MAX_T:
-            from .fastlm import compiled  # each part one compiled graph (decoding: Decoder.compile_drafter)
+            from .engine.fastlm import compiled  # each part one compiled graph (decoding: Decoder.compile_drafter)
 
             hidden, q, k, v = compiled(_pre_attention)(self, input_ids, hidden, position_ids, rope_table)
             for i in range(1, len(attends)):

@@ -48,7 +48,7 @@ def greedy_answers(target, prompts: list[list[int]], max_new_tokens: int, batch_
     a turn (kept, as the decoder keeps it). engine: "static", regen's static-cache decode loop on eyas' own forward
     (all prompts in its rows at once); "generate", transformers' generate on prompts left-padded in batches of about
     `batch_tokens` tokens; "auto", static wherever eyas' forward runs the target, since generate is far slower."""
-    from .fastlm import fast_engine_runs
+    from .engine.fastlm import fast_engine_runs
 
     if engine == "static" or (engine == "auto" and fast_engine_runs(target.model, "greedy validation")):
         return _static_answers(target, prompts, max_new_tokens)

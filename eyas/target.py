@@ -209,7 +209,7 @@ def norms_one_kernel(model, on: bool = True):
     if not on:
         yield
         return
-    from .fastlm import llama_norm_eps, llama_rms_norm
+    from .engine.fastlm import llama_norm_eps, llama_rms_norm
 
     mods = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and llama_norm_eps(m) is not None]
     for m in mods:
@@ -248,7 +248,7 @@ def capture_hidden(model, aux_layers: list[int], input_ids, attention_mask=None,
     if want_prenorm:
         norm = model.get_decoder().norm
         handles.append(norm.register_forward_pre_hook(pre_hook(n), with_kwargs=True))
-    from .fastlm import one_off_kernels
+    from .engine.fastlm import one_off_kernels
 
     try:
         with one_off_kernels(input_ids.device, on=CAPTURE_WITHOUT_CUDNN), norms_one_kernel(model, norm == "one_kernel"):

@@ -858,7 +858,7 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
     assert c.turns[-1].content == smol.tokenizer.decode(ref, skip_special_tokens=True).strip()
 
 
-# --------------------------------------------------------------------------- the static engine (eyas.fastlm)
+# --------------------------------------------------------------------------- the static engine (eyas.engine.fastlm)
 
 
 def drain(engine, prompts: list[str]) -> tuple[dict, dict]:
@@ -1021,13 +1021,13 @@ def test_static_engine_row_groups(tiny, monkeypatch):
 
 
 def test_engine_choice(tiny, monkeypatch):
-    import eyas.fastlm
+    import eyas.engine.fastlm
     from eyas.config import RegenConfig
     from eyas.data.regen import GenerateEngine, StaticEngine, make_embedded
 
     # auto: static for the architectures it runs, generate for the others
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), StaticEngine)
-    monkeypatch.setattr(eyas.fastlm, "supported", lambda model: (False, "NewArch: not implemented"))
+    monkeypatch.setattr(eyas.engine.fastlm, "supported", lambda model: (False, "NewArch: not implemented"))
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), GenerateEngine)
     with pytest.raises(EyasError, match="static regen engine cannot run this target: NewArch.*--engine generate"):
         make_embedded(tiny, RegenConfig(batch_size=2, engine="static"), "keep", 64)

@@ -4,7 +4,7 @@ the target's own answers.
 For each conversation the system and user turns are kept, the original assistant turns dropped, and
 each assistant turn generated in order, conditioned on the regenerated history. Backends:
 
-* embedded (default): the target in-process. `static` is eyas' own decode loop (eyas.fastlm): a
+* embedded (default): the target in-process. `static` is eyas' own decode loop (eyas.engine.fastlm): a
   static KV cache of `batch` rows, a finished row refilled with the next prompt within a few steps
   (a conversation's next turn joins as soon as its previous turn ends), one CUDA graph per decode step
   on GPU; it runs Llama, Mistral and Qwen2 targets. `continuous` uses transformers' continuous
@@ -489,7 +489,7 @@ class StaticEngine(_Embedded):
         super().__init__(target, rc, reasoning, ctx_limit)
         import torch
 
-        from ..fastlm import DecodeGraph, FastLM, supported
+        from ..engine.fastlm import DecodeGraph, FastLM, supported
 
         ok, why = supported(target.model)
         if not ok:
@@ -723,7 +723,7 @@ def embedded_engine(target, rc: RegenConfig) -> type[_Embedded]:
     # auto never picks continuous: transformers' continuous batching ran well below the padded, length-grouped
     # generate engine (bench/bench_regen.py compares them)
     if engine == "auto":  # static wherever it runs the target (faster than the generate engine, on a CPU too)
-        from ..fastlm import fast_engine_runs
+        from ..engine.fastlm import fast_engine_runs
 
         engine = "static" if fast_engine_runs(target.model, "regen") else "generate"
     if engine == "continuous" and not hasattr(target.model, "init_continuous_batching"):

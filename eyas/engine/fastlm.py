@@ -34,7 +34,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from .util import EyasError, compile_failure, log
+from ..util import EyasError, compile_failure, log
 
 # model types whose forward is exactly what FastLM computes: unscaled embeddings; per layer
 # x + o_proj(attn(rope(qn(q_proj(n))), rope(kn(k_proj(n))), v_proj(n))) with n = input_layernorm(x), qn and kn the
