@@ -107,7 +107,7 @@ def graph_ms(fn, dev, n: int = 0) -> float:
     one part of a round timed by itself, with the launch cost a replay has in the round."""
     import time
 
-    from eyas.engine.fastlm import capture_cuda_graph
+    from eyas.engine.graphs import capture_cuda_graph
 
     n = n or REPLAYS
     if dev.type != "cuda":  # eager calls (a dry run of this script on a CPU)

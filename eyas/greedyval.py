@@ -91,7 +91,7 @@ def _static_answers(target, prompts: list[list[int]], max_new_tokens: int) -> li
     """greedy_answers on regen's StaticEngine: the prompts' tokens straight into its queue, its rows decoding at
     temperature 0, each answer's tokens kept as generated (through the turn's end)."""
     from .config import RegenConfig
-    from .data.regen import StaticEngine
+    from .engine.generate import StaticEngine
 
     class Tokens(StaticEngine):
         def result(self, rid, prompt_len, tokens):

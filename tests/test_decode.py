@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.decode import Decoder, probs_from_logits, verify_greedy, verify_sample
+from eyas.decode import Decoder, verify_greedy, verify_sample
 from eyas.draft import build_drafter, causal_attend
-from eyas.evaluate import prompt_ids
 from eyas.engine.fastlm import FastLM
+from eyas.engine.sampling import probs_from_logits
+from eyas.evaluate import prompt_ids
 
 PROMPTS = [
     "What is the capital of France?",

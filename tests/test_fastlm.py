@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.engine.fastlm import DecodeGraph, FastLM, supported
+from eyas.engine.fastlm import FastLM, supported
+from eyas.engine.graphs import DecodeGraph
 from eyas.target import capture_hidden
 from eyas.util import EyasError
 
@@ -610,7 +611,7 @@ def test_fallback_is_logged_once_with_its_reason(tiny, capsys):
     engine is a choice, not a fallback, and says nothing."""
     import eyas.engine.fastlm
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, embedded_engine
+    from eyas.engine.generate import GenerateEngine, embedded_engine
     from eyas.decode import Decoder
     from eyas.greedyval import greedy_answers
 

@@ -19,7 +19,8 @@ from eyas.config import Config
 from eyas.data import Conversation, Turn, read_dataset
 from eyas.data.regen import ConvState, regen_dir, run_regen, validation_report
 from eyas.data.conversation import split_reasoning
-from eyas.data.server import TurnResult, chat_url
+from eyas.data.server import chat_url
+from eyas.engine.turn import TurnResult
 from eyas.util import EyasError, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -731,13 +732,13 @@ def _samples_beside_a_finished_run(tmp_path, tiny, engine):
     train, _ = training_conversations(cfg)
     n = {c.id: c.n_assistant() for c in train}
     assert n["c0"] == 2 and n["c0~sample2"] == 1
-    from eyas.data import regen
+    from eyas.engine import generate
 
     def no_engine(*a, **k):
         raise AssertionError("an engine was built with every shard on disk")
 
     with pytest.MonkeyPatch.context() as mp:  # a rerun finds both samples done, and builds no engine to find it
-        for cls in (regen.StaticEngine, regen.ContinuousEngine, regen.GenerateEngine):
+        for cls in (generate.StaticEngine, generate.ContinuousEngine, generate.GenerateEngine):
             mp.setattr(cls, "__init__", no_engine)
         again = run_regen(cfg, target=tiny)
     assert again["records"] == 14 and again["generator"] == two["generator"]
@@ -885,7 +886,7 @@ def test_static_engine_equals_generate_alone(smol):
     import torch
 
     from eyas.config import RegenConfig
-    from eyas.data.regen import StaticEngine, _render_prompt
+    from eyas.engine.generate import StaticEngine, _render_prompt
 
     prompts = ["Hi!", "What is 2+2? Answer with one number.", "Write a long essay about the history of Rome.",
                "Explain how a compiler works, step by step.", "Hello, who are you?"]
@@ -905,7 +906,7 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     near the model's maximum length gets fewer new tokens, the others max_new_tokens; sampling is
     reproducible from the seed."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
+    from eyas.engine.generate import GenerateEngine, StaticEngine, _render_prompt
 
     prompts = ["hi", "a somewhat longer question about a few things", "x", "a question " * 30, "why?"]
     lens = [len(_render_prompt(tiny.tokenizer, [{"role": "user", "content": p}], "keep")) for p in prompts]
@@ -928,7 +929,7 @@ def test_sampling_is_seeded_per_request_whatever_the_batch(tiny):
     and the generate engine (batches of 2, and each prompt alone) draw the same tokens for the same seeds, and another
     seed draws others."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine
+    from eyas.engine.generate import GenerateEngine, StaticEngine
 
     prompts = ["hi", "a somewhat longer question about a few things", "x", "why?", "tell me more"]
 
@@ -960,7 +961,7 @@ def test_static_engine_overlapped_checks(tiny, monkeypatch, overlap):
     after the previous steps; the default), every answer still equals the generate engine's, with rows
     refilled, and a refilled row is never read from a copy taken before its prefill; and so without overlap."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine
+    from eyas.engine.generate import GenerateEngine, StaticEngine
 
     monkeypatch.setattr(StaticEngine, "overlap", overlap)
     monkeypatch.setattr(StaticEngine, "check_every", 3)  # answers of 2-9 tokens end between checks
@@ -977,7 +978,7 @@ def test_static_engine_overlapped_checks(tiny, monkeypatch, overlap):
 def test_static_engine_overlapped_checks_on_cuda(monkeypatch):
     """On a GPU (CUDA graphs, pinned host copies, events): overlapped checks give the plain engine's tokens."""
     from eyas.config import RegenConfig, TargetConfig
-    from eyas.data.regen import StaticEngine
+    from eyas.engine.generate import StaticEngine
     from eyas.target import load_target
 
     t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
@@ -994,7 +995,7 @@ def test_static_engine_row_groups(tiny, monkeypatch):
     """8 rows in two groups (rows 0-1 for long prompts): long prompts land in the long rows while they
     have room, and every answer equals the generate engine's, greedy, with rows refilled."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
+    from eyas.engine.generate import GenerateEngine, StaticEngine, _render_prompt
 
     monkeypatch.setattr(StaticEngine, "row_groups", True)
     monkeypatch.setattr(StaticEngine, "long_prompt", 36)  # the short prompts render to 32-33 tokens
@@ -1022,12 +1023,14 @@ def test_static_engine_row_groups(tiny, monkeypatch):
 
 def test_engine_choice(tiny, monkeypatch):
     import eyas.engine.fastlm
+    import eyas.engine.generate
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine, make_embedded
+    from eyas.engine.generate import GenerateEngine, StaticEngine, make_embedded
 
     # auto: static for the architectures it runs, generate for the others
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), StaticEngine)
-    monkeypatch.setattr(eyas.engine.fastlm, "supported", lambda model: (False, "NewArch: not implemented"))
+    for module in (eyas.engine.fastlm, eyas.engine.generate):  # auto's choice, and the static engine's own check
+        monkeypatch.setattr(module, "supported", lambda model: (False, "NewArch: not implemented"))
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), GenerateEngine)
     with pytest.raises(EyasError, match="static regen engine cannot run this target: NewArch.*--engine generate"):
         make_embedded(tiny, RegenConfig(batch_size=2, engine="static"), "keep", 64)
