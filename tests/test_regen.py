@@ -17,8 +17,11 @@ import pytest
 
 from eyas.config import Config
 from eyas.data import Conversation, Turn, read_dataset
-from eyas.data.regen import ConvState, regen_dir, run_regen, validation_report
 from eyas.data.conversation import split_reasoning
+from eyas.data.prepare import regen_dir
+from eyas.data.regen import run_regen
+from eyas.data.regen_conv import ConvState
+from eyas.data.regen_report import validation_report
 from eyas.data.server import chat_url
 from eyas.engine.turn import TurnResult
 from eyas.util import EyasError, read_json
@@ -329,8 +332,7 @@ def test_a_regen_asking_for_fewer_sets_than_its_folder_holds_is_refused(tmp_path
 def test_training_on_an_unfinished_regen_says_so(tmp_path, server, capsys):
     """A standalone stage that trains on a regen folder whose run was cut (a shard of its plan missing) says how much
     is there and how to finish it, and goes on; a finished one, or shards put there by hand, say nothing."""
-    from eyas.data.prepare import training_conversations
-    from eyas.data.regen import shard_progress
+    from eyas.data.prepare import shard_progress, training_conversations
 
     src = write_jsonl(tmp_path / "d.jsonl", [["a1"], ["b1"], ["c1"], ["d1"]])
     cfg = server_cfg(tmp_path, src, server.url, samples=2, turns=1)
