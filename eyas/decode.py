@@ -202,7 +202,7 @@ class Decoder:
             self.runner.lm.compile_elementwise = self.elementwise_compiled
         # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
         # CUDA graph and no host work between its parts; its time is reported as verify time.
-        # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)
+        # None: on a GPU only (eval.round=auto; on a CPU the stepwise round is faster)
         self.fused = self._on_gpu_unless_set(fused) and temperature == 0 and self.engine == "fast"
         self.drafter = None
         if drafter is not None:

@@ -33,6 +33,8 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..util import EyasError, compile_failure, log
 
@@ -108,8 +110,6 @@ def one_off_kernels(device: torch.device, on: bool = True):
     when `on`), every kernel but cuDNN's; elsewhere, no change."""
     if not on or device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -263,8 +263,8 @@ class FastLM:
     # one-token calls (decode steps) through flex attention with a block mask made from each row's own position:
     # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
     # row's bound (`upto`). In regeneration some row nearly always holds a long prompt, so most rows pay for context
-    # they do not have. Off: end to end it has not beaten SDPA in regeneration (bench/bench_regen.py --engine
-    # static:flex=1,static compares them; BENCHMARKS.md). Compiled on a GPU (flex attention's eager form is a slow
+    # they do not have. Off: end to end it does not beat SDPA in regeneration (bench/bench_regen.py --engine
+    # static:flex=1,static compares them). Compiled on a GPU (flex attention's eager form is a slow
     # reference), eager elsewhere. Rows given as an index tensor, and row groups, keep SDPA
     flex_decode = False
     FLEX_BLOCK = 128
@@ -366,8 +366,6 @@ class FastLM:
         blocks below its position's block are whole (no mask evaluated), the block holding its position is cut at
         it. Made from buffers owned here and written in place, so a CUDA graph replays it and the compiled
         attention sees the same mask function every call."""
-        from torch.nn.attention.flex_attention import BlockMask
-
         B, BS = self.batch_size, self.FLEX_BLOCK
         nblk = -(-self.max_len // BS)
         if self._flex is None:
@@ -393,8 +391,6 @@ class FastLM:
         """flex attention as flex_decode runs it: compiled on a GPU (once a process, for every FastLM), eager
         elsewhere."""
         global _compiled_flex
-        from torch.nn.attention.flex_attention import flex_attention
-
         if self.device.type != "cuda":
             return flex_attention
         if _compiled_flex is None:

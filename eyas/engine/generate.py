@@ -39,9 +39,9 @@ class EmbeddedEngine:
 
     def reseed(self, seed: int) -> None:
         """Restart the sampling stream of an engine that draws from one (the continuous engine; the static and
-        generate engines seed each request's draws from its own seed, engine/sampling.py): regen.samples' later samples start
-        from a seed of their own, so a sample regenerated in a later process than the first does not replay the
-        first's draws over the same prompts."""
+        generate engines seed each request's draws from its own seed, sampling.py): regen.samples' later samples
+        start from a seed of their own, so a sample regenerated in a later process than the first does not replay
+        the first's draws over the same prompts."""
         torch.manual_seed(seed)
 
     def __init__(self, target, rc: RegenConfig, reasoning: str, ctx_limit: int):
@@ -105,6 +105,7 @@ class ContinuousEngine(EmbeddedEngine):
         self._start(rc.seed)
 
     def _start(self, seed: int) -> None:
+        # here, not at the top: a transformers without continuous batching runs the other engines (embedded_engine)
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         rc = self.rc
@@ -167,7 +168,7 @@ class GenerateEngine(EmbeddedEngine):
     def __init__(self, target, rc, reasoning, ctx_limit):
         super().__init__(target, rc, reasoning, ctx_limit)
         self.pending: list[tuple[str, list[int], int, int]] = []
-        self.gen = self.generation_config(sampled=False)  # sampling: each row from its request's seed (engine/sampling.py)
+        self.gen = self.generation_config(sampled=False)  # sampling: each row from its request's seed (sampling.py)
         torch.manual_seed(rc.seed)
 
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
@@ -217,8 +218,8 @@ class StaticEngine(EmbeddedEngine):
     checks are faster, while on a CPU a sync costs nothing and a finished row's idle steps cost as much as
     busy ones."""
     name = "static"
-    # rows a step on a GPU: 512 wrote the most tokens a second of 256, 512 and 1,024 (bench/bench_regen.py;
-    # BENCHMARKS.md). Fewer where the cache would not fit (_rows_that_fit)
+    # rows a step on a GPU: of 256, 512 and 1,024, 512 writes the most tokens a second (bench/bench_regen.py
+    # compares them). Fewer where the cache would not fit (_rows_that_fit)
     gpu_batch = 512
     check_every: int | None = None
     long_prompt = 256
@@ -250,7 +251,7 @@ class StaticEngine(EmbeddedEngine):
         self.nnew = torch.zeros(B, dtype=torch.long, device=dev)  # tokens generated so far
         self.limit = torch.ones(B, dtype=torch.long, device=dev)  # max new tokens of the row
         self.out = torch.zeros(B, rc.max_new_tokens + 1, dtype=torch.long, device=dev)  # last column: spare
-        self.seed = torch.zeros(B, dtype=torch.long, device=dev)  # each row's request's seed (engine/sampling.py)
+        self.seed = torch.zeros(B, dtype=torch.long, device=dev)  # each row's request's seed (sampling.py)
         self.pick_rows: slice | None = None  # the rows an eager decode step advances (the busy span)
         self.step = DecodeGraph(self.lm, self._pick)  # after the buffers _pick reads: a GPU captures it here
         self.pending: deque[tuple[str, list[int], int]] = deque()  # (rid, prompt, max new): greedyval fills it too
@@ -289,7 +290,7 @@ class StaticEngine(EmbeddedEngine):
     def _pick(self, logits, rows=None):
         """Next token per row from logits [b, V] of rows `rows` (an index tensor; None: the rows a decode step
         advances), on the device without a host sync: argmax, or a draw from the temperature/top-p distribution
-        seeded by each row's request and step (engine/sampling.py: graph-safe)."""
+        seeded by each row's request and step (sampling.py: graph-safe)."""
         if self.rc.temperature == 0:
             return logits.argmax(-1)
         if rows is None:  # a decode step: the token numbered nnew of each row, of every row (a graph) or the span
@@ -360,8 +361,8 @@ class StaticEngine(EmbeddedEngine):
             his = [max(self.hpos[r] for r in busy)]
         spare = self.out.shape[1] - 1
         # eager steps (a CPU) advance only the span of busy rows: the idle rows' tokens are thrown away, and a
-        # run with fewer prompts than rows, or the tail of one, would pay for every row (the pipeline test's 8
-        # prompts on 32 rows: 0.77 s a step on a 2-core CPU). A CUDA graph replays its fixed shape.
+        # run with fewer prompts than rows, or the tail of one, would pay for every row. A CUDA graph replays its
+        # fixed shape.
         span = None if self.lm.groups else slice(min(busy), max(busy) + 1)
         self.pick_rows = span
         for s in range(steps):
@@ -447,7 +448,7 @@ class StaticEngine(EmbeddedEngine):
 def embedded_engine(target, rc: RegenConfig) -> type[EmbeddedEngine]:
     """The engine class rc.engine names for this target (auto: static where it runs the target), built by no one."""
     engine = rc.engine
-    # auto never picks continuous: transformers' continuous batching ran well below the padded, length-grouped
+    # auto never picks continuous: transformers' continuous batching runs well below the padded, length-grouped
     # generate engine (bench/bench_regen.py compares them)
     if engine == "auto":  # static wherever it runs the target (faster than the generate engine, on a CPU too)
         engine = "static" if fast_engine_runs(target.model, "regen") else "generate"
