@@ -1,4 +1,5 @@
-"""The embedded engines of `eyas regen`: the target in-process, answering chat prompts.
+"""The embedded engines: the target in-process, answering chat prompts (`eyas regen`) or token prompts (greedy
+validation, on the static engine).
 
 `static` is eyas' own decode loop (eyas.engine.fastlm): a static KV cache of `batch` rows, a finished row refilled
 with the next prompt within a few steps (a conversation's next turn joins as soon as its previous turn ends), one CUDA
@@ -27,13 +28,15 @@ from .turn import TurnResult
 
 
 def _render_prompt(tokenizer, messages: list[dict], reasoning: str) -> list[int]:
+    """Chat messages -> the token ids of the prompt that asks for the next answer (the chat template's generation
+    prompt after them); `reasoning` as data.reasoning says how earlier answers' reasoning is rendered."""
     conv = Conversation("", [Turn(m["role"], m["content"], m.get("reasoning")) for m in messages])
     text = render(tokenizer, to_messages(conv, tokenizer, reasoning), add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
 class EmbeddedEngine:
-    """What both embedded engines share: prompt rendering, context limits, decoding of answers."""
+    """What every embedded engine shares: prompt rendering, context limits, decoding of answers."""
 
     gpu_batch = 256  # regen.batch_size=0 on a GPU (32 on a CPU)
 
@@ -457,7 +460,9 @@ def embedded_engine(target, rc: RegenConfig) -> type[EmbeddedEngine]:
     return {"static": StaticEngine, "continuous": ContinuousEngine}.get(engine, GenerateEngine)
 
 
-def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int):
+def make_embedded(target, rc: RegenConfig, reasoning: str, ctx_limit: int) -> EmbeddedEngine:
+    """The engine embedded_engine names, built; a continuous engine that cannot start on this target is refused in
+    one line that names the generate engine instead."""
     cls = embedded_engine(target, rc)
     try:
         return cls(target, rc, reasoning, ctx_limit)
