@@ -382,7 +382,7 @@ def main(argv=None) -> int:
                 "overlap": dec.overlapped, "compiled_elementwise": dec.elementwise_compiled,
                 "compiled_drafter": dec.drafter_compiled, "padded_prefill": dec.prefill_padded}
 
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
 
     variants = target_variants(FastLM, Decoder)
     saved = {key: getattr(*key) for _, sets, _ in variants for key in sets(1)}

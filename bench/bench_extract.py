@@ -36,7 +36,7 @@ from eyas.config import PRESETS, TargetConfig, preset
 from eyas.data import read_dataset
 from eyas.data.prepare import TokenSet, tokens_dir
 from eyas.data.tokenize import tokenize_conversation
-from eyas.fastlm import one_off_kernels
+from eyas.engine.fastlm import one_off_kernels
 from eyas.features import (MAX_SHARD_BYTES, bytes_per_token, extract_split, plan_batches, plan_shards, quantize_fp8,
                            target_top)
 from eyas.features.extract import _pad_batch

@@ -101,8 +101,9 @@ def bench_eyas(target, users: list[str], args, engine: str) -> dict:
     `norm=0` runs the model's own RMSNorm modules instead of torch's fused kernel, `norm1k=0` the fused kernel
     with HF's rounding steps instead of one kernel in the model's dtype, `flex=1` decode steps through flex attention
     bounded by each row's own position)."""
-    from eyas.data.regen import StaticEngine, run_regen
-    from eyas.fastlm import FastLM
+    from eyas.data.regen import run_regen
+    from eyas.engine.generate import StaticEngine
+    from eyas.engine.fastlm import FastLM
 
     name, *opts = engine.split(":")
     saved = {}

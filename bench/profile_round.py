@@ -107,7 +107,7 @@ def graph_ms(fn, dev, n: int = 0) -> float:
     one part of a round timed by itself, with the launch cost a replay has in the round."""
     import time
 
-    from eyas.fastlm import capture_cuda_graph
+    from eyas.engine.graphs import capture_cuda_graph
 
     n = n or REPLAYS
     if dev.type != "cuda":  # eager calls (a dry run of this script on a CPU)
@@ -244,7 +244,7 @@ def main():
             for row in res["verify_k3_vs_step_ops"]:
                 print(f"  {row}", flush=True)
     from bench_decode import target_variants
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
 
     sets = {flag: s for flag, s, _ in target_variants(FastLM, Decoder)}  # the attributes each flag's value sets
     variants = [(int(g), int(n), int(o)) for o in a.overlap.split(",") for g in a.gqa.split(",")

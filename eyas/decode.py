@@ -18,7 +18,7 @@ Greedy verification is exactly lossless (the output equals plain greedy decoding
 sampling is lossless in distribution. `Decoder.generate(..., speculative=False)` is plain decoding
 on the same caches and code path, the baseline for speedups. Batch size 1.
 
-The target runs on eyas' own static-cache forward (`eyas.fastlm`) where it supports the
+The target runs on eyas' own static-cache forward (`eyas.engine.fastlm`) where it supports the
 architecture (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE: fastlm.supported), else on transformers
 with its StaticCache (logged once, with the reason). On CUDA, the fixed-shape steps (verify,
 drafter step, plain decode step) are captured as CUDA graphs on first use; the first replays of
@@ -28,37 +28,22 @@ of the run (logged), so a graph can cost speed, never correctness.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from .fastlm import attended_slots, one_off_kernels
-from .target import decoder_layers
-from .util import EyasError, PhaseClock, log
+from .draft import check_fits
+from .engine.fastlm import attended_slots, fast_engine_runs, one_off_kernels, supported
+from .engine.graphs import StepGraphs
+from .engine.runners import FastTargetRunner, TargetRunner
+from .engine.sampling import probs_from_logits, sample
+from .util import EyasError, PhaseClock
 
 
 # ---------------------------------------------------------------------------------------------
 # token choice and verification rules (pure functions over a leading batch dimension)
-
-def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """Softmax at `temperature`, then nucleus filtering (the smallest set of most likely tokens whose
-    mass reaches top_p is kept and renormalised). Works over the last dimension."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sp, si = probs.sort(dim=-1, descending=True)
-        drop = (sp.cumsum(-1) - sp) >= top_p  # mass before this token already reaches top_p
-        sp = sp.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs` [..., V] -> [...]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
 
 def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [B, K+1, V], drafts [B, K] -> (accepted [B], next token [B]).
@@ -92,83 +77,6 @@ def verify_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------------
 # caches
-
-class FastTargetRunner:
-    """The target on eyas' static-cache forward (one row): no cache pointer to move, a query at
-    position p sees slots 0..p, so rollback is free."""
-
-    def __init__(self, target, max_len: int):
-        from .fastlm import FastLM
-
-        self.lm = FastLM(target.model, 1, max_len, target.aux_layers)
-
-    def close(self) -> None:
-        pass
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None,
-                one_off: bool = False):
-        """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H]);
-        attends to the first `upto` cache slots (None: all); one_off: a prompt prefill (see FastLM)."""
-        return self.lm.forward(ids, pos[:1], last_only=last_only, want_aux=True, upto=upto, one_off=one_off)
-
-
-class TargetRunner:
-    """The target with a preallocated transformers StaticCache and pre-hooks that grab the aux
-    states (the residual streams entering the aux layers) of every forward pass (for
-    architectures eyas.fastlm does not run)."""
-
-    def __init__(self, target, max_len: int):
-        from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
-
-        self.target = target
-        self.model = target.model
-        self.max_len = max_len
-        self.cache = StaticCache(config=self.model.config, max_cache_len=max_len)
-        # sliding-window layers (Gemma 3, gpt-oss) get full-length caches too: a window's cache is a ring that the
-        # rejected drafts overwrite, so a rollback would lose keys still in the window; the attention mask, built
-        # from positions, keeps each such layer within its window all the same
-        self.cache.layers = [StaticLayer(max_cache_len=max_len) for _ in self.cache.layers]
-        self._grab: dict[int, torch.Tensor] = {}
-        self._handles = []
-        layers = decoder_layers(self.model)
-        n = len(layers)
-        grab = self._grab
-
-        def pre_hook(idx):
-            def fn(module, args, kwargs):
-                grab[idx] = args[0] if args else kwargs["hidden_states"]
-            return fn
-
-        for a in sorted(set(target.aux_layers)):
-            mod = layers[a] if a < n else self.model.get_decoder().norm
-            self._handles.append(mod.register_forward_pre_hook(pre_hook(a), with_kwargs=True))
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def __del__(self):
-        self.close()
-
-    def set_length(self, n) -> None:
-        """Move the cache's write pointer to `n` tokens (an int or a 0-d tensor; a rollback when n is
-        smaller). Entries past it are stale and masked by position until they are overwritten."""
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.cumulative_length.fill_(n)
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, last_only: bool = False, upto: int | None = None,
-                one_off: bool = False):
-        """ids [1, T] at positions pos [T] (consecutive) -> (logits [1, T or 1, V], aux [1, T, 3H]).
-        (`upto` and `one_off` are ignored: transformers' cache attends to all of its slots.)"""
-        self.set_length(pos[0])
-        out = self.model(input_ids=ids, position_ids=pos[None], past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1 if last_only else 0)
-        aux = torch.cat([self._grab[a] for a in self.target.aux_layers], dim=-1)
-        return out.logits, aux
-
 
 class DraftCache:
     """A preallocated KV cache for one of the drafter's attention layers. Keys/values are written at
@@ -238,65 +146,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _Graphs:
-    """CUDA graphs of fixed-shape steps, one per (step name, input shapes), captured on first use.
-    A replay copies the inputs into the graph's static tensors and returns clones of its outputs.
-    The first `check` replays of each graph are compared with an eager run of the same step (which
-    writes the same cache entries again, so it changes nothing); a mismatch or any error turns
-    graphs off for good and the step runs eagerly."""
-
-    def __init__(self, device: torch.device, enabled: bool, check: int = 3):
-        self.enabled = enabled and device.type == "cuda"
-        self.device = device
-        self.check = check
-        self.graphs: dict[tuple, list] = {}
-        self.pool = None
-        self.replays = 0
-
-    def _capture(self, fn, args):
-        from .fastlm import capture_cuda_graph
-
-        static = [a.clone() for a in args]
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        g, out = capture_cuda_graph(lambda: fn(*static), self.device, pool=self.pool)
-        return [g, static, out, 0]
-
-    def off(self, why: str) -> None:
-        if self.enabled:
-            log(f"decode: CUDA graphs off ({why}); running eagerly")
-        self.enabled = False
-        self.graphs.clear()
-
-    def run(self, name: str, fn, *args):
-        if not self.enabled:
-            return fn(*args)
-        key = (name,) + tuple(tuple(a.shape) for a in args)
-        try:
-            entry = self.graphs.get(key)
-            if entry is None:
-                entry = self.graphs[key] = self._capture(fn, args)
-            g, static, out, checked = entry
-            for dst, src in zip(static, args):
-                dst.copy_(src)
-            g.replay()
-            self.replays += 1
-            res = tuple(o.clone() for o in out)
-        except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
-            self.off(f"{name}: {type(e).__name__}: {e}")
-            return fn(*args)
-        if checked < self.check:
-            entry[3] += 1
-            ref = fn(*args)
-            same = all(a.shape == b.shape and (torch.equal(a, b) if not a.is_floating_point()
-                                               else torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2))
-                       for a, b in zip(res, ref))
-            if not same:
-                self.off(f"the graph of {name} {list(key[1:])} differs from the eager step")
-                return ref
-        return res
-
-
 class Decoder:
     """Speculative (and plain) decoding of one sequence at a time with a target and an EAGLE-3 drafter.
 
@@ -342,8 +191,6 @@ class Decoder:
         self.max_len = max_len
         if engine not in ("auto", "fast", "hf"):
             raise EyasError(f"decoder engine must be auto, fast or hf, got {engine!r}")
-        from .fastlm import fast_engine_runs, supported
-
         ok, why = supported(target.model)
         if engine == "fast" and not ok:
             raise EyasError(f"the fast decoder cannot run this target: {why}")
@@ -355,12 +202,10 @@ class Decoder:
             self.runner.lm.compile_elementwise = self.elementwise_compiled
         # greedy rounds on eyas' own forward as one step (drafts, verify, acceptance, drafter rebuild): one
         # CUDA graph and no host work between its parts; its time is reported as verify time.
-        # None: on a GPU only (eval.round=auto; on a CPU the stepwise round was faster)
+        # None: on a GPU only (eval.round=auto; on a CPU the stepwise round is faster)
         self.fused = self._on_gpu_unless_set(fused) and temperature == 0 and self.engine == "fast"
         self.drafter = None
         if drafter is not None:
-            from .draft import check_fits
-
             check_fits(drafter.config, target, "given to the decoder")
             self.drafter = drafter.to(device=self.device, dtype=self.dtype).eval()
             if fuse_drafter:
@@ -375,7 +220,7 @@ class Decoder:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         # CUDA graphs need a capture-safe target forward: eyas' own, not transformers' StaticCache
-        self.graphs = _Graphs(self.device, enabled=bool(compile) and self.engine == "fast")
+        self.graphs = StepGraphs(self.device, enabled=bool(compile) and self.engine == "fast")
 
     def _call(self, name: str, *args, upto: int):
         """Run a fixed-shape step: "draft" (drafter over ids, hidden, pos) or "verify" (target over
@@ -593,8 +438,6 @@ class Decoder:
         last one's tokens, so the host's reading, bookkeeping and next launch run while the GPU works
         (a step launched past the end is computed and dropped: it writes cache slots past the committed
         length, which are masked by position and overwritten before anything attends to them)."""
-        from collections import deque
-
         ahead = self.overlapped
         grow = self.k + 1 if speculative else 1  # most tokens one launch can commit
         pending = deque()

@@ -2,7 +2,7 @@
 `device_map`), whole layers per device, run in one process. transformers' hooks move each layer's input to its
 device, so eyas' stages see one model: inputs go to the embedding's device, and captures gather their states there.
 eyas' own fast engine runs a model on one device, so decoding and regeneration of a split target take transformers'
-forward (eyas.fastlm.supported says why)."""
+forward (eyas.engine.fastlm.supported says why)."""
 from __future__ import annotations
 
 import json

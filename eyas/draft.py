@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from .aux_layers import check_drafter_aux_layers
 from .draft_config import (EYAS_FORMAT, NON_FINITE, DraftConfig, check_fits, check_tensors, is_eyas_config,
                            read_config, read_safetensors)
-from .fastlm import compiled, fuse_linears, held_fusion, llama_rms_norm
+from .engine.fastlm import compiled, fuse_linears, held_fusion, llama_rms_norm
 from .rope import RopeFrequencies
 from .util import DAMAGED, EyasError, atomic_path, refuse_non_finite, writing
 

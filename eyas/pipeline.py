@@ -192,7 +192,7 @@ def stage_keys(cfg: C.Config, inputs: dict[str, str] | None = None) -> dict[str,
 
 
 # regen settings whose change keeps some of the answers made: regen.samples (each sample's answers are its own:
-# eyas.data.regen.sample_copy) and a larger regen.limit (the plan grows: eyas.data.regen._grows)
+# eyas.data.regen_conv.sample_copy) and a larger regen.limit (the plan grows: eyas.data.regen_plan._grows)
 REGEN_KEEPS = ("regen.samples", "regen.limit")
 
 
@@ -216,7 +216,7 @@ def _regen_kept(cfg: C.Config, inputs: dict[str, str], rec: dict) -> dict | None
 
 def _keep_regen(cfg: C.Config, d: Path, kept: dict) -> None:
     """Keep the regen folder d's answers that still hold after the changes `kept` (`_regen_kept`), and say so."""
-    from .data.regen import drop_samples_after
+    from .data.regen_plan import drop_samples_after
 
     def samples(a, z):
         return f"sample {a}" if a == z else f"samples {a}-{z}"

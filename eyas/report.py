@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .data.regen import left_out_words
+from .data.regen_report import left_out_words
 from .util import EyasError, atomic_write_text, human_bytes, log
 
 

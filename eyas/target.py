@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from .aux_layers import check_aux_layers, default_aux_layers
 from .config import TargetConfig
 from .device_map import parse_device_map
-from .fastlm import llama_norm_eps, llama_rms_norm, one_off_kernels
+from .engine.fastlm import llama_norm_eps, llama_rms_norm, one_off_kernels
 from .target_source import _quiet_transformers, _why, cache_root, resolve_source
 from .util import EyasError
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .decode import Decoder, Generation, _commit, _sync, probs_from_logits
+from .engine.runners import FastTargetRunner
 from .tree import Tree, TreeSpec, accept_greedy, accept_sample, grow_tree
 from .util import EyasError, PhaseClock
 
@@ -64,8 +65,6 @@ class TreeDraftAttend:
 def _target_tree_forward(runner, ids, positions, slot0: torch.Tensor, anc, upto: int):
     """The target over a tree's tokens ids [1, N] roped at positions [N], written to cache slots slot0..slot0+N-1
     (slot0 [1], on the device), with anc [N, N] the mask among them -> (logits [1, N, V], aux [1, N, 3H])."""
-    from .decode import FastTargetRunner
-
     if isinstance(runner, FastTargetRunner):
         return runner.lm.forward(ids, slot0, want_aux=True, upto=upto, tree=(positions, anc))
     # transformers' StaticCache writes slots slot0.. (its length pointer) and takes a ready 4-D additive mask
@@ -83,8 +82,6 @@ def _target_tree_forward(runner, ids, positions, slot0: torch.Tensor, anc, upto:
 
 def _keep_path(runner, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Move the target's cache entries at slots src [n] to slots dst [n] in every layer (read before written)."""
-    from .decode import FastTargetRunner
-
     if isinstance(runner, FastTargetRunner):
         pairs = list(zip(runner.lm.k, runner.lm.v))
     else:

@@ -276,7 +276,7 @@ def test_jsonl_records_holding_unicode_line_separators_stay_whole(tmp_path):
     # regenerated conversations were dropped as invalid JSON)
     import json
 
-    from eyas.data.regen import validation_report
+    from eyas.data.regen_report import validation_report
 
     text = "line one\u2028line two\u2029and\x85three"
     rec = {"id": "x1", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}]}

@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.decode import Decoder, probs_from_logits, verify_greedy, verify_sample
+from eyas.decode import Decoder, verify_greedy, verify_sample
 from eyas.draft import build_drafter, causal_attend
+from eyas.engine.fastlm import FastLM
+from eyas.engine.sampling import probs_from_logits
 from eyas.evaluate import prompt_ids
-from eyas.fastlm import FastLM
 
 PROMPTS = [
     "What is the capital of France?",
@@ -270,7 +271,7 @@ def test_fuse_drafter_argument_sets_the_drafters_layout(smol, prompt_set, plain_
 def test_folded_verify_decodes_losslessly(smol, prompt_set, trained, fused, monkeypatch):
     """With the verify pass folding the query heads (FastLM.gqa_steps off) instead of SDPA's enable_gqa,
     greedy speculative decoding still reproduces plain greedy decoding, through accepted and rejected drafts."""
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
 
     monkeypatch.setattr(FastLM, "gqa_steps", False)
     plain = Decoder(smol, None, max_len=256)
@@ -329,7 +330,7 @@ def test_compiled_elementwise_target_decodes_losslessly(smol, prompt_set, plain_
     """Decoder.compile_elementwise (FastLM's rope, residual add + norm and silu * up as torch.compile'd kernels on
     its steps and verify passes; prefills stay eager): a step's logits and aux states match the eager forward's,
     and plain and K=3 speculative decoding give the eager plain output, token for token."""
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
 
     ids = torch.tensor([prompt_set[0]])
     n = ids.shape[1]
@@ -349,9 +350,9 @@ def test_compiled_elementwise_target_decodes_losslessly(smol, prompt_set, plain_
     for ids, ref in list(zip(prompt_set, plain_outputs))[:3]:
         assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens == ref[:NEW]
         assert dec.generate(ids, NEW, smol.eot_token_ids, speculative=True).tokens == ref[:NEW]
-    import eyas.fastlm
+    import eyas.engine.fastlm
 
-    assert not eyas.fastlm._EAGER  # the compiled functions ran, none fell back to eager
+    assert not eyas.engine.fastlm._EAGER  # the compiled functions ran, none fell back to eager
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,7 +546,7 @@ def test_padded_prefill_gives_the_unpadded_generation(tiny, fused, monkeypatch):
 def test_failed_compile_falls_back_to_eager(tiny, monkeypatch, capsys):
     """Decoder.compile_elementwise where torch.compile cannot build kernels (no Triton, no C compiler): each
     compiled function logs its failure once and runs eagerly, and decoding gives the eager decoder's tokens."""
-    import eyas.fastlm as fastlm
+    import eyas.engine.fastlm as fastlm
 
     torch.manual_seed(0)
     d = build_drafter(tiny, 512)
@@ -578,7 +579,7 @@ def test_compiled_drafter_decodes_losslessly(tiny, fused, layers, monkeypatch):
     parts (two, and one between each pair of layers) give the eager drafter's logits, the decoding stays equal to
     plain decoding token for token, and the compiled parts did run (none fell back to eager); the prefill's long
     call stays eager."""
-    import eyas.fastlm as fastlm
+    import eyas.engine.fastlm as fastlm
     from eyas.draft import _between_layers, _post_attention, _pre_attention
 
     torch.manual_seed(0)

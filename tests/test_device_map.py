@@ -10,7 +10,7 @@ import torch
 
 from eyas.config import TargetConfig
 from eyas.device_map import devices_of, parse_device_map
-from eyas.fastlm import supported
+from eyas.engine.fastlm import supported
 from eyas.target import load_target
 from eyas.util import EyasError
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.fastlm import DecodeGraph, FastLM, supported
+from eyas.engine.fastlm import FastLM, supported
+from eyas.engine.graphs import DecodeGraph
 from eyas.target import capture_hidden
 from eyas.util import EyasError
 
@@ -148,7 +149,7 @@ def test_hf_rounding_norm_matches_hf(smol, monkeypatch):
 @pytest.mark.gpu
 def test_one_kernel_norm_is_close_to_hf_rounding_on_gpu():
     """In bf16 the one-kernel norm rounds once, after the weight: at most about one bf16 step from HF's order."""
-    from eyas.fastlm import llama_rms_norm
+    from eyas.engine.fastlm import llama_rms_norm
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 576, device="cuda", generator=g).to(torch.bfloat16) * 3
@@ -182,9 +183,9 @@ def test_matches_hf_qwen2_with_biases(gqa, ew, monkeypatch):
                 proj.bias.normal_(0, 0.5)
     run_checks(model, [2, 3, 4], 256)
     if ew:  # compiled, not fallen back to the eager functions
-        import eyas.fastlm
+        import eyas.engine.fastlm
 
-        assert not eyas.fastlm._EAGER
+        assert not eyas.engine.fastlm._EAGER
 
 
 def test_refuses_what_it_does_not_implement():
@@ -461,7 +462,7 @@ def test_matches_hf_qwen3(gqa, ew, fuse, monkeypatch):
     hidden/heads) gives transformers' logits and states for prefills, decode steps and rollbacks: with the verify's
     attention through enable_gqa or folded, the elementwise work compiled (q/k norm and rope one kernel each), and
     q/k/v unfused."""
-    import eyas.fastlm
+    import eyas.engine.fastlm
 
     monkeypatch.setattr(FastLM, "gqa_steps", gqa)
     monkeypatch.setattr(FastLM, "compile_elementwise", ew)
@@ -472,7 +473,7 @@ def test_matches_hf_qwen3(gqa, ew, fuse, monkeypatch):
     assert supported(model) == (True, "")
     run_checks(model, [1, 2, 4], 256)
     if ew:  # compiled, not fallen back to the eager functions
-        assert eyas.fastlm._norm_rotate in eyas.fastlm._COMPILED and not eyas.fastlm._EAGER
+        assert eyas.engine.fastlm._norm_rotate in eyas.engine.fastlm._COMPILED and not eyas.engine.fastlm._EAGER
 
 
 def test_matches_hf_qwen3_moe():
@@ -608,13 +609,13 @@ def test_fallback_is_logged_once_with_its_reason(tiny, capsys):
     """A target FastLM does not run (a tiny GPT-NeoX: partial rotary, parallel residual) falls back to transformers
     in regen, the decoder and greedy validation, each saying so once per process with the reason; an explicit hf
     engine is a choice, not a fallback, and says nothing."""
-    import eyas.fastlm
+    import eyas.engine.fastlm
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, embedded_engine
+    from eyas.engine.generate import GenerateEngine, embedded_engine
     from eyas.decode import Decoder
     from eyas.train.greedyval import greedy_answers
 
-    eyas.fastlm._FALLBACK_LOGGED.clear()
+    eyas.engine.fastlm._FALLBACK_LOGGED.clear()
     model = random_model("gpt_neox", vocab_size=tiny.vocab_size, max_position_embeddings=128)
     target = random_target(model, tiny)
     Decoder(target, None, k=1, max_len=64, engine="hf")
@@ -637,7 +638,7 @@ def test_qwen3_decodes_in_cuda_graphs_on_gpu(model_type):
     kernels (the GPU defaults) decodes transformers' greedy tokens, plainly and speculatively (drafts accepted up to
     every length); for Qwen3 every graph stays on and the compiled q/k norm + rope ran. The regen decode step's graph
     replays the eager step."""
-    import eyas.fastlm
+    import eyas.engine.fastlm
     from eyas.decode import Decoder
     from eyas.draft import build_drafter
     from eyas.target import Target
@@ -666,7 +667,7 @@ def test_qwen3_decodes_in_cuda_graphs_on_gpu(model_type):
         if model_type == "qwen3":
             assert plain.graphs.enabled and plain.graphs.replays and dec.graphs.enabled and dec.graphs.replays
     if model_type == "qwen3":
-        assert eyas.fastlm._norm_rotate in eyas.fastlm._COMPILED and not eyas.fastlm._EAGER
+        assert eyas.engine.fastlm._norm_rotate in eyas.engine.fastlm._COMPILED and not eyas.engine.fastlm._EAGER
     graphed, eager = FastLM(model, 2, 64), FastLM(model, 2, 64)
     step = DecodeGraph(graphed, lambda logits: logits.argmax(-1), span=8)
     if model_type == "qwen3":  # (the MoE's expert loop may sync, which no graph can hold: then steps run eagerly)

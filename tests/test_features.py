@@ -500,7 +500,7 @@ def test_capture_with_the_decoders_norm_rounding():
     kernel) more closely than HF's rounding does, and HF's rounding follows FastLM's HF-rounding norm more closely;
     the modules are HF's again afterwards; OnlineFeatures passes the setting through."""
     from eyas.config import TargetConfig
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
     from eyas.features import OnlineFeatures
     from eyas.target import load_target
 

@@ -17,9 +17,13 @@ import pytest
 
 from eyas.config import Config
 from eyas.data import Conversation, Turn, read_dataset
-from eyas.data.regen import ConvState, regen_dir, run_regen, validation_report
 from eyas.data.conversation import split_reasoning
-from eyas.data.server import TurnResult, chat_url
+from eyas.data.prepare import regen_dir
+from eyas.data.regen import run_regen
+from eyas.data.regen_conv import ConvState
+from eyas.data.regen_report import validation_report
+from eyas.data.server import chat_url
+from eyas.engine.turn import TurnResult
 from eyas.util import EyasError, read_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,8 +332,7 @@ def test_a_regen_asking_for_fewer_sets_than_its_folder_holds_is_refused(tmp_path
 def test_training_on_an_unfinished_regen_says_so(tmp_path, server, capsys):
     """A standalone stage that trains on a regen folder whose run was cut (a shard of its plan missing) says how much
     is there and how to finish it, and goes on; a finished one, or shards put there by hand, say nothing."""
-    from eyas.data.prepare import training_conversations
-    from eyas.data.regen import shard_progress
+    from eyas.data.prepare import shard_progress, training_conversations
 
     src = write_jsonl(tmp_path / "d.jsonl", [["a1"], ["b1"], ["c1"], ["d1"]])
     cfg = server_cfg(tmp_path, src, server.url, samples=2, turns=1)
@@ -731,13 +734,13 @@ def _samples_beside_a_finished_run(tmp_path, tiny, engine):
     train, _ = training_conversations(cfg)
     n = {c.id: c.n_assistant() for c in train}
     assert n["c0"] == 2 and n["c0~sample2"] == 1
-    from eyas.data import regen
+    from eyas.engine import generate
 
     def no_engine(*a, **k):
         raise AssertionError("an engine was built with every shard on disk")
 
     with pytest.MonkeyPatch.context() as mp:  # a rerun finds both samples done, and builds no engine to find it
-        for cls in (regen.StaticEngine, regen.ContinuousEngine, regen.GenerateEngine):
+        for cls in (generate.StaticEngine, generate.ContinuousEngine, generate.GenerateEngine):
             mp.setattr(cls, "__init__", no_engine)
         again = run_regen(cfg, target=tiny)
     assert again["records"] == 14 and again["generator"] == two["generator"]
@@ -858,7 +861,7 @@ def test_smollm2_regenerates_sharegpt(tmp_path, smol):
     assert c.turns[-1].content == smol.tokenizer.decode(ref, skip_special_tokens=True).strip()
 
 
-# --------------------------------------------------------------------------- the static engine (eyas.fastlm)
+# --------------------------------------------------------------------------- the static engine (eyas.engine.fastlm)
 
 
 def drain(engine, prompts: list[str]) -> tuple[dict, dict]:
@@ -885,7 +888,7 @@ def test_static_engine_equals_generate_alone(smol):
     import torch
 
     from eyas.config import RegenConfig
-    from eyas.data.regen import StaticEngine, _render_prompt
+    from eyas.engine.generate import StaticEngine, _render_prompt
 
     prompts = ["Hi!", "What is 2+2? Answer with one number.", "Write a long essay about the history of Rome.",
                "Explain how a compiler works, step by step.", "Hello, who are you?"]
@@ -905,7 +908,7 @@ def test_static_engine_limits_and_sampling(tiny, monkeypatch):
     near the model's maximum length gets fewer new tokens, the others max_new_tokens; sampling is
     reproducible from the seed."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
+    from eyas.engine.generate import GenerateEngine, StaticEngine, _render_prompt
 
     prompts = ["hi", "a somewhat longer question about a few things", "x", "a question " * 30, "why?"]
     lens = [len(_render_prompt(tiny.tokenizer, [{"role": "user", "content": p}], "keep")) for p in prompts]
@@ -928,7 +931,7 @@ def test_sampling_is_seeded_per_request_whatever_the_batch(tiny):
     and the generate engine (batches of 2, and each prompt alone) draw the same tokens for the same seeds, and another
     seed draws others."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine
+    from eyas.engine.generate import GenerateEngine, StaticEngine
 
     prompts = ["hi", "a somewhat longer question about a few things", "x", "why?", "tell me more"]
 
@@ -960,7 +963,7 @@ def test_static_engine_overlapped_checks(tiny, monkeypatch, overlap):
     after the previous steps; the default), every answer still equals the generate engine's, with rows
     refilled, and a refilled row is never read from a copy taken before its prefill; and so without overlap."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine
+    from eyas.engine.generate import GenerateEngine, StaticEngine
 
     monkeypatch.setattr(StaticEngine, "overlap", overlap)
     monkeypatch.setattr(StaticEngine, "check_every", 3)  # answers of 2-9 tokens end between checks
@@ -977,7 +980,7 @@ def test_static_engine_overlapped_checks(tiny, monkeypatch, overlap):
 def test_static_engine_overlapped_checks_on_cuda(monkeypatch):
     """On a GPU (CUDA graphs, pinned host copies, events): overlapped checks give the plain engine's tokens."""
     from eyas.config import RegenConfig, TargetConfig
-    from eyas.data.regen import StaticEngine
+    from eyas.engine.generate import StaticEngine
     from eyas.target import load_target
 
     t = load_target(TargetConfig(name="tiny", dtype="float32", device="cuda"))
@@ -994,7 +997,7 @@ def test_static_engine_row_groups(tiny, monkeypatch):
     """8 rows in two groups (rows 0-1 for long prompts): long prompts land in the long rows while they
     have room, and every answer equals the generate engine's, greedy, with rows refilled."""
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine, _render_prompt
+    from eyas.engine.generate import GenerateEngine, StaticEngine, _render_prompt
 
     monkeypatch.setattr(StaticEngine, "row_groups", True)
     monkeypatch.setattr(StaticEngine, "long_prompt", 36)  # the short prompts render to 32-33 tokens
@@ -1021,13 +1024,15 @@ def test_static_engine_row_groups(tiny, monkeypatch):
 
 
 def test_engine_choice(tiny, monkeypatch):
-    import eyas.fastlm
+    import eyas.engine.fastlm
+    import eyas.engine.generate
     from eyas.config import RegenConfig
-    from eyas.data.regen import GenerateEngine, StaticEngine, make_embedded
+    from eyas.engine.generate import GenerateEngine, StaticEngine, make_embedded
 
     # auto: static for the architectures it runs, generate for the others
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), StaticEngine)
-    monkeypatch.setattr(eyas.fastlm, "supported", lambda model: (False, "NewArch: not implemented"))
+    for module in (eyas.engine.fastlm, eyas.engine.generate):  # auto's choice, and the static engine's own check
+        monkeypatch.setattr(module, "supported", lambda model: (False, "NewArch: not implemented"))
     assert isinstance(make_embedded(tiny, RegenConfig(batch_size=2), "keep", 64), GenerateEngine)
     with pytest.raises(EyasError, match="static regen engine cannot run this target: NewArch.*--engine generate"):
         make_embedded(tiny, RegenConfig(batch_size=2, engine="static"), "keep", 64)

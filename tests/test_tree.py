@@ -191,7 +191,7 @@ class ScriptedTreeDecoder(TreeDecoder):
 def test_scripted_acceptance_on_every_branch_keeps_the_caches_right(smol, prompt_set, trained, shape):
     """Every accepted length 0..depth, along the last branch of its level: the output equals plain greedy decoding,
     and afterwards the target's cache and the drafter's hold what fresh passes over the final sequence compute."""
-    from eyas.fastlm import FastLM
+    from eyas.engine.fastlm import FastLM
 
     spec = TreeSpec.parse(shape)
     ids = prompt_set[1]

@@ -6,9 +6,10 @@ import statistics
 from collections import Counter
 
 from ..config import Config
-from ..util import EyasError, NotBuiltError
+from ..util import EyasError
 from .prepare import check_data_settings
 from .readers import read_dataset, split_of
+from .regen_report import report_lines, validation_report
 from .tokenize import tokenize_conversation
 
 
@@ -23,10 +24,6 @@ def _stats(xs: list[int]) -> str:
 def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, tokens: bool = False,
                  as_json: bool = False) -> int:
     if report_dir:
-        try:
-            from .regen import report_lines, validation_report
-        except ImportError:
-            raise NotBuiltError("`eyas data --report` needs the regen stage, which is not built yet") from None
         rep = validation_report(report_dir)
         print(json.dumps(rep, indent=2) if as_json else "\n".join(report_lines(rep)))
         return 0

@@ -9,15 +9,26 @@ Layout of `<run>/data/tokens/` (safetensors, so files are data):
 """
 from __future__ import annotations
 
+import importlib
+import json
+import math
+import multiprocessing as mp
 import os
 import shlex
+import shutil
+import signal
+import tempfile
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-from ..config import Config, check_settings, get_key
+from ..config import Config, check_settings, get_key, to_dict
+from ..target_spec import load_spec
 from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json, sha256_json
 from .conversation import Conversation
 from .readers import read_dataset, select_split, split_of
@@ -48,8 +59,6 @@ class TokenSet:
 
     @classmethod
     def from_tokenized(cls, items: list[Tokenized]) -> "TokenSet":
-        import numpy as np
-
         lens = torch.tensor([len(t.input_ids) for t in items], dtype=torch.long)
         offsets = torch.zeros(len(items) + 1, dtype=torch.long)
         offsets[1:] = torch.cumsum(lens, 0)
@@ -62,8 +71,6 @@ class TokenSet:
                    flat([t.loss_mask for t in items], np.uint8), offsets)
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
         with atomic_path(path) as tmp:
             save_file({"input_ids": self.input_ids.contiguous(), "loss_mask": self.loss_mask.contiguous(),
                        "offsets": self.offsets.contiguous()}, str(tmp))
@@ -71,9 +78,6 @@ class TokenSet:
     @classmethod
     def load(cls, path: Path, ids: list[str], remedy: str = "delete it to make it again") -> "TokenSet":
         """`remedy`: what the user does to have the file again, said when it is missing or unreadable."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             t = load_file(str(path))
         except FileNotFoundError:
@@ -91,6 +95,22 @@ def tokens_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "data" / "tokens"
 
 
+def planned_shards(plans: list[dict]) -> int:
+    """The shards regen plans (plan.json and the others of a regen folder) divide their conversations into."""
+    return sum(math.ceil(len(p["ids"]) / p["shard_size"]) for p in plans)
+
+
+def shard_progress(d: Path) -> tuple[int, int] | None:
+    """(shards written, shards planned) over every set of answers in regen folder d, from the file names and plans
+    alone (validation_report reads the shards too); None where d has no plan (shards copied in by hand) or one that
+    does not say its conversations and shard size."""
+    plans = [read_json(f) for f in sorted(d.glob("plan*.json"))] if (d / "plan.json").exists() else []
+    if not plans or not all(isinstance(p, dict) and isinstance(p.get("ids"), list)
+                            and isinstance(p.get("shard_size"), int) and p["shard_size"] > 0 for p in plans):
+        return None
+    return len(list(d.glob("shard-*.jsonl"))), planned_shards(plans)
+
+
 # the regenerated answers as the tokens' meta.json names them: relative to the run, so that the tokens (and through
 # tokens_key the vocabulary and checkpoints made from them) do not depend on how --out was spelled or where the run
 # directory has been copied or moved to
@@ -103,8 +123,6 @@ def training_conversations(cfg: Config) -> tuple[list[Conversation], str]:
     rdir = regen_dir(Path(cfg.out))
     if rdir.exists() and any(rdir.glob("*.jsonl")):
         check_regen_matches(cfg, rdir)
-        from .regen import shard_progress
-
         done = shard_progress(rdir)
         if done and done[0] < done[1]:  # a standalone stage after a regen that was cut: said, not refused
             log(f"WARNING: the regeneration in {rdir} is unfinished ({done[0]} of {done[1]} shards written): these "
@@ -203,9 +221,6 @@ def _init_worker(tokenizer_dir: str, tokenizer_class: tuple[str, str], args) -> 
     (importing the class's own module is much quicker than transformers' AutoTokenizer). A pickled tokenizer
     sent as the pool's initargs would make each worker's start wait until the one before had started Python,
     imported its modules and read it from the pipe: the workers would start one after another."""
-    import importlib
-    import signal
-
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread each: the workers are the parallelism
@@ -248,9 +263,6 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
     pool, tok_dir = None, None
     if n > 1:
         # spawned, not forked: the parent may hold a CUDA context and the tokenizer's threads
-        import multiprocessing as mp
-        import tempfile
-
         try:
             tok_dir = tempfile.mkdtemp(prefix="eyas-tokenizer-")
             tokenizer.save_pretrained(tok_dir)
@@ -274,8 +286,6 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
         if pool is not None:
             pool.terminate()
         if tok_dir is not None:
-            import shutil
-
             shutil.rmtree(tok_dir, ignore_errors=True)
     return kept, stats
 
@@ -288,10 +298,6 @@ def tokens_inputs(cfg: Config, target) -> dict:
     tokens do not depend on), the data settings (less how many workers tokenize), train.val_ratio, and the
     regenerated answers' files (name and size) when the run has any. JSON-normal, so it compares equal to
     what meta.json recorded."""
-    import json
-
-    from ..config import to_dict
-
     ident = {k: v for k, v in target.identity().items() if k != "aux_layers"}
     data = {k: v for k, v in to_dict(cfg)["data"].items() if k != "tokenize_workers"}
     rdir = regen_dir(Path(cfg.out))
@@ -396,8 +402,6 @@ def check_tokenize_settings(cfg: Config) -> None:
 
 def run_tokenize(cfg: Config, target=None) -> dict:
     """Tokenize the training conversations and split off a validation set (train.val_ratio)."""
-    from ..target_spec import load_spec
-
     check_tokenize_settings(cfg)
     target = target or load_spec(cfg.target)
     clock = PhaseClock(torch.device("cpu"))

@@ -533,7 +533,7 @@ def read_dataset(source: str, strict: bool = False, limit: int = 0) -> tuple[lis
     return convs, rep
 
 
-# what regen appends to a source record's id for its copies (eyas.data.regen.sample_copy, later_copy)
+# what regen appends to a source record's id for its copies (eyas.data.regen_conv.sample_copy, later_copy)
 SAMPLE_SUFFIX = "~sample"
 LATER_SUFFIX = "~later"
 _COPY_SUFFIX = re.compile(f"({re.escape(SAMPLE_SUFFIX)}\\d+|{re.escape(LATER_SUFFIX)})$")

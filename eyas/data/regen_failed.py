@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..util import EyasError, atomic_write_text, read_json, text_lines
+from .regen_report import left_out_words
 
 # a call stops once FAIL_FAST conversations in a row failed (a prompt too long for the context aside): a server that
 # refuses every request, or broke mid-run, would otherwise be asked for every conversation left, each after its
@@ -62,7 +63,7 @@ def _plan_of(shard: Path) -> Path | None:
 
 def forget_failures(d: Path) -> int:
     """Remove from regen folder d what says a conversation failed, so that a rerun asks for it again: a shard with
-    failures goes back to being an open shard (its records into its journal, as regen._extend does, the shard and
+    failures goes back to being an open shard (its records into its journal, as regen_plan._extend does, the shard and
     its error list removed), and the failed lines of open shards' journals are dropped. -> shards reopened."""
     reopened = 0
     for shard in sorted(d.glob("shard-*.jsonl")):
@@ -99,8 +100,6 @@ def forget_failures(d: Path) -> int:
 
 def failure_error(d: Path, outcomes: CallOutcomes, backend: str, planned: int | None = None) -> EyasError:
     """The error a call that produced nothing usable stops with, after forgetting its failures (forget_failures)."""
-    from .regen import left_out_words
-
     n = sum(outcomes.kinds.values())
     forget_failures(d)
     what = (f"{n} conversations in a row failed" if planned is None else

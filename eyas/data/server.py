@@ -19,28 +19,12 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
 from http.client import HTTPException
 
 from ..config import RegenConfig, TargetConfig
+from ..engine.turn import TurnResult
 from ..util import EyasError, log
 from .conversation import split_reasoning
-
-
-
-@dataclass
-class TurnResult:
-    """One generated assistant turn (or why there is none)."""
-    rid: str
-    content: str = ""
-    reasoning: str | None = None
-    finish_reason: str = "stop"        # stop | length | context (prompt already fills the context)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None           # error kind when the request failed for good
-    message: str = ""                  # error detail
-    fatal: bool = False                # the backend cannot go on (endpoints down)
-    retries: Counter = field(default_factory=Counter)
 
 
 def chat_url(endpoint: str) -> str:

@@ -18,9 +18,9 @@ import torch
 
 from ..config import RegenConfig
 from ..data.prepare import TokenSet
-from ..data.regen import StaticEngine
+from ..engine.generate import StaticEngine
 from ..data.tokenize import Tokenized
-from ..fastlm import fast_engine_runs
+from ..engine.fastlm import fast_engine_runs
 from ..util import EyasError, atomic_write_json, log, progress, read_json, stable_hash
 
 

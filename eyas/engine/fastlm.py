@@ -33,9 +33,11 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from .device_map import devices_of, is_split
-from .util import EyasError, compile_failure, log
+from ..device_map import devices_of, is_split
+from ..util import EyasError, compile_failure, log
 
 # model types whose forward is exactly what FastLM computes: unscaled embeddings; per layer
 # x + o_proj(attn(rope(qn(q_proj(n))), rope(kn(k_proj(n))), v_proj(n))) with n = input_layernorm(x), qn and kn the
@@ -112,8 +114,6 @@ def one_off_kernels(device: torch.device, on: bool = True):
     when `on`), every kernel but cuDNN's; elsewhere, no change."""
     if not on or device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -267,8 +267,8 @@ class FastLM:
     # one-token calls (decode steps) through flex attention with a block mask made from each row's own position:
     # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
     # row's bound (`upto`). In regeneration some row nearly always holds a long prompt, so most rows pay for context
-    # they do not have. Off: end to end it has not beaten SDPA in regeneration (bench/bench_regen.py --engine
-    # static:flex=1,static compares them; BENCHMARKS.md). Compiled on a GPU (flex attention's eager form is a slow
+    # they do not have. Off: end to end it does not beat SDPA in regeneration (bench/bench_regen.py --engine
+    # static:flex=1,static compares them). Compiled on a GPU (flex attention's eager form is a slow
     # reference), eager elsewhere. Rows given as an index tensor, and row groups, keep SDPA
     flex_decode = False
     FLEX_BLOCK = 128
@@ -373,8 +373,6 @@ class FastLM:
         blocks below its position's block are whole (no mask evaluated), the block holding its position is cut at
         it. Made from buffers owned here and written in place, so a CUDA graph replays it and the compiled
         attention sees the same mask function every call."""
-        from torch.nn.attention.flex_attention import BlockMask
-
         B, BS = self.batch_size, self.FLEX_BLOCK
         nblk = -(-self.max_len // BS)
         if self._flex is None:
@@ -400,13 +398,62 @@ class FastLM:
         """flex attention as flex_decode runs it: compiled on a GPU (once a process, for every FastLM), eager
         elsewhere."""
         global _compiled_flex
-        from torch.nn.attention.flex_attention import flex_attention
-
         if self.device.type != "cuda":
             return flex_attention
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         return _compiled_flex
+
+    def _parts(self, b: int, rows, upto) -> list[tuple[int, int, int]]:
+        """The (first row, end row, attended slots) of each part a forward attends over: one per row group when
+        `upto` gives one bound per group, else all b rows under one bound."""
+        if isinstance(upto, (tuple, list)):
+            if rows is not None or self.groups is None or len(upto) != len(self.groups):
+                raise EyasError("FastLM.forward: one bound per row group needs set_groups and rows=None")
+            return [(a, z, min(int(u), self.max_len)) for (a, z), u in zip(self.groups, upto)]
+        return [(0, b, self.max_len if upto is None else min(int(upto), self.max_len))]
+
+    def _masks(self, qpos, parts, fold: int, tree=None, wpos=None) -> dict:
+        """Additive masks, shared by the layers of one window: slot s is visible to the query at position p iff
+        s <= p (and p - window < s in a sliding-window layer). `fold` query rows per KV head and token (the query
+        heads of one KV head folded into the query length, see the module docstring; 1 with enable_gqa).
+        A tree's verify (tree, wpos: the slots written) sees the slots before the tree's and its ancestors' slots.
+        -> window -> one mask [rows, 1, fold * T, upto] per part."""
+        T = qpos.shape[1]
+        masks: dict = {}
+        for w in dict.fromkeys(self.windows):
+            masks[w] = []
+            for a, z, u in parts:
+                if tree is not None:  # the slots before the tree's, and the tree slots of the token's ancestors
+                    rel = self.slots[:u] - wpos[0, 0]
+                    vis = ((rel < 0)[None] | (tree[1][:, rel.clamp(0, T - 1)] & (rel < T)[None]))[None]
+                else:
+                    vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
+                if w is not None:
+                    vis &= self.slots[None, None, :u] > qpos[a:z, :, None] - w
+                m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
+                if fold > 1:
+                    m = m[:, None].expand(z - a, fold, T, u).reshape(z - a, fold * T, u)
+                masks[w].append(m[:, None])
+        return masks
+
+    def _sdpa(self, q, kc, vc, rows, idx, parts, masks, gqa: bool):
+        """SDPA of q [b, H, T, D] over one layer's cache kc, vc, part by part under its mask -> [b, H, T, D].
+        Without `gqa` the query heads of one KV head are folded into the query length (q [b, Hkv, rep*T, D])."""
+        b, _, T, D = q.shape
+        if not gqa:
+            q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv * T, D)
+        outs = []
+        for (a, z, u), m in zip(parts, masks):
+            if rows is None or isinstance(rows, slice):  # a view, no copy
+                sel = slice(a, z) if rows is None else rows
+                ks, vs = kc[sel, :, :u], vc[sel, :, :u]
+            else:
+                ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
+            outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
+                                                       **({"enable_gqa": True} if gqa else {})))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        return o if gqa else o.reshape(b, self.n_heads, T, self.head_dim)
 
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False, tree=None):
         b, T = ids.shape
@@ -421,35 +468,11 @@ class FastLM:
                 and (rows is None or isinstance(rows, slice)) and not any(self.windows))
         if flex:
             fmask, fattn = self._flex_mask(qpos[:, 0]), self._flex_attention()
-        # additive masks, shared by the layers of one window: slot s is visible to the query at position p iff
-        # s <= p (and p - window < s in a sliding-window layer). Query heads of one KV head are folded into the query
-        # length (no repeated keys/values): q [b, Hkv, rep*T, D] against k, v [b, Hkv, upto, D]; or, for short
-        # multi-token calls, q [b, H, T, D] with enable_gqa (see the module docstring). One mask per row group
-        # (a, z, upto) and window.
-        rep = self.n_heads // self.n_kv
+        # query heads folded into the query length (no repeated keys/values), or, for short multi-token calls,
+        # enable_gqa (see the module docstring); one additive mask per row group (a, z, upto) and window
         gqa = self._use_gqa(T, one_off)
-        fold = 1 if gqa else rep  # query rows per KV head and token in the attention call
-        if isinstance(upto, (tuple, list)):
-            if rows is not None or self.groups is None or len(upto) != len(self.groups):
-                raise EyasError("FastLM.forward: one bound per row group needs set_groups and rows=None")
-            parts = [(a, z, min(int(u), self.max_len)) for (a, z), u in zip(self.groups, upto)]
-        else:
-            parts = [(0, b, self.max_len if upto is None else min(int(upto), self.max_len))]
-        masks: dict = {}  # window -> one mask per part
-        for w in ([] if flex else dict.fromkeys(self.windows)):
-            masks[w] = []
-            for a, z, u in parts:
-                if tree is not None:  # the slots before the tree's, and the tree slots of the token's ancestors
-                    rel = self.slots[:u] - wpos[0, 0]
-                    vis = ((rel < 0)[None] | (tree[1][:, rel.clamp(0, T - 1)] & (rel < T)[None]))[None]
-                else:
-                    vis = self.slots[None, None, :u] <= qpos[a:z, :, None]  # [z-a, T, u]
-                if w is not None:
-                    vis &= self.slots[None, None, :u] > qpos[a:z, :, None] - w
-                m = torch.zeros(vis.shape, device=self.device, dtype=self.dtype).masked_fill_(~vis, float("-inf"))
-                if fold > 1:
-                    m = m[:, None].expand(z - a, fold, T, u).reshape(z - a, fold * T, u)
-                masks[w].append(m[:, None])
+        parts = self._parts(b, rows, upto)
+        masks = {} if flex else self._masks(qpos, parts, 1 if gqa else self.n_heads // self.n_kv, tree, wpos)
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, T, 1, D]
@@ -510,20 +533,7 @@ class FastLM:
                 sel = slice(None) if rows is None else rows
                 o = fattn(q, kc[sel], vc[sel], block_mask=fmask, scale=self.scaling, enable_gqa=nh != nkv)
             else:
-                if not gqa:
-                    q = q.reshape(b, nkv, rep * T, D)
-                outs = []
-                for (a, z, u), m in zip(parts, masks[self.windows[i]]):
-                    if rows is None or isinstance(rows, slice):  # a view, no copy
-                        sel = slice(a, z) if rows is None else rows
-                        ks, vs = kc[sel, :, :u], vc[sel, :, :u]
-                    else:
-                        ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
-                    outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
-                                                               **({"enable_gqa": True} if gqa else {})))
-                o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-                if not gqa:
-                    o = o.reshape(b, self.n_heads, T, self.head_dim)
+                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
             if self.gate_up[i] is not None:
@@ -542,93 +552,3 @@ class FastLM:
         logits = self.model.lm_head(final)
         aux = torch.cat([grab[a] for a in self.aux_layers], dim=-1) if want_aux else None
         return logits, aux
-
-
-def capture_cuda_graph(fn, device: torch.device, warmup: int = 1, pool=None):
-    """Run `fn()` `warmup` times on a side stream (cuBLAS handles, allocator), then capture one call
-    as a CUDA graph. Returns (graph, what the captured call returned: tensors a replay rewrites)."""
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            out = fn()
-    return g, out
-
-
-class DecodeGraph:
-    """One decode step for all B rows of `lm`: tok = pick(logits of ids [B, 1] at positions pos [B]).
-    `ids`, `pos` and `tok` are static buffers owned here: write ids/pos in place, call, read tok [B].
-
-    A call names `upto`, a bound on the positions it covers (one per row group when `lm` has groups, set
-    before this is built); the step attends to that bound rounded up to a multiple of `span` slots (all
-    max_len slots when None), so a short context does not pay for the whole cache. On CUDA each span (or
-    tuple of spans) is captured once as a CUDA graph on first use (after a warm-up on a side stream,
-    which runs the step on the current buffers: it rewrites the cache slots at `pos` with what the
-    replay writes again) and a call is one replay; `pick` must then be sync-free and use the default RNG.
-    Elsewhere, or when a capture fails (logged), each call runs the same step eagerly."""
-
-    def __init__(self, lm: FastLM, pick, warmup: int = 2, span: int = SPAN):
-        self.lm, self.pick, self.warmup, self.span = lm, pick, warmup, span
-        B = lm.batch_size
-        self.ids = torch.zeros(B, 1, dtype=torch.long, device=lm.device)
-        self.pos = torch.zeros(B, dtype=torch.long, device=lm.device)
-        self.tok = torch.zeros(B, dtype=torch.long, device=lm.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
-        self.use_graphs = lm.device.type == "cuda"
-        self._graph(self.slots(None))  # the full-cache shape now, so a stack that cannot capture says so at once
-
-    @property
-    def graph(self):
-        """The graph of the full-cache step (None when steps run eagerly)."""
-        return self.graphs.get(self.slots(None))
-
-    def slots(self, upto):
-        """Cache slots a step bounded by `upto` attends to (a tuple, one per row group, with groups). With the
-        lm's flex_decode, always the whole cache: one graph, whose block mask bounds each row by its position."""
-        if self.lm.flex_decode and not self.lm.groups:
-            return self.lm.max_len
-        if isinstance(upto, (tuple, list)):
-            return tuple(attended_slots(u, self.lm.max_len, self.span) for u in upto)
-        if upto is None:
-            return (self.lm.max_len,) * len(self.lm.groups) if self.lm.groups else self.lm.max_len
-        return attended_slots(upto, self.lm.max_len, self.span)
-
-    def _graph(self, slots):
-        g = self.graphs.get(slots)
-        if g is None and self.use_graphs:
-            try:
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                g, _ = capture_cuda_graph(lambda: self._step(slots), self.lm.device, self.warmup, self.pool)
-                self.graphs[slots] = g
-            except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
-                log(f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); decoding eagerly")
-                self.use_graphs = False
-                self.graphs.clear()
-                g = None
-        return g
-
-    def _step(self, upto, rows: slice | None = None) -> None:
-        if rows is None:
-            logits, _ = self.lm.forward(self.ids, self.pos, last_only=True, upto=upto)
-            self.tok.copy_(self.pick(logits[:, -1]))
-        else:
-            logits, _ = self.lm.forward(self.ids[rows], self.pos[rows], rows=rows, last_only=True, upto=upto)
-            self.tok[rows] = self.pick(logits[:, -1])
-
-    def __call__(self, upto=None, rows: slice | None = None) -> torch.Tensor:
-        """One step; `rows` (a slice, eager steps only) advances just those rows: the rows outside it keep
-        their last token in `tok`, and their cache is left alone. A graph replays every row."""
-        slots = self.slots(upto)
-        g = self._graph(slots)
-        if g is not None:
-            g.replay()
-        else:
-            self._step(slots, None if isinstance(slots, tuple) else rows)
-        return self.tok

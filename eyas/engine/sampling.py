@@ -1,4 +1,7 @@
-"""Sampling reproducible per request: each token drawn with noise that is a hash of (the request's seed, the token's
+"""Token choice: the temperature / top-p distribution of logits (probs_from_logits), a draw from it (sample), and
+draws reproducible per request (seeded_pick, SeededSampling).
+
+Seeded draws: each token drawn with noise that is a hash of (the request's seed, the token's
 place in the answer, the vocabulary index), instead of draws from one random stream shared by every request in
 flight. A conversation's answers then depend on its own seed alone (regen seeds each answer from the conversation's
 id, its sample and the answer's number), not on which conversations were decoded beside it or before it, so a regen
@@ -8,7 +11,24 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor
 
-from ..decode import probs_from_logits
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """Softmax at `temperature`, then nucleus filtering (the smallest set of most likely tokens whose
+    mass reaches top_p is kept and renormalised). Works over the last dimension."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, si = probs.sort(dim=-1, descending=True)
+        drop = (sp.cumsum(-1) - sp) >= top_p  # mass before this token already reaches top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, si, sp)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
 
 _M = 0xFFFFFFFF
 
