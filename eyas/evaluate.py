@@ -507,7 +507,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
     """Answer every user turn of every conversation in sequence (the history holds eyas' own
     answers), or its first `max_turns` ones, with speculative decoding and, when `baseline`, plain decoding on
     the same engine."""
-    from .data.tokenize import to_messages
+    from .data.reasoning import answered_turn, history_messages
 
     tok = target.tokenizer
     max_len = min(MAX_CONTEXT, getattr(target.config, "max_position_embeddings", MAX_CONTEXT) or MAX_CONTEXT)
@@ -532,19 +532,18 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
             dec.generate(warm, min(16, max_new_tokens), stop, speculative=False)
         bar = progress(total=len(convs), desc="eval", unit="conv")
         for conv in convs:
-            history: list[dict] = []
+            history: list = []  # the turns before the next prompt (Turn), as a served target is given them
             answered = 0
             conv_sum = conv_rounds = 0
             for i, turn in enumerate(conv.turns):
                 if turn.role == "system":
-                    history.append({"role": "system", "content": turn.content})
+                    history.append(turn)
                     continue
                 if turn.role != "user":
                     continue  # the data set's answers are replaced by the target's own
                 if max_turns and answered >= max_turns:
                     break
-                msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
-                ids = prompt_ids(tok, msgs)
+                ids = prompt_ids(tok, history_messages(history + [turn], tok))
                 if len(ids) + max_new_tokens + k + 2 > max_len:
                     # this turn and the later ones, longer still (up to max_turns), are left out
                     left = sum(x.role == "user" for x in conv.turns[i:])
@@ -582,7 +581,7 @@ def evaluate(target, drafter, convs: list, k: int = 3, temperature: float = 0.0,
                             t.mismatches.append(f"{conv.id}: first difference at new token {first}")
                 n_prompts += 1
                 answer = tok.decode(content, skip_special_tokens=True)
-                history = msgs + [{"role": "assistant", "content": answer}]
+                history += [turn, answered_turn(tok, answer)]
             groups.append((conv_sum, conv_rounds))
             bar.update(1)
         bar.close()
