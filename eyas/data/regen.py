@@ -45,8 +45,9 @@ from ..util import (EyasError, atomic_write_json, atomic_write_text, dist_barrie
 from .conversation import Conversation, Turn, split_reasoning
 from .prepare import check_data_settings, regen_dir
 from .readers import LATER_SUFFIX, SAMPLE_SUFFIX, read_dataset, select_split
+from .reasoning import capture_by_turn, capture_words
 from .regen_failed import CallOutcomes, failure_error, folder_failures
-from .server import ServerBackend, TurnResult
+from .server import ServerBackend, TurnResult, template_kwargs
 
 PLAN_VERSION = 1
 
@@ -270,10 +271,11 @@ class ConvState:
 
 
 def _render_prompt(tokenizer, messages: list[dict], reasoning: str) -> list[int]:
-    from .tokenize import render, to_messages
+    from .reasoning import history_messages
+    from .tokenize import render
 
-    conv = Conversation("", [Turn(m["role"], m["content"], m.get("reasoning")) for m in messages])
-    text = render(tokenizer, to_messages(conv, tokenizer, reasoning), add_generation_prompt=True)
+    turns = [Turn(m["role"], m["content"], m.get("reasoning")) for m in messages]
+    text = render(tokenizer, history_messages(turns, tokenizer, reasoning), add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -785,7 +787,8 @@ def sampling_settings(cfg: Config, sample: int | str = 1) -> dict:
     rc = cfg.regen
     which = {"later_turns": "original history"} if sample == LATER else {"sample": sample} if sample > 1 else {}
     return {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p, "seed": rc.seed,
-            "turns": 0 if sample == LATER else rc.turns, "reasoning": cfg.data.reasoning, **which}
+            "turns": 0 if sample == LATER else rc.turns, "reasoning": cfg.data.reasoning, **which,
+            **({"chat_template_kwargs": template_kwargs(rc)} if rc.chat_template_kwargs else {})}
 
 
 def _plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | str = 1) -> dict:
@@ -885,6 +888,8 @@ def _check_cfg(cfg: Config) -> None:
     if rc.samples > 1 and rc.temperature == 0:
         raise EyasError(f"regen.samples={rc.samples} with regen.temperature=0: greedy answers are the same every "
                         f"time; sample at a temperature above 0 or keep one sample")
+    if rc.chat_template_kwargs and rc.backend != "server":  # the embedded engines render with the template's defaults
+        raise EyasError("regen.chat_template_kwargs is sent to a server: it needs regen.backend=server (--endpoint)")
     if rc.later_turns and rc.turns != 1:
         raise EyasError(f"regen.later_turns answers the later turns from the source's own history; with "
                         f"regen.turns={rc.turns} the samples would answer them as well: set regen.turns=1")
@@ -986,7 +991,8 @@ def run_regen(cfg: Config, target=None) -> dict:
         left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
         log(f"regen: {report['records']} conversations in {d} ({left}"
             f"{report['truncated_turns']} truncated turns, reasoning in "
-            f"{report['reasoning_capture_rate']:.0%} of turns, {report['looping_answer_rate']:.0%} of answers looping)"
+            f"{report['reasoning_capture_rate']:.0%} of turns ({capture_words(report['reasoning_capture_by_turn'], 4)}), "
+            f"{report['looping_answer_rate']:.0%} of answers looping)"
             + made_words)
         return report
     finally:
@@ -1017,6 +1023,7 @@ def report_lines(r: dict) -> list[str]:
         f"answers: {r.get('assistant_turns')}, {r.get('truncated_turns')} cut at max_new_tokens "
         f"({st.get('max_new_tokens', '?')}), {r.get('empty_answers')} empty, {r.get('looping_answers')} looping "
         f"({pct(r.get('looping_answer_rate'))}), reasoning in {pct(r.get('reasoning_capture_rate'))}",
+        f"reasoning by answer turn: {capture_words(r.get('reasoning_capture_by_turn'))}",
         f"answer tokens: {stats(r.get('completion_tokens'))}",
         f"prompt tokens: {stats(r.get('prompt_tokens'))}",
         "sampled with " + ", ".join(f"{k} {v}" for k, v in st.items()),
@@ -1221,7 +1228,7 @@ def validation_report(path: str | Path) -> dict:
     errors: Counter = Counter()
     retries: Counter = Counter()
     stopped: Counter = Counter()
-    prompt_toks, completion_toks, turns_per = [], [], []
+    prompt_toks, completion_toks, turns_per, thought = [], [], [], []  # thought: each record's answers with reasoning
     ids: list[str] = []
     for f in shards:
         for lineno, line in enumerate(text_lines(f.read_text(encoding="utf-8")), 1):
@@ -1241,6 +1248,7 @@ def validation_report(path: str | Path) -> dict:
             answers = [t for t in conv.turns if t.role == "assistant"][int(meta.get("source_answers_kept", 0)):]
             turns += len(answers)
             turns_per.append(len(answers))
+            thought.append([bool(t.reasoning) for t in answers])
             for t in answers:
                 with_reasoning += bool(t.reasoning)
                 empty += not t.content.strip()
@@ -1273,6 +1281,7 @@ def validation_report(path: str | Path) -> dict:
         "assistant_turns": turns, "truncated_turns": truncated, "empty_answers": empty,
         "stopped_early": dict(stopped), "turns_with_reasoning": with_reasoning,
         "reasoning_capture_rate": (with_reasoning / turns) if turns else 0.0,
+        "reasoning_capture_by_turn": capture_by_turn(thought),
         "looping_answers": looping, "looping_answer_rate": (looping / turns) if turns else 0.0,
         "turns_per_conversation": _stats(turns_per), "prompt_tokens": _stats(prompt_toks),
         "completion_tokens": _stats(completion_toks),
