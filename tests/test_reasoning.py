@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from eyas.config import Config
@@ -141,3 +143,44 @@ def test_capture_by_turn():
                   {"turn": 3, "answers": 1, "with_reasoning": 1, "rate": 1.0}]
     assert capture_words(by) == "turn 1 67% of 3, turn 2 0% of 2, turn 3 100% of 1"
     assert capture_words(by, 1) == "turn 1 67% of 3, ... (3 turns)" and capture_words([]) == "none"
+
+
+class ScriptedDecoder:
+    """Stands in for eyas' speculative decoder so the eval's own loop can be read: records each prompt and answers
+    with a reasoning model's text (the prompts, not the decoding, are under test here)."""
+
+    engine, fused, overlapped, elementwise_compiled, drafter_compiled, prefill_padded = "fake", False, False, False, \
+        False, False
+    graphs = SimpleNamespace(enabled=False, replays=0)
+
+    def __init__(self, tok):
+        self.tok, self.prompts = tok, []
+
+    def generate(self, ids, max_new_tokens, stop, speculative=True):
+        self.prompts.append(list(ids))
+        n = len(self.prompts)
+        toks = self.tok(f"<think>\nthought {n}\n</think>\n\nanswer {n}", add_special_tokens=False).input_ids + [EOS]
+        return SimpleNamespace(tokens=toks, accepted=[1] * (len(toks) // 2), seconds=1.0, draft_seconds=0.1,
+                               verify_seconds=0.1, prefill_seconds=0.1)
+
+    def close(self):
+        pass
+
+
+def test_eval_asks_later_turns_as_a_served_target_is_asked(r1, monkeypatch):
+    import eyas.evaluate as ev
+
+    dec = ScriptedDecoder(r1)
+    monkeypatch.setattr(ev, "_new_decoder", lambda *a, **k: dec)
+    target = SimpleNamespace(tokenizer=r1, config=SimpleNamespace(max_position_embeddings=4096),
+                             device=torch.device("cpu"), eot_token_ids=[EOS])
+    conv = Conversation("e", [Turn("user", "First?"), Turn("assistant", "old"), Turn("user", "Second?"),
+                              Turn("assistant", "old"), Turn("user", "Third?")])
+    rep = ev.evaluate(target, None, [conv], k=2, max_new_tokens=16, baseline=False)
+    assert rep["prompts_answered"] == 3
+    asked = dec.prompts[-3:]  # after the warm-up
+    served = [Turn("user", "First?"), Turn("assistant", "answer 2"), Turn("user", "Second?"),
+              Turn("assistant", "answer 3"), Turn("user", "Third?")]
+    for got, upto in zip(asked, (1, 3, 5)):
+        assert r1.decode(got) == served_prompt(r1, served[:upto])
+    assert "thought" not in r1.decode(asked[-1]) and "<｜Assistant｜>answer 2<｜end▁of▁sentence｜>" in r1.decode(asked[-1])
