@@ -47,8 +47,8 @@ def served_prompt(tok, turns: list[Turn]) -> str:
 
 def test_fixture_has_the_real_template_and_special_ids(r1):
     assert (r1.bos_token_id, r1.eos_token_id) == (BOS, EOS)
-    assert r1.convert_tokens_to_ids(["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]) == [USER, ASSISTANT, THINK,
-                                                                                               UNTHINK]
+    names = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
+    assert r1.convert_tokens_to_ids(names) == [USER, ASSISTANT, THINK, UNTHINK]
     assert "content.split('</think>')[-1]" in r1.chat_template
     assert find_eot_ids(r1) == [EOS]
     # the whole conversation rendered once has lost every answer's reasoning: what the old path trained on
@@ -97,6 +97,29 @@ def test_a_generation_prompt_that_opens_the_thinking(r1):
     assert masked_text(opened, s) == ["Two and two make four.\n</think>\n\nIt is four.<｜end▁of▁sentence｜>"]
     assert opened.decode(s.input_ids).endswith("<｜Assistant｜><think>\nTwo and two make four.\n</think>\n\nIt is "
                                                "four.<｜end▁of▁sentence｜>")
+
+
+# a template in the manner of Qwen3's: reasoning (given as reasoning_content) rendered only for answers after the last
+# user message, in a layout of its own
+AFTER_LAST_USER = (
+    "{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}[{{ m.role }}]"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last and m.reasoning_content %}"
+    "<think>{{ m.reasoning_content }}</think>{%- endif %}{{ m.content }}{{ eos_token }}"
+    "{%- endfor %}{%- if add_generation_prompt %}[assistant]{%- endif %}")
+
+
+def test_a_template_that_keeps_the_last_turns_reasoning_writes_it_its_own_way(r1):
+    tok = with_template(r1, AFTER_LAST_USER)
+    assert drops_reasoning(tok)
+    seqs = tokenize_sequences(tok, CONV, eot_ids=[EOS])
+    answers = [t for t in CONV.turns if t.role == "assistant"]
+    own_way = [[f"<think>{t.reasoning}</think>{t.content}<｜end▁of▁sentence｜>"] for t in answers]
+    assert [masked_text(tok, s) for s in seqs] == own_way
+    last = tok.decode(seqs[-1].input_ids)
+    eos = "<｜end▁of▁sentence｜>"
+    assert last.startswith(f"[user]What is two plus two?{eos}[assistant]It is four.{eos}")
+    assert all(t.reasoning not in last for t in answers[:-1])
 
 
 def test_tokenize_stage_and_truncation(r1):
@@ -183,4 +206,5 @@ def test_eval_asks_later_turns_as_a_served_target_is_asked(r1, monkeypatch):
               Turn("assistant", "answer 3"), Turn("user", "Third?")]
     for got, upto in zip(asked, (1, 3, 5)):
         assert r1.decode(got) == served_prompt(r1, served[:upto])
-    assert "thought" not in r1.decode(asked[-1]) and "<｜Assistant｜>answer 2<｜end▁of▁sentence｜>" in r1.decode(asked[-1])
+    last = r1.decode(asked[-1])
+    assert "thought" not in last and "<｜Assistant｜>answer 2<｜end▁of▁sentence｜>" in last

@@ -27,8 +27,9 @@ def drops_reasoning(tokenizer) -> bool:
         return False
     key = (template, "reasoning_content" in template)
     if key not in _drops:
-        probe = Conversation("probe", [Turn("user", "Zq1 question"), Turn("assistant", "Zq2 answer", _PROBE_REASONING[0]),
-                                       Turn("user", "Zq3 question"), Turn("assistant", "Zq4 answer", _PROBE_REASONING[1])])
+        probe = Conversation("probe", [
+            Turn("user", "Zq1 question"), Turn("assistant", "Zq2 answer", _PROBE_REASONING[0]),
+            Turn("user", "Zq3 question"), Turn("assistant", "Zq4 answer", _PROBE_REASONING[1])])
         try:
             text = render(tokenizer, to_messages(probe, tokenizer, "keep"))
         except Exception:  # noqa: BLE001 - any failure of a template's own code means: not this path
@@ -59,7 +60,8 @@ def written_answer(tokenizer, history: list[dict], turn: Turn, prompt: str, reas
     end-of-turn token."""
     msg = to_messages(Conversation("", [turn]), tokenizer, reasoning)
     upto = render(tokenizer, history + msg)
-    if upto.startswith(prompt) and len(upto) > len(prompt) and (not turn.reasoning or turn.reasoning in upto[len(prompt):]):
+    rendered = upto.startswith(prompt) and len(upto) > len(prompt)
+    if rendered and (not turn.reasoning or turn.reasoning in upto[len(prompt):]):
         text = upto[len(prompt):]
         k = upto.rfind(eot, len(prompt)) if eot else -1
         return text[: k - len(prompt) + len(eot)] if k >= 0 else text

@@ -991,7 +991,8 @@ def run_regen(cfg: Config, target=None) -> dict:
         left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
         log(f"regen: {report['records']} conversations in {d} ({left}"
             f"{report['truncated_turns']} truncated turns, reasoning in "
-            f"{report['reasoning_capture_rate']:.0%} of turns ({capture_words(report['reasoning_capture_by_turn'], 4)}), "
+            f"{report['reasoning_capture_rate']:.0%} of turns "
+            f"({capture_words(report['reasoning_capture_by_turn'], 4)}), "
             f"{report['looping_answer_rate']:.0%} of answers looping)"
             + made_words)
         return report
