@@ -96,6 +96,9 @@ class RegenConfig:
     retries: int = opt(5, "server backend: retries per request on 429/5xx/connection errors")
     shard_size: int = opt(256, "records per output JSONL shard")
     backoff: float = opt(1.0, "server backend: seconds before the first retry, doubled on each further retry (max 60)")
+    chat_template_kwargs: str = opt("", "server backend: a JSON object sent as the request's chat_template_kwargs, which "
+                                     "vLLM and SGLang pass to the chat template, e.g. '{\"enable_thinking\": true}' "
+                                     "(empty: none sent)")
     engine: str = opt("auto", "embedded backend: static (eyas' own decode loop on a static KV cache, CUDA graphs on "
                       "GPU; Llama, Mistral and Qwen2 targets), continuous (transformers continuous batching, paged KV "
                       "cache), generate (padded batches grouped by length through model.generate, any target), "

@@ -20,7 +20,7 @@ from .aux_layers import check_drafter_aux_layers, config_aux_ids
 from .config import check_settings
 from .data import read_dataset, select_split
 from .data.prepare import check_split_ratios, regen_dir, same_source, tokens_dir
-from .data.tokenize import to_messages
+from .data.reasoning import answered_turn, history_messages
 from .decode import Decoder
 from .eval_report import write_report
 from .eval_stats import Tally, by_repetition, by_turn, repeat_bucket, round_sums, tau_interval, turn_bucket
@@ -295,19 +295,18 @@ def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max
     """Answer a conversation's user turns in sequence (each after eyas' own earlier answers), speculatively and,
     when `baseline`, plainly; returns its (Σ (accepted + 1), rounds)."""
     t = m.t
-    history: list[dict] = []
+    history: list = []  # the turns before the next prompt (Turn), as a served target is given them
     answered = 0
     conv_sum = conv_rounds = 0
     for i, turn in enumerate(conv.turns):
         if turn.role == "system":
-            history.append({"role": "system", "content": turn.content})
+            history.append(turn)
             continue
         if turn.role != "user":
             continue  # the data set's answers are replaced by the target's own
         if max_turns and answered >= max_turns:
             break
-        msgs = history + to_messages(type(conv)(conv.id, [turn]), tok)
-        ids = prompt_ids(tok, msgs)
+        ids = prompt_ids(tok, history_messages(history + [turn], tok))
         if len(ids) + max_new_tokens + m.extra + 2 > max_len:
             # this turn and the later ones, longer still (up to max_turns), are left out
             left = sum(x.role == "user" for x in conv.turns[i:])
@@ -334,7 +333,7 @@ def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max
             _plain(dec, ids, g, t, stop, max_new_tokens, temperature, conv.id)
         m.n_prompts += 1
         answer = tok.decode(content, skip_special_tokens=True)
-        history = msgs + [{"role": "assistant", "content": answer}]
+        history += [turn, answered_turn(tok, answer)]
     return conv_sum, conv_rounds
 
 

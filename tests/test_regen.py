@@ -267,6 +267,28 @@ def test_server_backend_retries_reasoning_and_records(tmp_path, server):
     assert rep["this_call"]["generated_tokens"] == rep["completion_tokens"]["total"]
 
 
+def test_chat_template_kwargs_reach_the_server_and_capture_is_reported_per_turn(tmp_path, server, capsys):
+    from eyas.data.inspect import inspect_data
+
+    src = write_jsonl(tmp_path / "d.jsonl", [["[reasoning_content] a", "b"], ["[reasoning_content] c",
+                                                                               "[reasoning_content] d"]])
+    cfg = server_cfg(tmp_path, src, server.url, chat_template_kwargs='{"enable_thinking": true}')
+    rep = run_regen(cfg)
+    assert len(server.requests) == 4
+    assert all(b["chat_template_kwargs"] == {"enable_thinking": True} for b in server.requests)
+    assert rep["settings"]["chat_template_kwargs"] == {"enable_thinking": True}  # a change is a change of plan
+    assert rep["reasoning_capture_by_turn"] == [{"turn": 1, "answers": 2, "with_reasoning": 2, "rate": 1.0},
+                                                {"turn": 2, "answers": 2, "with_reasoning": 1, "rate": 0.5}]
+    assert "(turn 1 100% of 2, turn 2 50% of 2)" in capsys.readouterr().err  # the regen's summary line
+    assert inspect_data(cfg, report_dir=str(tmp_path / "run")) == 0
+    assert "reasoning by answer turn: turn 1 100% of 2, turn 2 50% of 2" in capsys.readouterr().out
+    # not set: the request carries no such field
+    run_regen(server_cfg(tmp_path / "plain", src, server.url))
+    assert "chat_template_kwargs" not in server.requests[-1]
+    with pytest.raises(EyasError, match=r"regen.chat_template_kwargs must be a JSON object"):
+        run_regen(server_cfg(tmp_path / "bad", src, server.url, chat_template_kwargs="[true]"))
+
+
 def test_answers_are_cut_at_max_new_tokens_whatever_the_server_sends(tmp_path, server):
     """A server that ignores max_tokens (its usage saying so, or not): each answer is cut to regen.max_new_tokens
     tokens of the target's tokenizer and counted as cut at the length limit; a short answer is kept whole."""
@@ -1045,7 +1067,9 @@ def test_engine_choice(tiny, monkeypatch):
     (["--data-limit", "-1"], "data.limit must be 0 (all records) or more, got -1"),
     (["--val-ratio", "1"], "data.val_ratio must be at least 0 and below 1, got 1.0"),
     (["--no-enabled"], "this command was given regen.enabled=false, which makes `eyas run` leave regeneration out; "
-                       "`eyas regen` stops here and regenerates nothing. To regenerate, give --enabled")])
+                       "`eyas regen` stops here and regenerates nothing. To regenerate, give --enabled"),
+    (["--chat-template-kwargs", '{"enable_thinking": true}'],
+     "regen.chat_template_kwargs is sent to a server: it needs regen.backend=server (--endpoint)")])
 def test_regen_refuses_settings_naming_the_key(tmp_path, capsys, flags, said):
     """Each setting out of range is refused by its key and value before anything is read or generated (a negative
     batch size said the KV cache did not fit); regen.enabled=false stops `eyas regen` instead of being ignored."""

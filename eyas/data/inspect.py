@@ -10,7 +10,7 @@ from ..util import EyasError
 from .prepare import check_data_settings
 from .readers import read_dataset, split_of
 from .regen_report import report_lines, validation_report
-from .tokenize import tokenize_conversation
+from .reasoning import tokenize_sequences
 
 
 def _stats(xs: list[int]) -> str:
@@ -58,15 +58,18 @@ def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, toke
         if tokens:
             lens, masked, trunc = [], [], 0
             for c in convs:
-                t = tokenize_conversation(tok, c, cfg.data.max_seq_len, cfg.data.reasoning, target.eot_token_ids)
-                lens.append(len(t.input_ids))
-                masked.append(sum(t.loss_mask))
-                trunc += t.truncated
-            print("tokens per conversation:", _stats(lens))
-            print("trained-on tokens per conversation:", _stats(masked))
+                for t in tokenize_sequences(tok, c, cfg.data.max_seq_len, cfg.data.reasoning, target.eot_token_ids):
+                    lens.append(len(t.input_ids))
+                    masked.append(sum(t.loss_mask))
+                    trunc += t.truncated
+            # a template that drops earlier reasoning makes one sequence per answer (eyas.data.reasoning)
+            each = "sequence" if len(lens) != len(convs) else "conversation"
+            print(f"tokens per {each}:", _stats(lens))
+            print(f"trained-on tokens per {each}:", _stats(masked))
             print(f"truncated to {cfg.data.max_seq_len}: {trunc}")
-        for c in convs[:show]:
-            t = tokenize_conversation(tok, c, cfg.data.max_seq_len, cfg.data.reasoning, target.eot_token_ids)
+        shown = (t for c in convs[:show]
+                 for t in tokenize_sequences(tok, c, cfg.data.max_seq_len, cfg.data.reasoning, target.eot_token_ids))
+        for t in shown:
             out, cur = [], None
             for i, m in zip(t.input_ids, t.loss_mask):
                 if m != cur:
@@ -75,6 +78,6 @@ def inspect_data(cfg: Config, report_dir: str | None = None, show: int = 0, toke
                 out.append(tok.decode([i]))
             if cur:
                 out.append("]]")
-            print(f"--- {c.id} ({len(t.input_ids)} tokens, {sum(t.loss_mask)} trained on)")
+            print(f"--- {t.id} ({len(t.input_ids)} tokens, {sum(t.loss_mask)} trained on)")
             print("".join(out))
     return 0

@@ -32,7 +32,8 @@ from ..target_spec import load_spec
 from ..util import EyasError, PhaseClock, atomic_path, atomic_write_json, log, progress, read_json, sha256_json
 from .conversation import Conversation
 from .readers import read_dataset, select_split, split_of
-from .tokenize import Tokenized, check_mask, tokenize_conversation
+from .reasoning import tokenize_sequences
+from .tokenize import Tokenized, check_mask
 
 
 @dataclass
@@ -229,9 +230,9 @@ def _init_worker(tokenizer_dir: str, tokenizer_class: tuple[str, str], args) -> 
     _worker = (cls.from_pretrained(tokenizer_dir), *args)
 
 
-def _tokenize_one(conv: Conversation) -> Tokenized:
+def _tokenize_one(conv: Conversation) -> list[Tokenized]:
     tokenizer, max_seq_len, reasoning, eot_ids = _worker
-    return _compact(tokenize_conversation(tokenizer, conv, max_seq_len, reasoning, eot_ids))
+    return [_compact(t) for t in tokenize_sequences(tokenizer, conv, max_seq_len, reasoning, eot_ids)]
 
 
 def _compact(t: Tokenized) -> Tokenized:
@@ -254,10 +255,11 @@ def tokenize_workers(requested: int, n_convs: int) -> int:
 
 def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: list[int],
                  workers: int | None = None) -> tuple[list[Tokenized], dict]:
-    """Every conversation tokenized with its loss mask, in order; with several workers in spawned processes
+    """Every conversation tokenized with its loss mask, in order (a conversation of a template that drops earlier
+    reasoning as one sequence per answer: eyas.data.reasoning); with several workers in spawned processes
     (a template's rendering and the tokenizer's call, a few ms a conversation on one core, are the stage's time).
     The result does not depend on the number of workers."""
-    kept, stats = [], {"conversations": len(convs), "truncated": 0, "empty_mask": 0}
+    kept, stats = [], {"conversations": len(convs), "sequences": 0, "truncated": 0, "empty_mask": 0}
     args = (cfg.data.max_seq_len, cfg.data.reasoning, eot_ids)
     n = tokenize_workers(cfg.data.tokenize_workers if workers is None else workers, len(convs))
     pool, tok_dir = None, None
@@ -273,15 +275,17 @@ def tokenize_all(convs: list[Conversation], tokenizer, cfg: Config, eot_ids: lis
     if pool is not None:
         results = pool.imap(_tokenize_one, convs, chunksize=max(1, min(64, len(convs) // (8 * n))))
     else:
-        results = (_compact(tokenize_conversation(tokenizer, c, *args)) for c in convs)
+        results = ([_compact(t) for t in tokenize_sequences(tokenizer, c, *args)] for c in convs)
     try:
-        for t in progress(results, total=len(convs), desc="tokenize", unit="conv"):
-            stats["truncated"] += t.truncated
-            if sum(t.loss_mask) == 0:  # e.g. an answer that starts after max_seq_len: nothing to learn
-                stats["empty_mask"] += 1
-                continue
-            check_mask(t)
-            kept.append(t)
+        for seqs in progress(results, total=len(convs), desc="tokenize", unit="conv"):
+            for t in seqs:
+                stats["sequences"] += 1
+                stats["truncated"] += t.truncated
+                if sum(t.loss_mask) == 0:  # e.g. an answer that starts after max_seq_len: nothing to learn
+                    stats["empty_mask"] += 1
+                    continue
+                check_mask(t)
+                kept.append(t)
     finally:
         if pool is not None:
             pool.terminate()

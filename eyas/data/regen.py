@@ -50,6 +50,7 @@ from .regen_failed import CallOutcomes, failure_error, folder_failures
 from .regen_plan import (LATER, check_no_extra_sets, errors_path, journal_path, sampling_settings, settle_plan,
                          shard_path)
 from .regen_report import left_out_words, validation_report
+from .reasoning import capture_words
 from .server import ServerBackend
 
 
@@ -104,6 +105,8 @@ def _check_cfg(cfg: Config) -> None:
                          ("regen.retries", rc.retries >= 0, "0 or more"),
                          ("regen.backoff", rc.backoff >= 0, "0 or more"),
                          ("regen.shard_size", rc.shard_size >= 1, "at least 1")))
+    if rc.chat_template_kwargs and rc.backend != "server":  # the embedded engines render with the template's defaults
+        raise EyasError("regen.chat_template_kwargs is sent to a server: it needs regen.backend=server (--endpoint)")
     if rc.samples > 1 and rc.temperature == 0:
         raise EyasError(f"regen.samples={rc.samples} with regen.temperature=0: greedy answers are the same every "
                         f"time; sample at a temperature above 0 or keep one sample")
@@ -215,7 +218,9 @@ def _finish(d: Path, backend, ident: dict, tokens: int, seconds: float, rank: in
     left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
     log(f"regen: {report['records']} conversations in {d} ({left}"
         f"{report['truncated_turns']} truncated turns, reasoning in "
-        f"{report['reasoning_capture_rate']:.0%} of turns, {report['looping_answer_rate']:.0%} of answers looping)"
+        f"{report['reasoning_capture_rate']:.0%} of turns "
+        f"({capture_words(report['reasoning_capture_by_turn'], 4)}), "
+        f"{report['looping_answer_rate']:.0%} of answers looping)"
         + made_words)
     return report
 

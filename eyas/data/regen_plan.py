@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..util import EyasError, atomic_write_json, atomic_write_text, log, read_json, text_lines
+from .server import template_kwargs
 
 PLAN_VERSION = 1
 LATER = "later"  # the set regen.later_turns writes, beside the samples (1, 2, ...)
@@ -95,7 +96,8 @@ def sampling_settings(cfg: Config, sample: int | str = 1) -> dict:
     rc = cfg.regen
     which = {"later_turns": "original history"} if sample == LATER else {"sample": sample} if sample > 1 else {}
     return {"max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p, "seed": rc.seed,
-            "turns": 0 if sample == LATER else rc.turns, "reasoning": cfg.data.reasoning, **which}
+            "turns": 0 if sample == LATER else rc.turns, "reasoning": cfg.data.reasoning, **which,
+            **({"chat_template_kwargs": template_kwargs(rc)} if rc.chat_template_kwargs else {})}
 
 
 def settle_plan(d: Path, cfg: Config, ids: list[str], identity: dict, sample: int | str = 1) -> dict:

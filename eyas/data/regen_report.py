@@ -10,6 +10,7 @@ from pathlib import Path
 from ..util import EyasError, read_json, repeated_share, text_lines
 from .conversation import Conversation
 from .prepare import planned_shards, regen_dir
+from .reasoning import capture_by_turn, capture_words
 from .regen_plan import LATER, plan_path
 
 # what each kind of left-out conversation means, for the log (http_NNN and others are shown as they are)
@@ -50,7 +51,7 @@ def validation_report(path: str | Path) -> dict:
     errors: Counter = Counter()
     retries: Counter = Counter()
     stopped: Counter = Counter()
-    prompt_toks, completion_toks, turns_per = [], [], []
+    prompt_toks, completion_toks, turns_per, thought = [], [], [], []  # thought: each record's answers with reasoning
     ids: list[str] = []
     for f in shards:
         for lineno, line in enumerate(text_lines(f.read_text(encoding="utf-8")), 1):
@@ -70,6 +71,7 @@ def validation_report(path: str | Path) -> dict:
             answers = [t for t in conv.turns if t.role == "assistant"][int(meta.get("source_answers_kept", 0)):]
             turns += len(answers)
             turns_per.append(len(answers))
+            thought.append([bool(t.reasoning) for t in answers])
             for t in answers:
                 with_reasoning += bool(t.reasoning)
                 empty += not t.content.strip()
@@ -102,6 +104,7 @@ def validation_report(path: str | Path) -> dict:
         "assistant_turns": turns, "truncated_turns": truncated, "empty_answers": empty,
         "stopped_early": dict(stopped), "turns_with_reasoning": with_reasoning,
         "reasoning_capture_rate": (with_reasoning / turns) if turns else 0.0,
+        "reasoning_capture_by_turn": capture_by_turn(thought),
         "looping_answers": looping, "looping_answer_rate": (looping / turns) if turns else 0.0,
         "turns_per_conversation": _stats(turns_per), "prompt_tokens": _stats(prompt_toks),
         "completion_tokens": _stats(completion_toks),
@@ -131,6 +134,7 @@ def report_lines(r: dict) -> list[str]:
         f"answers: {r.get('assistant_turns')}, {r.get('truncated_turns')} cut at max_new_tokens "
         f"({st.get('max_new_tokens', '?')}), {r.get('empty_answers')} empty, {r.get('looping_answers')} looping "
         f"({pct(r.get('looping_answer_rate'))}), reasoning in {pct(r.get('reasoning_capture_rate'))}",
+        f"reasoning by answer turn: {capture_words(r.get('reasoning_capture_by_turn'))}",
         f"answer tokens: {stats(r.get('completion_tokens'))}",
         f"prompt tokens: {stats(r.get('prompt_tokens'))}",
         "sampled with " + ", ".join(f"{k} {v}" for k, v in st.items()),

@@ -60,6 +60,7 @@ class ServerBackend:
         self.urls = [chat_url(e) for e in rc.endpoint]
         self.rc = rc
         self.key = os.environ.get(rc.api_key_env, "") if rc.api_key_env else ""
+        self.template_kwargs = template_kwargs(rc)  # before anything is asked of the server
         self.model = rc.model or self._first_model()
         self.target, self._tok = target, None  # the target's tokenizer, loaded for the first answer to cap
         self.inbox: queue.Queue = queue.Queue()
@@ -157,6 +158,8 @@ class ServerBackend:
         body = {"model": self.model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
                 "max_tokens": rc.max_new_tokens, "temperature": rc.temperature, "top_p": rc.top_p,
                 "seed": seed, "n": 1, "stream": False}
+        if self.template_kwargs:
+            body["chat_template_kwargs"] = self.template_kwargs
         data = json.dumps(body).encode("utf-8")
         retries: Counter = Counter()
         with self._lock:
@@ -210,6 +213,21 @@ class ServerBackend:
         except (ConnectionError, HTTPException, OSError) as e:
             raise _Retry("connection", f"connection failed ({type(e).__name__}: {e})") from None
         return parse_chat_response(raw)
+
+
+def template_kwargs(rc: RegenConfig) -> dict:
+    """regen.chat_template_kwargs as a dict ({} when unset); a clear error when it is not a JSON object."""
+    text = rc.chat_template_kwargs.strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise EyasError(f"regen.chat_template_kwargs {text!r} is not valid JSON ({e}); give an object such as "
+                        f"'{{\"enable_thinking\": true}}'") from None
+    if not isinstance(value, dict):
+        raise EyasError(f"regen.chat_template_kwargs must be a JSON object (names to values), got {text!r}")
+    return value
 
 
 def _tokenizer_or_none(target: TargetConfig | None):

@@ -18,8 +18,9 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from ..config import RegenConfig
-from ..data.conversation import Conversation, Turn, split_reasoning
-from ..data.tokenize import render, to_messages
+from ..data.conversation import Turn, split_reasoning
+from ..data.reasoning import history_messages
+from ..data.tokenize import render
 from ..util import EyasError, human_bytes, log, mem_available, to_device
 from .fastlm import FastLM, fast_engine_runs, supported
 from .graphs import DecodeGraph
@@ -30,8 +31,8 @@ from .turn import TurnResult
 def _render_prompt(tokenizer, messages: list[dict], reasoning: str) -> list[int]:
     """Chat messages -> the token ids of the prompt that asks for the next answer (the chat template's generation
     prompt after them); `reasoning` as data.reasoning says how earlier answers' reasoning is rendered."""
-    conv = Conversation("", [Turn(m["role"], m["content"], m.get("reasoning")) for m in messages])
-    text = render(tokenizer, to_messages(conv, tokenizer, reasoning), add_generation_prompt=True)
+    turns = [Turn(m["role"], m["content"], m.get("reasoning")) for m in messages]
+    text = render(tokenizer, history_messages(turns, tokenizer, reasoning), add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
