@@ -13,7 +13,7 @@ from eyas.tree import Tree, TreeSpec, accept_sample, grow_tree, serving_flags
 from eyas.tree_decode import TreeDecoder, _keep_path, _target_tree_forward
 from eyas.util import EyasError
 
-from test_decode import FEW, NEW, _chi2, plain_outputs, prompt_set, trained  # noqa: F401 (fixtures)
+from test_decode import NEW, _chi2, plain_outputs, prompt_set, trained  # noqa: F401 (fixtures)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_greedy_tree_decoding_equals_plain(smol, prompt_set, plain_outputs, trai
     spec = TreeSpec.parse(shape)
     dec = TreeDecoder(smol, trained, spec, max_len=256)
     acc = []
-    for ids, ref in list(zip(prompt_set, plain_outputs))[:3]:
+    for ids, ref in list(zip(prompt_set, plain_outputs))[:2]:  # two prompts a shape: each round costs a SmolLM2 verify
         g = dec.generate(ids, NEW, smol.eot_token_ids)
         assert g.tokens == ref[:NEW], (shape, smol.tokenizer.decode(ids[-12:]))
         assert all(0 <= a <= spec.depth for a in g.accepted)
