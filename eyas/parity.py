@@ -284,6 +284,25 @@ def tree_settings_note(report: dict, engine: str) -> str | None:
             f"with SGLang (--engine sglang, {flags['sglang']}) or evaluate a chain in eyas (eval.k)")
 
 
+def reached(conditional: list[float] | None) -> list[float] | None:
+    """Per-position acceptance given the drafts before it were accepted (eyas' report) -> the share of drafts whose
+    first i+1 tokens were all accepted (vLLM's per-position counters over its drafts), the same measure both ways."""
+    if not conditional:
+        return None
+    out, p = [], 1.0
+    for a in conditional:
+        p *= a
+        out.append(p)
+    return out
+
+
+def conditional(reached_: list[float] | None) -> list[float] | None:
+    """The inverse of `reached`: the share of drafts whose position i was accepted, over those whose i-1 was."""
+    if not reached_:
+        return None
+    return [r / prev if prev else 0.0 for r, prev in zip(reached_, [1.0] + list(reached_[:-1]))]
+
+
 def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT) -> dict:
     """gap = (eyas - engine) / eyas; |gap| > limit is flagged."""
     if eyas_tau is None or not eyas_tau or (isinstance(eyas_tau, float) and math.isnan(eyas_tau)):
@@ -368,12 +387,16 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         "engine": engine, "endpoint": endpoint, "prompts": {"set": source, "count": len(prompts)},
         "max_new_tokens": cfg.eval.max_new_tokens, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
         "engine_acceptance_length": res["acceptance_length"],
-        "engine_per_position_acceptance": res.get("per_position_acceptance"),
+        # per position, two ways each: "reached", the share of drafts whose first i+1 tokens were all accepted (what
+        # vLLM counts), and "acceptance", given the drafts before it were accepted (what eyas' report holds)
+        "engine_per_position_reached": res.get("per_position_acceptance"),
+        "engine_per_position_acceptance": conditional(res.get("per_position_acceptance")),
         "engine_k": res.get("k"), "engine_counters": res["counters"],
         "completion_tokens": res.get("completion_tokens"),
         "eyas_acceptance_length": eyas_tau,
         "eyas_compared": mine["compared"],  # which of the report's figures: the answers to the prompts sent
         "eyas_per_position_acceptance": mine["per_position"],
+        "eyas_per_position_reached": reached(mine["per_position"]),
         "gap": cmp["gap"], "gap_limit": GAP_LIMIT, "flagged": cmp["flagged"], "verdict": verdict, "notes": notes,
         # the engine flags that serve what eyas evaluated (a dynamic tree or a chain of k)
         "serving_flags": (report or {}).get("serving_flags") if isinstance(report, dict) else None,
