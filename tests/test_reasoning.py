@@ -15,7 +15,7 @@ from eyas.data.conversation import Conversation, Turn
 from eyas.data.prepare import tokenize_all
 from eyas.data.reasoning import (answered_turn, capture_by_turn, capture_words, drops_reasoning, history_messages,
                                  tokenize_sequences)
-from eyas.data.regen import _render_prompt
+from eyas.engine.generate import _render_prompt
 from eyas.data.tokenize import masked_text, tokenize_conversation
 from eyas.target import find_eot_ids
 
