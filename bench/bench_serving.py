@@ -22,29 +22,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eyas.config import DataConfig  # noqa: E402
+from eyas import parity  # noqa: E402
 from eyas.data import read_dataset, select_split  # noqa: E402
 
 
 def first_turns(name: str, limit: int) -> list[list[dict]]:
-    """The first user turn (with the system turns before it) of each conversation in the eval's prompt set."""
+    """The first user turn (with the system turns before it) of each conversation in the prompt set: ShareGPT's
+    held-out test split (as bench_decode.py and `eyas eval` take it), humaneval, or a file."""
     if name == "sharegpt":
-        dc = DataConfig()
-        convs, _ = read_dataset("sharegpt")
-        convs = select_split(convs, "test", dc.val_ratio, dc.test_ratio)
+        convs = select_split(read_dataset("sharegpt")[0], "test", DataConfig().val_ratio, DataConfig().test_ratio)
     else:
         convs, _ = read_dataset(name)
-    out = []
-    for c in convs:
-        msgs = []
-        for t in c.turns:
-            if t.role == "system":
-                msgs.append({"role": "system", "content": t.content})
-            elif t.role == "user":
-                out.append(msgs + [{"role": "user", "content": t.content}])
-                break
-        if len(out) >= limit:
-            break
-    return out
+    return parity.first_turns(convs)[:limit]
 
 
 def post(url: str, payload: dict, timeout: float = 600.0) -> dict:

@@ -222,13 +222,8 @@ def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dic
 
 # ----------------------------------------------------------------------------- prompts and report
 
-def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
-    """The evaluation prompts as chat messages, from the same prompt set `eyas eval` uses (cfg.eval.prompts and
-    cfg.eval.limit): each conversation's first user turn with the system turns before it, the prompt of its first
-    answer in `eyas eval`, whose τ over those answers (report.json's by_turn["1"]) is what the engine's is compared
-    with."""
-    check_heldout_split(cfg, cfg.out)
-    name, convs = load_prompt_set(cfg)
+def first_turns(convs) -> list[list[dict]]:
+    """Each conversation's first user turn, with the system turns before it, as chat messages."""
     prompts = []
     for c in convs:
         msgs = []
@@ -238,6 +233,17 @@ def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
             elif t.role == "user":
                 prompts.append(msgs + [{"role": t.role, "content": t.content}])
                 break
+    return prompts
+
+
+def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
+    """The evaluation prompts as chat messages, from the same prompt set `eyas eval` uses (cfg.eval.prompts and
+    cfg.eval.limit): each conversation's first user turn with the system turns before it, the prompt of its first
+    answer in `eyas eval`, whose τ over those answers (report.json's by_turn["1"]) is what the engine's is compared
+    with."""
+    check_heldout_split(cfg, cfg.out)
+    name, convs = load_prompt_set(cfg)
+    prompts = first_turns(convs)
     if not prompts:
         raise EyasError(f"eval.prompts {cfg.eval.prompts!r} gave no prompts")
     return prompts, name
