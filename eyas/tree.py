@@ -116,8 +116,11 @@ def grow_tree(spec: TreeSpec, root_token: torch.Tensor, root_logp: torch.Tensor,
     tok[0] = root_token.reshape(())
     s, i = root_logp.float().topk(k)
     new = torch.arange(1, k + 1, device=dev)
-    tok[new], dep[new], score[new] = to_target(i), 1, s
-    anc[new, 0] = True
+    # Python scalars are written with index_fill_/fill_ (a kernel argument): `t[idx] = 1` makes a host tensor and
+    # copies it to the device, which a CUDA graph's capture refuses
+    tok[new], score[new] = to_target(i), s
+    dep.index_fill_(0, new, 1)
+    anc[:, 0].index_fill_(0, new, True)
     frontier = new
     for d in range(2, D + 1):
         lp = expand(frontier, tok[frontier], d - 1, anc).float()  # [k, Vd]
@@ -126,9 +129,10 @@ def grow_tree(spec: TreeSpec, root_token: torch.Tensor, root_logp: torch.Tensor,
         base = 1 + k + (d - 2) * k * k
         new = torch.arange(base, base + k * k, device=dev)
         parents = frontier.repeat_interleave(k)
-        tok[new], par[new], dep[new], score[new] = to_target(ci.reshape(-1)), parents, d, cs
+        tok[new], par[new], score[new] = to_target(ci.reshape(-1)), parents, cs
+        dep.index_fill_(0, new, d)
         anc[new] = anc[parents]
-        anc[new, new] = True
+        anc.view(-1).index_fill_(0, new * (C + 1), True)  # anc[new, new] = True
         frontier = new[cs.topk(k).indices]
     # the tokens - 1 best grown nodes; a stable sort keeps a parent before a child of the same score
     best = score[1:].sort(descending=True, stable=True).indices[:spec.tokens - 1] + 1
@@ -145,14 +149,14 @@ def accept_greedy(tree: Tree, logits: torch.Tensor, depth: int):
     the count), the next token []: the target's argmax at the last accepted node). No host sync."""
     g = logits.argmax(-1)  # [N]
     match = tree.tokens == g[tree.parents]
-    match[0] = True
+    match[0].fill_(True)
     ok = ~(tree.anc & ~match[None]).any(-1)  # every node on the path from the root matches
     levels = torch.arange(1, depth + 1, device=g.device)
     at = ok[None] & (tree.depth[None] == levels[:, None])  # [depth, N]; at most one node a level (distinct tokens)
     a = at.any(-1).sum()
     path = at.long().argmax(-1)
     last = (ok.long() * (tree.depth + 1)).argmax()
-    return a, path, g[last]
+    return a, path, g.gather(0, last.view(1))[0]  # g[last] would read `last` on the host
 
 
 def accept_sample(tree: Tree, p: torch.Tensor, generator: torch.Generator | None = None):

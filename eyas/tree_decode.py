@@ -56,7 +56,7 @@ class TreeDraftAttend:
         n = self.upto
         seen = (self.dc.slots[:n] < self.committed)[None].expand(at.shape[0], n)
         mask = torch.cat([seen, self.anc[at]], dim=1)  # [frontier, n + grown]
-        mask[:, n] = False  # node 0 is the root: its drafter entry is the cache's slot L-2, already in `seen`
+        mask[:, n].fill_(False)  # node 0 is the root: its drafter entry is the cache's slot L-2, already in `seen`
         keys = torch.cat([self.dc.k[:, :, :n], self.k], dim=2).to(q.dtype)
         vals = torch.cat([self.dc.v[:, :, :n], self.v], dim=2).to(q.dtype)
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, enable_gqa=self.dc.gqa)

@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eyas.decode import Decoder, FastTargetRunner, TargetRunner, probs_from_logits
@@ -403,3 +405,79 @@ def test_graphed_tree_rounds_decode_losslessly_on_gpu():
             runs[graphs].append(spec.accepted)
         assert dec.graphs.enabled == graphs
     assert runs[True] == runs[False]
+
+
+# ---------------------------------------------------------------------------------------------
+# the greedy round does no host work (what a CUDA graph's capture refuses), checked on the CPU
+
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye, torch.rand, torch.randn,
+              torch.randint, torch.linspace}
+
+
+class _HostWork(TorchFunctionMode):
+    """Records what, on a GPU, would copy host data to the device or read the device on the host: tensors made from
+    Python data (torch.tensor, list indices, Python scalars written into a tensor: aten.lift_fresh below the Python
+    layer), factories without a device, and host reads (aten._local_scalar_dense: item, tolist, bool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+        outer = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default):
+                    outer.seen.append(f"{func} at {outer.where()}")
+                return func(*args, **(kwargs or {}))
+
+        self.ops = Ops()
+
+    @staticmethod
+    def where() -> str:
+        import traceback
+
+        frames = [f for f in traceback.extract_stack() if "/eyas/" in f.filename]
+        return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and "device" not in kwargs:
+            self.seen.append(f"{func.__name__} without a device at {self.where()}")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self.ops.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self.ops.__exit__(*exc)
+
+
+def test_greedy_tree_round_does_no_host_work(tiny):
+    """Every greedy tree round (grow, verify, accept, commit, drafter rerun) on the tiny target with eyas' engine
+    makes no tensor from host data and reads nothing on the host: on a GPU each of those is a host->device copy or a
+    sync that a CUDA graph's capture refuses. The guard itself catches a Python scalar written into a tensor."""
+    from eyas.draft import build_drafter
+
+    with _HostWork() as probe:
+        torch.zeros(3)[torch.arange(2, device="cpu")] = 1
+    assert len(probe.seen) == 2 and "lift_fresh" in probe.seen[1], probe.seen
+    torch.manual_seed(0)
+    d = build_drafter(tiny, 512)
+    dec = TreeDecoder(tiny, d, TreeSpec(3, 3, 8), max_len=128)
+    assert dec.engine == "fast"
+    rounds, seen = [], []
+    orig = dec._tree_round_fwd
+
+    def guarded(*a, **k):
+        with _HostWork() as guard:
+            out = orig(*a, **k)
+        rounds.append(1)
+        seen.extend(guard.seen)
+        return out
+
+    dec._tree_round_fwd = guarded
+    g = dec.generate(list(range(20, 40)), 12, ())
+    assert len(rounds) >= 2 and len(g.tokens) == 12
+    assert not seen, sorted(set(seen))
