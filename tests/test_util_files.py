@@ -130,6 +130,7 @@ def test_disk_full_while_saving_a_drafter_or_an_export_keeps_the_old_one(tiny, t
         raise SafetensorError(FULL)
 
     monkeypatch.setattr(st, "save_file", full)
+    monkeypatch.setattr("eyas.draft.save_file", full)  # the drafter's module holds its own name for the writer
     with pytest.raises(EyasError, match=rf"^{tmp_path / 'draft' / 'model.safetensors'}: not written, the disk is full "
                                         r"\(about [\d.]+ KB needed"):
         save_drafter(new, tmp_path / "draft", extra={"trained": {"step": 2}})
@@ -137,6 +138,7 @@ def test_disk_full_while_saving_a_drafter_or_an_export_keeps_the_old_one(tiny, t
                                         r"disk is full"):
         export_drafter(new, tmp_path / "export" / "vllm", "vllm", "tiny")
     monkeypatch.setattr(st, "save_file", real)
+    monkeypatch.setattr("eyas.draft.save_file", real)
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     back = load_drafter(tmp_path / "draft", tiny)
     assert all(torch.equal(back.state_dict()[k], v) for k, v in old.trainable_state_dict().items())
