@@ -10,7 +10,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..util import EyasError, atomic_write_text, read_json, text_lines
+from ..util import EyasError, atomic_write_text, read_json
+from .regen_plan import planned_lines
 from .regen_report import left_out_words
 
 # a call stops once FAIL_FAST conversations in a row failed (a prompt too long for the context aside): a server that
@@ -72,14 +73,8 @@ def forget_failures(d: Path) -> int:
         if not errors.exists() or not (read_json(errors).get("errors") or []) or plan is None or not plan.exists():
             continue
         index = {cid: i for i, cid in enumerate(read_json(plan).get("ids") or [])}
-        kept = []
-        for line in text_lines(shard.read_text(encoding="utf-8")):
-            try:
-                cid = json.loads(line).get("id")
-            except (ValueError, AttributeError):
-                continue
-            if cid in index:
-                kept.append(json.dumps({"i": index[cid], "id": cid, "line": line}, ensure_ascii=False) + "\n")
+        kept = [json.dumps({"i": i, "id": cid, "line": line}, ensure_ascii=False) + "\n"
+                for i, cid, line in planned_lines(shard, index)]
         # the journal before the shard goes: a kill between them loses nothing
         atomic_write_text(shard.with_name(shard.name.removesuffix(".jsonl") + ".partial"), "".join(kept))
         shard.unlink()

@@ -15,6 +15,20 @@ PLAN_VERSION = 1
 LATER = "later"  # the set regen.later_turns writes, beside the samples (1, 2, ...)
 
 
+def planned_lines(shard: Path, index: dict) -> list[tuple[int, str, str]]:
+    """(place in the plan, id, line) of each line of a regen shard, in file order, whose conversation id `index`
+    (id -> place) holds; a line that does not parse, or names no planned id, is left out."""
+    out = []
+    for line in text_lines(shard.read_text(encoding="utf-8")):
+        try:
+            cid = json.loads(line).get("id")
+        except (ValueError, AttributeError):
+            continue
+        if cid in index:
+            out.append((index[cid], cid, line))
+    return out
+
+
 def _tag(sample: int | str) -> str:
     """A set's name in its files: none for the first sample, sS for sample S, `later` for the later turns."""
     return "" if sample == 1 else f"s{sample}" if isinstance(sample, int) else sample
@@ -155,14 +169,8 @@ def _extend(d: Path, old: dict, new: dict, sample: int | str) -> None:
     shard = shard_path(d, k, sample)
     if n % size and shard.exists():
         index = {cid: i for i, cid in enumerate(new["ids"][k * size:(k + 1) * size], k * size)}
-        got: dict[int, dict] = {}  # what a line does not say clearly is asked again
-        for line in text_lines(shard.read_text(encoding="utf-8")):
-            try:
-                cid = json.loads(line).get("id")
-            except (ValueError, AttributeError):
-                continue
-            if cid in index:
-                got[index[cid]] = {"i": index[cid], "id": cid, "line": line}
+        # what a line does not say clearly is asked again
+        got = {i: {"i": i, "id": cid, "line": line} for i, cid, line in planned_lines(shard, index)}
         ef = errors_path(d, k, sample)
         for e in (read_json(ef).get("errors", []) if ef.exists() else []):
             if isinstance(e, dict) and e.get("id") in index:
