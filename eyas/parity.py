@@ -194,14 +194,16 @@ def _vllm_model(endpoint: str) -> str:
 # ----------------------------------------------------------------------------- SGLang
 
 def sglang_acceptance(meta_infos: list[dict]) -> dict:
-    """SGLang's acceptance length from per-request meta_info: sum(completion_tokens) / sum(spec_verify_ct)."""
+    """SGLang's acceptance length from per-request meta_info: sum(completion_tokens) / sum(spec_verify_ct).
+    SGLang leaves spec_verify_ct out of a request that had no verify step (answered at its prefill), so a missing
+    key counts 0 steps; missing on every request means the server is not drafting."""
     toks = verify = 0
-    for i, m in enumerate(meta_infos):
-        if "spec_verify_ct" not in m:
-            raise EyasError(f"SGLang response {i} has no meta_info.spec_verify_ct: is the server running with "
-                            f"--speculative-algorithm EAGLE3?")
+    if meta_infos and not any("spec_verify_ct" in m for m in meta_infos):
+        raise EyasError(f"no SGLang response of {len(meta_infos)} has meta_info.spec_verify_ct: is the server running "
+                        f"with --speculative-algorithm EAGLE3?")
+    for m in meta_infos:
         toks += int(m.get("completion_tokens", 0))
-        verify += int(m["spec_verify_ct"])
+        verify += int(m.get("spec_verify_ct", 0))
     if verify <= 0:
         raise EyasError("SGLang reported no verify steps (spec_verify_ct = 0 on every prompt); the server is not drafting")
     return {"acceptance_length": toks / verify, "counters": {"completion_tokens": toks, "spec_verify_ct": verify}}

@@ -277,3 +277,16 @@ def test_parity_refuses_bad_endpoints_engines_and_run_directories(tmp_path):
         with pytest.raises(EyasError, match="--out .*F: .*F is a file, not a folder"):
             run_parity(cfg, endpoint=srv.url, engine="vllm")
     assert srv.requests == []
+
+
+def test_sglang_acceptance_counts_a_request_without_verify_steps():
+    """SGLang omits spec_verify_ct from a request answered at its prefill: it counts as 0 verify steps, while a
+    server that never reports the key (not drafting) is refused."""
+    from eyas.parity import sglang_acceptance
+    from eyas.util import EyasError
+
+    got = sglang_acceptance([{"completion_tokens": 9, "spec_verify_ct": 3}, {"completion_tokens": 1}])
+    assert got["acceptance_length"] == pytest.approx(10 / 3)
+    assert got["counters"] == {"completion_tokens": 10, "spec_verify_ct": 3}
+    with pytest.raises(EyasError, match="spec_verify_ct"):
+        sglang_acceptance([{"completion_tokens": 4}, {"completion_tokens": 2}])
