@@ -1,10 +1,13 @@
 """The serving bench scripts: the staged pieces (bench/stage_wheels.py) reassemble into the same wheels, the slimmed
 vLLM and sglang-kernel wheels keep their RECORD in step with the files they keep, the SGLang stage fetches a
-package's requirements one level at a time without ever fetching the image's, and bench/bench_serving.py counts
-an OpenAI-compatible server's completion tokens at each concurrency."""
+package's requirements one level at a time without ever fetching the image's, bench/serve_sglang.sh starts SGLang
+with the EAGLE-3 flags, and bench/bench_serving.py counts an OpenAI-compatible server's completion tokens at each
+concurrency."""
 import hashlib
 import http.server
 import json
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -164,6 +167,82 @@ def test_slimmed_sglang_kernel_keeps_the_hopper_build(tmp_path, fa3):
             "sgl_kernel/infllm_v2/a.py"} | ({"sgl_kernel/flash_ops.abi3.so"} if fa3 else set())
     assert names == kept
     assert {n for n in record if not n.startswith("sglang_kernel-")} == kept
+
+
+def _serve_sglang(tmp_path: Path, *args: str, port: int | None = None) -> subprocess.CompletedProcess:
+    """bench/serve_sglang.sh with a stand-in python3 that records its arguments and answers /health on $PORT."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    fake = bin_ / "python3"
+    fake.write_text(f"""#!/bin/sh
+printf '%s\\n' "$@" > {tmp_path}/args.txt
+env > {tmp_path}/env.txt
+exec {sys.executable} -c '
+import http.server, os
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(os.environ["SERVE_PORT"])), H).serve_forever()'
+""")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", R=str(tmp_path / "r"), WAIT="30",
+               EYAS_STAGE_DIR=str(tmp_path / "stage"), SGLANG_ARGS="--dtype bfloat16",
+               SGLANG_SITE=str(tmp_path / "site"), SGLANG_TF=str(tmp_path / "tf"))
+    if port:
+        env.update(PORT=str(port), SERVE_PORT=str(port))
+    return subprocess.run(["bash", str(ROOT / "bench" / "serve_sglang.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fa3", [False, True])
+def test_serve_sglang_starts_the_server_with_the_eagle3_flags(tmp_path, fa3):
+    target, draft, site = tmp_path / "target", tmp_path / "draft", tmp_path / "site"
+    target.mkdir()
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    (site / "sgl_kernel").mkdir(parents=True)
+    (site / ".installed").touch()
+    if fa3:
+        (site / "sgl_kernel" / "flash_ops.abi3.so").touch()
+    port = _free_port()
+    got = _serve_sglang(tmp_path, "start", str(target), str(draft), "4", port=port)
+    assert got.returncode == 0, got.stderr
+    assert f"ready on port {port}" in got.stdout and "steps 4, topk 1, tokens 5" in got.stdout
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    line = " ".join(args)
+    assert args[:2] == ["-m", "sglang.launch_server"]
+    assert (f"--model-path {target} --port {port}" in line and "--speculative-algorithm EAGLE3" in line
+            and f"--speculative-draft-model-path {draft}" in line and "--speculative-num-steps 4" in line
+            and "--speculative-eagle-topk 1" in line and "--speculative-num-draft-tokens 5" in line)
+    assert ("--attention-backend triton" in line) == (not fa3)  # without FA3's kernels, SGLang's Triton ones
+    assert line.rstrip().endswith("--dtype bfloat16")  # $SGLANG_ARGS last, so it overrides
+    env = (tmp_path / "env.txt").read_text()
+    assert "HF_HUB_OFFLINE=1" in env and f"PYTHONPATH={tmp_path / 'tf'}:{site}" in env
+    stopped = _serve_sglang(tmp_path, "stop", port=port)
+    assert stopped.returncode == 0 and not (tmp_path / "r" / f"sglang_{port}.pid").exists()
+
+
+def test_serve_sglang_refuses_what_it_cannot_do(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    missing = _serve_sglang(tmp_path, "start", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "nope not found" in missing.stderr
+    tree = _serve_sglang(tmp_path, "start", str(target), str(tmp_path / "draft"), "4", "4")
+    assert tree.returncode == 2 and "name TOKENS" in tree.stderr
+    install = _serve_sglang(tmp_path, "install")
+    assert install.returncode == 2 and "stage_sglang.py" in install.stderr
+    helped = _serve_sglang(tmp_path, "--help")
+    assert helped.returncode == 0 and "--speculative-num-steps" in helped.stdout
 
 
 class _Server(http.server.BaseHTTPRequestHandler):
