@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One staged piece: copy it into DEST (default ~/eyas-stage) and reassemble every file whose pieces have all
-# arrived, checking its sha256. Written next to each piece by bench/stage_vllm.py (the format of stage.py's pieces).
+# arrived, checking its sha256. Written next to each piece by bench/stage_wheels.py's pack (stage_vllm.py,
+# stage_sglang.py), in the format of stage.py's pieces.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dest=${1:-$HOME/eyas-stage}

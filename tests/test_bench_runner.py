@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "bench" / "gpu_run.sh"
 SCRIPTS = ["bench_decode", "bench_train", "bench_regen", "bench_extract", "speculators_train", "interop_speculators",
-           "interop_specforge", "profile_round", "random_target", "bench_serving", "stage_vllm"]
+           "interop_specforge", "profile_round", "random_target", "bench_serving", "stage_vllm", "stage_sglang"]
 
 
 def runner(tmp_path: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
