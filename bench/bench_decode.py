@@ -31,7 +31,9 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
     return [
         ("norm", lambda v: {(FastLM, "fused_norm"): v >= 1, (FastLM, "norm_one_kernel"): v >= 2},
          lambda v: "" if v >= 2 else f"_norm{v}"),
-        ("gqa", lambda v: {(FastLM, "gqa_steps"): bool(v)}, lambda v: "" if v else "_gqa0"),
+        # 0: off, 1: the default bound (FastLM.GQA_MAX_T), T > 1: enable_gqa for calls of up to T tokens
+        ("gqa", lambda v: {(FastLM, "gqa_steps"): bool(v), (FastLM, "GQA_MAX_T"): v if v > 1 else FastLM.GQA_MAX_T},
+         lambda v: "" if v == 1 else f"_gqa{v}"),
         ("overlap", lambda v: {(Decoder, "overlap"): bool(v)}, lambda v: "" if v else "_ovl0"),
         ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
         # 1: where CUDA graphs are on (the default), 0: never
@@ -271,7 +273,9 @@ def main(argv=None) -> int:
                          "fuse_drafter, the default): 1, 0, or 0,1 to time both (the 0 methods get a _dfuse0 suffix)")
     ap.add_argument("--gqa", default="1",
                     help="the target's multi-token calls (the verify) through SDPA's enable_gqa (FastLM.gqa_steps, the "
-                         "default): 1, 0 (query heads folded, as a one-token step), " + BOTH.format("_gqa0"))
+                         "default): 1 (calls of up to FastLM.GQA_MAX_T tokens), T > 1 (calls of up to T tokens, for a "
+                         "tree's verify), 0 (query heads folded, as a one-token step); a comma list times each (the "
+                         "methods of a value other than 1 get the suffix _gqaT)")
     ap.add_argument("--overlap", default="1",
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))
