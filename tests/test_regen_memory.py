@@ -1,0 +1,142 @@
+"""The generate engine's memory plan (eyas.engine.memory): the estimate against the bytes transformers' forward really
+allocates (tiny MoE targets on the CPU, a Kimi-K2.5-wide one on the meta device) and the plan under a budget."""
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
+
+from eyas.engine.memory import ForwardCost, plan_batch
+
+GB = 1e9
+# Kimi-K2.5's text model at its real width (bench/random_target.py's shape, under a multimodal wrapper's text_config),
+# cut to 4 decoder layers and 16 routed experts as in the H100 run that ran out of memory in regen
+KIMI = {"model_type": "kimi_k25", "text_config": {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 4, "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 16,
+    "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "vocab_size": 163840, "tie_word_embeddings": False}}
+TINY = {  # tiny random targets of each MoE family (SmolLM2's vocabulary, so its tokenizer and chat template serve)
+    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=4),
+    "mixtral": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes held at once by the tensors the ops under this mode create (views of a storage counted once,
+    the model's weights not at all), and the largest single one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.known = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+        self.live = self.peak = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.known:
+                s = t.untyped_storage()
+                self.known.add(s._cdata)
+                self.live += s.nbytes()
+                self.peak, self.largest = max(self.peak, self.live), max(self.largest, s.nbytes())
+                weakref.finalize(s, self._freed, s._cdata, s.nbytes())
+        return out
+
+    def _freed(self, key: int, n: int) -> None:
+        self.known.discard(key)
+        self.live -= n
+
+
+def _output_only(module, q, k, v, mask, **kw):
+    """Attention as a fused kernel holds it (the output alone): the meta device would otherwise take sdpa's math path
+    and count its full score matrix, which the GPU's memory-efficient kernel never makes."""
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]), None
+
+
+def tiny_moe(family: str, vocab: int = 49152):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=vocab, **TINY[family])).eval()
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_the_estimate_covers_what_generate_allocates(family):
+    """On the CPU (fp32, sdpa, grouped_mm experts), padded batches with and without a chunked prefill: the estimate is
+    at least the peak of the tensors `generate` makes, and less than twice it (a term left out fails the first, a
+    grossly inflated one the second)."""
+    model = tiny_moe(family, vocab=512)
+    cost = ForwardCost.from_config(model.config, 4)
+    for rows, width, new, chunk in ((8, 96, 6, None), (4, 160, 4, 48)):
+        ids = torch.randint(1, 512, (rows, width))
+        mask = torch.ones_like(ids)
+        mask[0, : width // 2] = 0  # one row padded: the attention mask is built
+        gen = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                               prefill_chunk_size=chunk)
+        meter = PeakBytes(model)
+        with torch.no_grad(), meter:
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+        est = cost.generate(rows, width, new, chunk)
+        assert meter.peak <= est < 2 * meter.peak, (rows, width, chunk, meter.peak, est)
+
+
+def test_the_estimate_covers_a_kimi_wide_prefill_on_the_meta_device():
+    """The H100 run's failing call (64 prompts padded to 1,793 tokens, bf16) replayed on the meta device: its largest
+    tensor is the 24.51 GiB the GPU could not give (the experts' outputs weighted in fp32, tokens x top_k x hidden x 4
+    bytes), and the estimate covers the whole peak, within 1.5x."""
+    AttentionInterface.register("eyas_output_only", _output_only)
+    config = AutoConfig.for_model(**KIMI["text_config"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.config._attn_implementation = "eyas_output_only"
+    cost = ForwardCost.from_config(KIMI, 2)
+    rows, width = 64, 1793
+    meter = PeakBytes(model)
+    with torch.no_grad(), meter:
+        model(input_ids=torch.zeros(rows, width, dtype=torch.long, device="meta"), logits_to_keep=1,
+              use_cache=True, past_key_values=DynamicCache(config=config))
+    assert meter.largest == rows * width * 8 * 7168 * 4
+    est = rows * width * cost.kv_token + cost.forward(rows, width, width)
+    assert meter.peak <= est < 1.5 * meter.peak
+    assert est > 70 * GB  # so that call could not fit beside the weights on an 80 GB card
+
+
+def test_kimi_wide_plan_stays_under_an_80_gb_budget():
+    cost = ForwardCost.from_config(KIMI, 2)
+    widths = sorted([40 + 8 * i for i in range(200)] + [2047] * 56)
+    plan = plan_batch(cost, 80 * GB, widths, [64] * 256, cap=256)
+    assert plan.peak == cost.generate(plan.rows, widths[plan.rows - 1], 64, plan.chunk) <= 80 * GB
+    assert plan.limited
+    long = plan_batch(cost, 80 * GB, [2047] * 256, [64] * 256, cap=256)  # the longest prompts: a chunked prefill
+    assert long.chunk and long.chunk < 2047 and long.peak <= 80 * GB
+    assert cost.generate(long.rows, 2047, 64, None) > 80 * GB  # ... because their whole prefill would not fit
+    assert plan_batch(cost, 0.1 * GB, [2047], [64], cap=8) is None  # not even one prompt fits 100 MB
+
+
+def _rows(shape: dict, budget: float = 8 * GB, width: int = 1024) -> int:
+    return plan_batch(ForwardCost.from_config(shape, 2), budget, [width] * 512, [256] * 512, cap=512).rows
+
+
+def test_bigger_moe_and_vocab_shapes_get_smaller_batches():
+    """Under one budget, widening what a token costs (experts per token, hidden size, the experts' width where it
+    rules, the vocabulary) never adds rows and, past the point where it rules, takes some away."""
+    base = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 24,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64,
+            "num_experts_per_tok": 2, "vocab_size": 32000}
+    dense = _rows({k: v for k, v in base.items() if k != "num_experts_per_tok"})
+    two = _rows(base)
+    eight = _rows({**base, "num_experts_per_tok": 8})
+    wide = _rows({**base, "num_experts_per_tok": 8, "hidden_size": 7168})
+    assert dense >= two > eight > wide >= 1
+    narrow_h = {**base, "hidden_size": 512, "num_experts_per_tok": 8}  # the experts' width rules at a small hidden size
+    assert _rows(narrow_h) > _rows({**narrow_h, "moe_intermediate_size": 4096})
+    short = {**base, "num_hidden_layers": 2}  # few layers and short prompts: the logits' share counts
+    assert _rows(short, 1 * GB, 64) > _rows({**short, "vocab_size": 163840}, 1 * GB, 64)
+    assert _rows(KIMI) < _rows({**base, "num_experts_per_tok": 8, "vocab_size": 163840})
