@@ -1,5 +1,8 @@
 """The generate engine's memory plan (eyas.engine.memory): the estimate against the bytes transformers' forward really
-allocates (tiny MoE targets on the CPU, a Kimi-K2.5-wide one on the meta device) and the plan under a budget."""
+allocates (tiny MoE targets on the CPU, a Kimi-K2.5-wide one on the meta device), the plan under a budget, and a regen
+whose generate calls run out of memory halving its batch and finishing with an unconstrained run's answers."""
+import json
+import re
 import weakref
 
 import pytest
@@ -8,7 +11,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
 
+import eyas.engine.generate
+from eyas.config import Config, RegenConfig
+from eyas.data import read_dataset
+from eyas.data.prepare import regen_dir
+from eyas.data.regen import run_regen
+from eyas.engine.generate import GenerateEngine
 from eyas.engine.memory import ForwardCost, plan_batch
+from eyas.target import Target
+from eyas.util import EyasError
 
 GB = 1e9
 # Kimi-K2.5's text model at its real width (bench/random_target.py's shape, under a multimodal wrapper's text_config),
@@ -140,3 +151,95 @@ def test_bigger_moe_and_vocab_shapes_get_smaller_batches():
     short = {**base, "num_hidden_layers": 2}  # few layers and short prompts: the logits' share counts
     assert _rows(short, 1 * GB, 64) > _rows({**short, "vocab_size": 163840}, 1 * GB, 64)
     assert _rows(KIMI) < _rows({**base, "num_experts_per_tok": 8, "vocab_size": 163840})
+
+
+# --------------------------------------------------------------------------- the generate engine in a regen
+
+
+@pytest.fixture(scope="module")
+def moe_target(tiny):
+    model = tiny_moe("deepseek_v3")
+    return Target(model=model, tokenizer=tiny.tokenizer, name="tiny-moe", source="random", sha256="0" * 64,
+                  aux_layers=[0, 1, 1], eot_token_ids=tiny.eot_token_ids)
+
+
+def _regen(tmp_path, target, name: str, **regen) -> dict:
+    src = tmp_path / "d.jsonl"
+    if not src.exists():
+        src.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+            {"role": "user", "content": f"question {i} " + "and more " * (8 * (i % 5))},
+            {"role": "assistant", "content": "original answer"}]}) + "\n" for i in range(8)))
+    cfg = Config(out=str(tmp_path / name))
+    cfg.data.source = str(src)
+    for k, v in {**dict(split="all", engine="generate", max_new_tokens=8, temperature=0.0, batch_size=8,
+                        shard_size=4), **regen}.items():
+        setattr(cfg.regen, k, v)
+    run_regen(cfg, target=target)
+    return {c.id: [t.content for t in c.turns] for c in read_dataset(str(regen_dir(cfg.out)))[0]}
+
+
+def _failing_generate(model, monkeypatch, fails) -> list[tuple[int, int | None]]:
+    """Make model.generate raise torch.OutOfMemoryError where fails(rows, chunk) says, once per shape; returns the
+    (rows, chunk) of every call."""
+    calls, failed, real = [], set(), model.generate
+
+    def generate(*a, input_ids, prefill_chunk_size=None, **kw):
+        shape = (input_ids.shape[0], prefill_chunk_size)
+        calls.append(shape)
+        if fails(*shape) and shape not in failed:
+            failed.add(shape)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.51 GiB")
+        return real(*a, input_ids=input_ids, prefill_chunk_size=prefill_chunk_size, **kw)
+
+    monkeypatch.setattr(model, "generate", generate)
+    return calls
+
+
+def test_a_regen_out_of_memory_halves_its_batch_and_matches_an_unconstrained_run(tmp_path, moe_target, monkeypatch,
+                                                                                    capsys):
+    ref = _regen(tmp_path, moe_target, "ref")
+    calls = _failing_generate(moe_target.model, monkeypatch, lambda rows, chunk: rows > 2)
+    got = _regen(tmp_path, moe_target, "oom")
+    assert got == ref and len(got) == 8
+    assert calls[:3] == [(8, None), (4, None), (2, None)]  # halved until it fit
+    assert max(rows for rows, _ in calls[3:]) <= 2  # later batches take no more than the call that fitted
+    err = capsys.readouterr().err
+    assert "regen: generate engine: 8 prompts a batch" in err
+    assert "out of memory generating 8 prompts" in err and "retrying 4 of them, and later batches take at most 4" in err
+
+
+def test_a_single_prompt_out_of_memory_is_prefilled_in_chunks_then_refused_in_one_line(tmp_path, moe_target,
+                                                                                        monkeypatch, capsys):
+    ref = _regen(tmp_path, moe_target, "ref", batch_size=1)
+    calls = _failing_generate(moe_target.model, monkeypatch, lambda rows, chunk: chunk is None)
+    assert _regen(tmp_path, moe_target, "chunked", batch_size=1) == ref  # a chunked prefill gives the same answers
+    assert calls[:2] == [(1, None), (1, calls[1][1])] and calls[1][1] > 1
+    assert "retrying in chunks of" in capsys.readouterr().err
+    monkeypatch.undo()
+    _failing_generate(moe_target.model, monkeypatch, lambda rows, chunk: True)
+    with pytest.raises(EyasError, match="out of memory on a single prompt of .* lower data.max_seq_len"):
+        _regen(tmp_path, moe_target, "never", batch_size=1)
+
+
+def test_a_plan_under_a_small_budget_chunks_the_prefill_and_keeps_the_answers(tmp_path, moe_target, monkeypatch):
+    """With the free memory made small, the engine plans fewer rows and chunked prefills, and answers as before."""
+    ref = _regen(tmp_path, moe_target, "ref")
+    cost = ForwardCost.from_config(moe_target.config, 4)
+    budget = cost.generate(2, 100, 8, 64)  # two prompts of 100 tokens, prefilled 64 at a time
+    monkeypatch.setattr(eyas.engine.generate, "free_bytes", lambda device: budget / GenerateEngine.budget_share)
+    calls = _failing_generate(moe_target.model, monkeypatch, lambda rows, chunk: False)
+    assert _regen(tmp_path, moe_target, "small") == ref
+    assert max(rows for rows, _ in calls) < 8 and any(chunk for _, chunk in calls)
+
+
+def test_the_engine_logs_its_batch_and_why(moe_target, monkeypatch, capsys):
+    """The one line the engine logs names the batch prompts at the context limit get, and what takes the memory."""
+    cost = ForwardCost.from_config(moe_target.config, 4)
+    free = cost.generate(4, 511, 16) / GenerateEngine.budget_share  # room for 4 such prompts at once
+    monkeypatch.setattr(eyas.engine.generate, "free_bytes", lambda device: free)
+    GenerateEngine(moe_target, RegenConfig(batch_size=64, max_new_tokens=16), "keep", 512)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    # more rows than fit whole, their prefill chunked
+    said = re.match(r"regen: generate engine: prompts of 511 tokens go (\d+) at a time, not 64, prefilled in chunks "
+                    r"of (\d+) tokens, to fit .*: the MoE experts' activations take ", line)
+    assert said and 4 <= int(said[1]) < 64 and int(said[2]) < 511, line
