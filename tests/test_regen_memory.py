@@ -84,7 +84,7 @@ def test_the_estimate_covers_what_generate_allocates(family):
     at least the peak of the tensors `generate` makes, and less than twice it (a term left out fails the first, a
     grossly inflated one the second)."""
     model = tiny_moe(family, vocab=512)
-    cost = ForwardCost.from_config(model.config, 4)
+    cost = ForwardCost.from_config(model.config, 4, cpu=True)
     for rows, width, new, chunk in ((8, 96, 6, None), (4, 160, 4, 48)):
         ids = torch.randint(1, 512, (rows, width))
         mask = torch.ones_like(ids)
@@ -131,14 +131,15 @@ def test_kimi_wide_plan_stays_under_an_80_gb_budget():
     assert plan_batch(cost, 0.1 * GB, [2047], [64], cap=8) is None  # not even one prompt fits 100 MB
 
 
-def _rows(shape: dict, budget: float = 8 * GB, width: int = 1024) -> int:
-    return plan_batch(ForwardCost.from_config(shape, 2), budget, [width] * 512, [256] * 512, cap=512).rows
+def _rows(shape: dict) -> int:
+    """The rows planned under 2 GB for prompts of 64 tokens (too short to prefill in chunks) and 64 new tokens."""
+    return plan_batch(ForwardCost.from_config(shape, 2), 2 * GB, [64] * 1024, [64] * 1024, cap=1024).rows
 
 
 def test_bigger_moe_and_vocab_shapes_get_smaller_batches():
     """Under one budget, widening what a token costs (experts per token, hidden size, the experts' width where it
-    rules, the vocabulary) never adds rows and, past the point where it rules, takes some away."""
-    base = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 24,
+    rules, the vocabulary) never adds rows and, where it rules, takes some away."""
+    base = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 4,
             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64,
             "num_experts_per_tok": 2, "vocab_size": 32000}
     dense = _rows({k: v for k, v in base.items() if k != "num_experts_per_tok"})
@@ -146,11 +147,17 @@ def test_bigger_moe_and_vocab_shapes_get_smaller_batches():
     eight = _rows({**base, "num_experts_per_tok": 8})
     wide = _rows({**base, "num_experts_per_tok": 8, "hidden_size": 7168})
     assert dense >= two > eight > wide >= 1
-    narrow_h = {**base, "hidden_size": 512, "num_experts_per_tok": 8}  # the experts' width rules at a small hidden size
-    assert _rows(narrow_h) > _rows({**narrow_h, "moe_intermediate_size": 4096})
-    short = {**base, "num_hidden_layers": 2}  # few layers and short prompts: the logits' share counts
-    assert _rows(short, 1 * GB, 64) > _rows({**short, "vocab_size": 163840}, 1 * GB, 64)
-    assert _rows(KIMI) < _rows({**base, "num_experts_per_tok": 8, "vocab_size": 163840})
+    assert _rows({**base, "num_experts_per_tok": 8, "vocab_size": 163840}) < eight
+    narrow = {**base, "hidden_size": 512, "num_experts_per_tok": 8}  # the experts' width rules at a small hidden size
+    assert _rows(narrow) > _rows({**narrow, "moe_intermediate_size": 4096})
+    assert _rows(KIMI) < wide
+
+
+
+def test_a_setting_given_per_layer_reads_as_its_largest():
+    one = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 1000}
+    assert (ForwardCost.from_config({**one, "intermediate_size": [512, 2048]}, 2)
+            == ForwardCost.from_config({**one, "intermediate_size": 2048}, 2))
 
 
 # --------------------------------------------------------------------------- the generate engine in a regen
@@ -183,13 +190,13 @@ def _failing_generate(model, monkeypatch, fails) -> list[tuple[int, int | None]]
     (rows, chunk) of every call."""
     calls, failed, real = [], set(), model.generate
 
-    def generate(*a, input_ids, prefill_chunk_size=None, **kw):
-        shape = (input_ids.shape[0], prefill_chunk_size)
+    def generate(*a, input_ids, generation_config, **kw):
+        shape = (input_ids.shape[0], generation_config.prefill_chunk_size)
         calls.append(shape)
         if fails(*shape) and shape not in failed:
             failed.add(shape)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.51 GiB")
-        return real(*a, input_ids=input_ids, prefill_chunk_size=prefill_chunk_size, **kw)
+        return real(*a, input_ids=input_ids, generation_config=generation_config, **kw)
 
     monkeypatch.setattr(model, "generate", generate)
     return calls
@@ -224,7 +231,7 @@ def test_a_single_prompt_out_of_memory_is_prefilled_in_chunks_then_refused_in_on
 def test_a_plan_under_a_small_budget_chunks_the_prefill_and_keeps_the_answers(tmp_path, moe_target, monkeypatch):
     """With the free memory made small, the engine plans fewer rows and chunked prefills, and answers as before."""
     ref = _regen(tmp_path, moe_target, "ref")
-    cost = ForwardCost.from_config(moe_target.config, 4)
+    cost = ForwardCost.from_config(moe_target.config, 4, cpu=True)
     budget = cost.generate(2, 100, 8, 64)  # two prompts of 100 tokens, prefilled 64 at a time
     monkeypatch.setattr(eyas.engine.generate, "free_bytes", lambda device: budget / GenerateEngine.budget_share)
     calls = _failing_generate(moe_target.model, monkeypatch, lambda rows, chunk: False)
@@ -232,14 +239,19 @@ def test_a_plan_under_a_small_budget_chunks_the_prefill_and_keeps_the_answers(tm
     assert max(rows for rows, _ in calls) < 8 and any(chunk for _, chunk in calls)
 
 
-def test_the_engine_logs_its_batch_and_why(moe_target, monkeypatch, capsys):
-    """The one line the engine logs names the batch prompts at the context limit get, and what takes the memory."""
-    cost = ForwardCost.from_config(moe_target.config, 4)
-    free = cost.generate(4, 511, 16) / GenerateEngine.budget_share  # room for 4 such prompts at once
-    monkeypatch.setattr(eyas.engine.generate, "free_bytes", lambda device: free)
-    GenerateEngine(moe_target, RegenConfig(batch_size=64, max_new_tokens=16), "keep", 512)
+def test_the_engine_logs_its_batch_and_why(tiny, monkeypatch, capsys):
+    """The one line the engine logs on a Kimi-wide target (weights on the meta device: building the engine runs no
+    forward) with an 80 GB card's room beside its 10.9 GB of weights: the batch prompts at the context limit get, the
+    prefill chunk that makes it fit, and what takes the memory."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**KIMI["text_config"]), dtype=torch.bfloat16)
+    target = Target(model=model, tokenizer=tiny.tokenizer, name="kimi-wide", source="random", sha256="0" * 64,
+                    aux_layers=[1, 2, 3], eot_token_ids=tiny.eot_token_ids)
+    monkeypatch.setattr(eyas.engine.generate, "free_bytes", lambda device: 69e9)
+    GenerateEngine(target, RegenConfig(batch_size=256, max_new_tokens=64), "keep", 2048)
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    # more rows than fit whole, their prefill chunked
-    said = re.match(r"regen: generate engine: prompts of 511 tokens go (\d+) at a time, not 64, prefilled in chunks "
-                    r"of (\d+) tokens, to fit .*: the MoE experts' activations take ", line)
-    assert said and 4 <= int(said[1]) < 64 and int(said[2]) < 511, line
+    said = re.fullmatch(r"regen: generate engine: prompts of 2,047 tokens go 256 at a time, prefilled in chunks of "
+                        r"(\d+) tokens, to fit the 69.0 GB free on the meta device: the MoE experts' activations take "
+                        r"[\d.]+ GB a layer \(743.6 KB a token\), the KV cache 4.6 KB a token \(shorter prompts go "
+                        r"more at a time\)", line)
+    assert said and 64 <= int(said[1]) < 2047, line

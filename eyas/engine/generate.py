@@ -11,6 +11,7 @@ padded batches of prompts grouped by length through `model.generate`. `auto` tak
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 
@@ -178,7 +179,8 @@ class GenerateEngine(EmbeddedEngine):
         self.pending: list[tuple[str, list[int], int, int]] = []
         self.gen = self.generation_config(sampled=False)  # sampling: each row from its request's seed (sampling.py)
         eager = getattr(target.config, "_attn_implementation", None) == "eager"
-        self.cost = ForwardCost.from_config(target.config, target.dtype.itemsize, eager_attention=eager)
+        self.cost = ForwardCost.from_config(target.config, target.dtype.itemsize, eager=eager,
+                                            cpu=target.device.type == "cpu")
         self.all_logits = all_logits(target.model)
         self.scale = 1  # the estimate's multiplier: doubled at each out-of-memory error
         torch.manual_seed(rc.seed)
@@ -196,7 +198,6 @@ class GenerateEngine(EmbeddedEngine):
         new = max(1, min(self.rc.max_new_tokens, self.model_max - width))
         plan = self._plan([("", [0] * width, new, 0)] * self.batch)
         where = f"{human_bytes(free_bytes(self.t.device))} free on the {self.t.device.type} device"
-        c = self.cost
         if plan is None:
             log(f"regen: generate engine: by its memory estimate not even one prompt of {width:,} tokens fits the "
                 f"{where}; it tries one at a time, prefilled in chunks of {MIN_CHUNK} tokens")
@@ -207,8 +208,8 @@ class GenerateEngine(EmbeddedEngine):
             log(f"regen: generate engine: prompts of {width:,} tokens go {plan.rows} at a time"
                 + (f", not {self.batch}" if plan.rows < self.batch else "")
                 + (f", prefilled in chunks of {plan.chunk:,} tokens" if plan.chunk else "")
-                + f", to fit the {where}: {c.ruling()} take {human_bytes(c.new_token)} a token in a layer, the KV "
-                f"cache {human_bytes(c.kv_token)} a token (shorter prompts go more at a time)")
+                + f", to fit the {where}: {self.cost.ruling(plan.rows, plan.chunk or width, width)}, the KV cache "
+                f"{human_bytes(self.cost.kv_token)} a token (shorter prompts go more at a time)")
 
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
         p = self.prepare(rid, messages)
@@ -265,11 +266,11 @@ class GenerateEngine(EmbeddedEngine):
             seeds = torch.tensor([s for *_, s in batch], device=self.t.device)
             kw["logits_processor"] = LogitsProcessorList(
                 [SeededSampling(self.rc.temperature, self.rc.top_p, seeds, width)])
-        if chunk and chunk < width:
-            kw["prefill_chunk_size"] = chunk
+        gen = copy.deepcopy(self.gen)  # this call's settings in its config (transformers deprecates them beside one)
+        gen.max_new_tokens = max(b[2] for b in batch)
+        gen.prefill_chunk_size = chunk if chunk and chunk < width else None
         with torch.no_grad():
-            res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
-                                        max_new_tokens=max(b[2] for b in batch), **kw)
+            res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, **kw)
         return [self.result(rid, len(p), row[:max_new])
                 for row, (rid, p, max_new, _) in zip(res[:, width:].tolist(), batch)]
 
