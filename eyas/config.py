@@ -90,7 +90,7 @@ class RegenConfig:
     temperature: float = opt(0.8, "sampling temperature (0 = greedy)")
     top_p: float = opt(0.95, "nucleus sampling threshold")
     seed: int = opt(0, "sampling seed")
-    batch_size: int = opt(0, "embedded backend: sequences decoded together (0 = auto: 32 on CPU; on GPU 512 with the static engine, 256 with the others)")
+    batch_size: int = opt(0, "embedded backend: sequences decoded together (0 = auto: 32 on CPU; on GPU 512 with the static engine, 256 with the others); the static and generate engines take fewer where the memory is short")
     concurrency: int = opt(16, "server backend: requests in flight")
     timeout: float = opt(120.0, "server backend: seconds before a request is abandoned and retried")
     retries: int = opt(5, "server backend: retries per request on 429/5xx/connection errors")

@@ -11,6 +11,7 @@ padded batches of prompts grouped by length through `model.generate`. `auto` tak
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 
@@ -21,9 +22,10 @@ from ..config import RegenConfig
 from ..data.conversation import Turn, split_reasoning
 from ..data.reasoning import history_messages
 from ..data.tokenize import render
-from ..util import EyasError, human_bytes, log, mem_available, to_device
+from ..util import EyasError, human_bytes, log, mem_available, release_memory, to_device
 from .fastlm import FastLM, fast_engine_runs, supported
 from .graphs import DecodeGraph
+from .memory import MIN_CHUNK, BatchPlan, ForwardCost, all_logits, free_bytes, plan_batch
 from .sampling import SeededSampling, seeded_pick
 from .turn import TurnResult
 
@@ -166,14 +168,48 @@ class ContinuousEngine(EmbeddedEngine):
 
 class GenerateEngine(EmbeddedEngine):
     """Padded batches through `model.generate`, prompts grouped by length (shortest first) so little
-    of each batch is padding."""
+    of each batch is padding. Each batch is sized to the free memory (eyas.engine.memory): as many of the shortest
+    waiting prompts as fit, up to `batch`, the prompts prefilled in chunks where a whole prefill would not fit. A batch
+    that still runs out of memory is halved and retried (_smaller)."""
     name = "generate"
+    budget_share = 0.9  # of the free memory: the allocator's fragmentation and what the estimate leaves out
 
     def __init__(self, target, rc, reasoning, ctx_limit):
         super().__init__(target, rc, reasoning, ctx_limit)
         self.pending: list[tuple[str, list[int], int, int]] = []
         self.gen = self.generation_config(sampled=False)  # sampling: each row from its request's seed (sampling.py)
+        eager = getattr(target.config, "_attn_implementation", None) == "eager"
+        self.cost = ForwardCost.from_config(target.config, target.dtype.itemsize, eager=eager,
+                                            cpu=target.device.type == "cpu")
+        self.all_logits = all_logits(target.model)
+        self.scale = 1  # the estimate's multiplier: doubled at each out-of-memory error
         torch.manual_seed(rc.seed)
+        self._log_plan()
+
+    def _plan(self, batch: list[tuple[str, list[int], int, int]]) -> BatchPlan | None:
+        """The rows and prefill chunk of the waiting prompts `batch` (sorted, shortest first) that fit the memory."""
+        budget = self.budget_share * free_bytes(self.t.device) / self.scale
+        return plan_batch(self.cost, budget, [len(p) for _, p, _, _ in batch], [m for _, _, m, _ in batch],
+                          self.batch, self.all_logits)
+
+    def _log_plan(self) -> None:
+        """One line: the batch prompts at the context limit get, and what bounds it."""
+        width = max(1, self.ctx_limit - 1)
+        new = max(1, min(self.rc.max_new_tokens, self.model_max - width))
+        plan = self._plan([("", [0] * width, new, 0)] * self.batch)
+        where = f"{human_bytes(free_bytes(self.t.device))} free on the {self.t.device.type} device"
+        if plan is None:
+            log(f"regen: generate engine: by its memory estimate not even one prompt of {width:,} tokens fits the "
+                f"{where}; it tries one at a time, prefilled in chunks of {MIN_CHUNK} tokens")
+        elif not plan.limited:
+            log(f"regen: generate engine: {plan.rows} prompts a batch (at {width:,} prompt and {new:,} new tokens "
+                f"about {human_bytes(plan.peak)} of the {where})")
+        else:
+            log(f"regen: generate engine: prompts of {width:,} tokens go {plan.rows} at a time"
+                + (f", not {self.batch}" if plan.rows < self.batch else "")
+                + (f", prefilled in chunks of {plan.chunk:,} tokens" if plan.chunk else "")
+                + f", to fit the {where}: {self.cost.ruling(plan.rows, plan.chunk or width, width)}, the KV cache "
+                f"{human_bytes(self.cost.kv_token)} a token (shorter prompts go more at a time)")
 
     def submit(self, rid: str, messages: list[dict], seed: int) -> None:
         p = self.prepare(rid, messages)
@@ -185,22 +221,58 @@ class GenerateEngine(EmbeddedEngine):
         if out or not self.pending:
             return out
         self.pending.sort(key=lambda x: len(x[1]))
-        batch, self.pending = self.pending[: self.batch], self.pending[self.batch:]
+        plan = self._plan(self.pending[: self.batch])
+        rows, chunk = (plan.rows, plan.chunk) if plan else (1, MIN_CHUNK)  # none fits by the estimate: try one
+        batch, self.pending = self.pending[:rows], self.pending[rows:]
+        while True:
+            try:
+                return out + self._generate(batch, chunk)
+            except torch.OutOfMemoryError:
+                pass  # retried outside the handler, whose traceback holds the failed call's tensors
+            batch, chunk = self._smaller(batch, chunk)
+
+    def _smaller(self, batch: list, chunk: int | None) -> tuple[list, int | None]:
+        """After an out-of-memory error: half the rows (the rest wait for a later batch), or with one row left half the
+        prefill chunk; refused in one line where no smaller call is left. Later batches take at most as many rows
+        and are planned with twice the estimate (halving the rows alone, a plan would lengthen their prefill chunk)."""
+        release_memory()
+        self.scale *= 2
+        width = max(len(p) for _, p, _, _ in batch)
+        if len(batch) > 1:
+            keep = len(batch) // 2
+            self.pending[:0] = batch[keep:]
+            self.batch = min(self.batch, keep)
+            log(f"regen: out of memory generating {len(batch)} prompts of up to {width:,} tokens on the generate "
+                f"engine; retrying {keep} of them, and later batches take at most {keep} with twice the memory "
+                f"estimate")
+            return batch[:keep], chunk
+        step = min(chunk or width, width)
+        if step <= 1:
+            raise EyasError(f"the generate engine runs out of memory on a single prompt of {width:,} tokens even with "
+                            f"its prefill one token at a time; lower data.max_seq_len or regen.max_new_tokens, or "
+                            f"free the device's memory")
+        log(f"regen: out of memory prefilling one prompt of {width:,} tokens; retrying in chunks of {step // 2:,} "
+            f"tokens")
+        return batch, step // 2
+
+    def _generate(self, batch: list[tuple[str, list[int], int, int]], chunk: int | None) -> list[TurnResult]:
+        """One `model.generate` call on `batch`, left-padded, the prompts prefilled in chunks of `chunk` tokens."""
         width = max(len(b[1]) for b in batch)
         pad = self.gen.pad_token_id
         ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _, _ in batch], device=self.t.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _, _ in batch], device=self.t.device)
-        sampling = {}
+        kw = {}
         if self.rc.temperature > 0:
             seeds = torch.tensor([s for *_, s in batch], device=self.t.device)
-            sampling["logits_processor"] = LogitsProcessorList(
+            kw["logits_processor"] = LogitsProcessorList(
                 [SeededSampling(self.rc.temperature, self.rc.top_p, seeds, width)])
+        gen = copy.deepcopy(self.gen)  # this call's settings in its config (transformers deprecates them beside one)
+        gen.max_new_tokens = max(b[2] for b in batch)
+        gen.prefill_chunk_size = chunk if chunk and chunk < width else None
         with torch.no_grad():
-            res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=self.gen,
-                                        max_new_tokens=max(b[2] for b in batch), **sampling)
-        for row, (rid, p, max_new, _) in zip(res[:, width:].tolist(), batch):
-            out.append(self.result(rid, len(p), row[:max_new]))
-        return out
+            res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, **kw)
+        return [self.result(rid, len(p), row[:max_new])
+                for row, (rid, p, max_new, _) in zip(res[:, width:].tolist(), batch)]
 
     def close(self) -> None:
         pass
