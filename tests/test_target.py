@@ -156,7 +156,8 @@ def test_two_processes_dequantize_the_gguf_once(tmp_path):
 
 def test_the_qwen_coder_1_5b_preset_names_its_parts_or_finds_a_staged_file(tmp_path, monkeypatch):
     from eyas.config import preset
-    from eyas.export import verifier_architectures, verifier_name
+    from eyas.export import verifier_architectures
+    from eyas.serve_target import verifier_name
     from eyas.target_source import find_preset_gguf
 
     for var in ("EYAS_QWEN_CODER_1_5B_GGUF", "EYAS_STAGE_DIR"):
