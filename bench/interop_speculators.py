@@ -394,7 +394,8 @@ def main(argv=None) -> int:
     import transformers
 
     from eyas.config import TargetConfig
-    from eyas.export import export_drafter, verifier_name
+    from eyas.export import export_drafter
+    from eyas.serve_target import verifier_name
     from eyas.target import load_target
 
     out = Path(args.out)

@@ -1,9 +1,9 @@
 """Aux layers: which residual streams of the target feed the drafter, and how each engine numbers them.
 
 Aux id i is the stream *entering* decoder layer i, transformers' `output_hidden_states[i]` (0 is the embedding
-output, N the final pre-norm state of a target of N decoder layers). The default is [2, N//2, N-3]. vLLM and
-speculators write the same ids; SGLang adds 1 to each configured id, so it is given eyas id - 1
-(docs/design.md, docs/serving.md).
+output, N the final pre-norm state of a target of N decoder layers). The default is [2, N//2, N-3] (a target of
+fewer than 7 layers gets three other distinct ones: default_aux_layers). vLLM and speculators write the same ids;
+SGLang adds 1 to each configured id, so it is given eyas id - 1 (docs/design.md, docs/serving.md).
 """
 from __future__ import annotations
 
@@ -13,7 +13,19 @@ FORMATS = ("sglang", "vllm")  # the engines an export writes for, each with its 
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """The aux layers of a target of N = `num_layers` decoder layers unless target.aux_layers names others, three
+    distinct increasing ids: EAGLE's and vLLM's [2, N//2, N-3] where those are three (N >= 7); else three spread over
+    the ids the engines serve (1..N-1, see engine_aux_ids), [1, N//2, N-1] (N 4..6); else, where 1..N-1 holds
+    fewer than three (N 2..3), the top three of 0..N, which eyas trains and evaluates on but export refuses."""
+    n = num_layers
+    if n >= 7:
+        return [2, n // 2, n - 3]
+    if n >= 4:
+        return [1, n // 2, n - 1]
+    if n >= 2:
+        return [n - 2, n - 1, n]
+    raise EyasError(f"a target of {n} decoder layer(s) has {max(n + 1, 0)} residual stream(s) (aux ids 0..{n}): "
+                    f"too few for the 3 distinct aux layers an EAGLE-3 drafter reads")
 
 
 def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import config as C
+from . import pipeline
 from .util import RUN_LOCK, EyasError, NotBuiltError, Terminated, log, run_lock
 
 # a section, or "section:field,field" for the fields of it a command reads (the eval reads the data settings that
@@ -300,13 +301,11 @@ def _main(args, maps) -> int:
         if args.command == "compare":  # reads two reports, no config
             return cmd_compare(args)
         if args.command == "report":
-            from .pipeline import run_report
-
             if args.out is not None and not args.out.strip():
                 raise EyasError("--out is empty: give a run directory (leave --out out for runs/default)")
             if args.run_dir and args.out and Path(args.run_dir) != Path(args.out):
                 raise EyasError(f"two run directories given, {args.run_dir} and --out {args.out}: give one")
-            return _print_result(run_report(C.Config(out=args.run_dir or args.out or C.Config().out)))
+            return _print_result(pipeline.run_report(C.Config(out=args.run_dir or args.out or C.Config().out)))
         cfg = config_from_args(args, maps.get(args.command, {}))
         out = Path(cfg.out)
         if args.command not in ("target", "data") and out.exists() and not out.is_dir():  # before any work
@@ -318,14 +317,12 @@ def _main(args, maps) -> int:
         with run_lock(out, args.command):
             if args.command == "parity":
                 return cmd_parity(cfg, args)
-            fn = stage_function(COMMANDS[args.command][2], args.command)
+            fn = stage_function(pipeline.stage_spec(args.command, cfg, COMMANDS[args.command][2]), args.command)
             if args.command == "run":
                 return _print_result(fn(cfg))
-            from .pipeline import end_pending, mark_replaced, output_snapshot, settle_pending, unmark_if_untouched
-
-            settle_pending(out)  # an earlier stage command killed on this run
-            snapshot = output_snapshot(out, args.command)
-            before = mark_replaced(out, args.command, snapshot)
+            pipeline.settle_pending(out)  # an earlier stage command killed on this run
+            snapshot = pipeline.output_snapshot(out, args.command)
+            before = pipeline.mark_replaced(out, args.command, snapshot)
             # a run a stage command starts remembers its settings, as one `eyas run` starts does: the next command
             # on it (`eyas tokenize --out R` after `eyas regen --preset tiny --out R`) starts from them
             saved = out / "eyas.toml"
@@ -334,11 +331,11 @@ def _main(args, maps) -> int:
                 C.save(cfg, out)
             try:
                 result = fn(cfg)
-                end_pending(out)
+                pipeline.end_pending(out)
                 return _print_result(result)
             except BaseException:
-                unmark_if_untouched(out, args.command, before, snapshot)
-                end_pending(out)
+                pipeline.unmark_if_untouched(out, args.command, before, snapshot)
+                pipeline.end_pending(out)
                 if new and not any(p.name not in ("eyas.toml", RUN_LOCK) for p in out.iterdir()):
                     saved.unlink(missing_ok=True)  # refused before it made anything: the folder is not a run yet
                 raise

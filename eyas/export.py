@@ -15,10 +15,6 @@ engine file and version it was read from, in docs/serving.md. In short:
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,6 +27,7 @@ from .draft import Eagle3Drafter, load_drafter
 from .draft_config import (NON_FINITE, DraftConfig, check_checkpoint, check_fits, check_tensors, read_config,
                            shapes_of)
 from .formats import VLLM_MODEL_TYPE
+from .fresh_folder import fresh_folder
 from .target_head import load_target_head
 from .target_spec import load_spec
 from .variants import LAYER_ARCHS, sglang_refusal, speculators_fields
@@ -43,10 +40,6 @@ SGLANG_MULTI_LAYER = ("a drafter of {n} decoder layers cannot be served by SGLan
                       "the layers after the first differently (they drop the residual stream), so it would not "
                       "compute what was trained; export it for vLLM (export.formats=[\"vllm\"])")
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
-# hub ids of the presets, written as the verifier a served drafter belongs to
-PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                  "qwen-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
-                  "qwen-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
 PRESET_ARCHS = {"smollm2": "LlamaForCausalLM", "qwen-coder-0.5b": "Qwen2ForCausalLM",
                 "qwen-coder-1.5b": "Qwen2ForCausalLM", "tiny": "LlamaForCausalLM"}
 
@@ -81,7 +74,7 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
                    include_embeddings: bool = False, num_speculative_tokens: int = 3,
                    verifier_architectures: list[str] | None = None) -> Path:
     """Write `drafter` in an engine's format: out_dir/config.json + out_dir/model.safetensors, and nothing else
-    (the folder is written anew and swapped in whole: see _fresh_folder)."""
+    (the folder is written anew and swapped in whole: see eyas.fresh_folder)."""
     from safetensors.torch import save_file
 
     check_format(fmt)
@@ -133,7 +126,7 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     refuse_non_finite(tensors, f"{out / 'model.safetensors'}: not written", NON_FINITE)
     needed = sum(v.numel() * v.element_size() for v in tensors.values())
-    with _fresh_folder(out) as folder:
+    with fresh_folder(out, _check_replaceable) as folder:
         # (atomic_path also gives it a plain file's mode; a full disk is named as the export's file)
         with atomic_path(folder / "model.safetensors", needed) as tmp, writing(out / "model.safetensors", needed):
             save_file(tensors, str(tmp), metadata={"format": "pt", "eyas_export": fmt})
@@ -141,85 +134,7 @@ def export_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str, target
     return out
 
 
-# ----------------------------------------------------------------------------- writing a folder whole
-
-@contextlib.contextmanager
-def _fresh_folder(out: Path, check=None):
-    """Yield an empty temporary folder beside `out`; when the block succeeds, it takes out's place in one step. So
-    `out` holds exactly what the block wrote: no file of an earlier export survives there to be read with the new
-    ones (a reader loads every weights file a folder holds when it has no index), and a reader, or an export killed
-    midway, finds the old folder whole or the new one whole (`check` refuses an `out` it may not replace: by default
-    anything but a drafter export). What a killed export leaves beside `out` (a hidden
-    `.<name>.<pid>.tmp` folder) is deleted by the next one."""
-    (check or _check_replaceable)(out)
-    with writing(out):
-        out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(out)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    with writing(out):
-        tmp.mkdir()
-    try:
-        yield tmp
-        _swap_in(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the unfinished folder, or after a swap the old one
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Put the finished folder `tmp` at `out`; the old `out`, if any, ends up at `tmp`."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    if _exchange(tmp, out):
-        return
-    # a system that cannot swap two folders in one step: the old one is moved aside first, so for that instant `out`
-    # is missing (never half-written)
-    old = out.with_name(f".{out.name}.{os.getpid()}.old.tmp")
-    os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step: Linux's renameat2 with RENAME_EXCHANGE. False where the C library, the kernel or
-    the file system does not offer it."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28 and later
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _remove_leftovers(out: Path) -> None:
-    """Delete the temporary folders exports killed midway left beside `out`, unless their process still runs."""
-    if not out.parent.is_dir():
-        return
-    prefix = f".{out.name}."
-    for p in out.parent.iterdir():
-        if p.name.startswith(prefix) and p.name.endswith(".tmp") and p.is_dir():
-            pid = p.name[len(prefix):].split(".")[0]
-            if pid.isdigit() and (int(pid) == os.getpid() or not _running(int(pid))):
-                shutil.rmtree(p, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    if os.name != "posix":  # elsewhere os.kill(pid, 0) is no harmless probe: keep the folder
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
+# ----------------------------------------------------------------------------- refusing a folder
 
 def _check_replaceable(out: Path) -> None:
     """Refuse to write over something that is not a drafter export: the export replaces the whole folder."""
@@ -239,10 +154,6 @@ def _check_replaceable(out: Path) -> None:
         raise EyasError(f"{out}: holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which is not a "
                         f"drafter export, and the export replaces the whole folder: move them away, or export "
                         f"elsewhere")
-
-
-def verifier_name(target_cfg) -> str:
-    return PRESET_HUB_IDS.get(target_cfg.name, target_cfg.name)
 
 
 def verifier_architectures(target_cfg) -> list[str] | None:

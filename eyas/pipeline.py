@@ -40,6 +40,9 @@ STAGES = [
     ("eval", "eyas.evaluate:run_eval", ["eval"], ["eval"]),
     ("export", "eyas.export:run_export", ["export"], ["export"]),
 ]
+# stages another function does where a setting is given: stage -> (config key, "module:function"). Extraction from
+# vLLM reads the engine's states instead of running the target (eyas.engine_features builds on eyas.features)
+STAGE_VARIANTS = {"extract": ("features.from_vllm", "eyas.engine_features:run_engine_extract")}
 
 # settings left at their defaults are sized to the machine for the embedded default run
 AUTO_CPU = {"regen.limit": 32, "regen.turns": 1, "regen.max_new_tokens": 128, "data.max_seq_len": 384,
@@ -241,6 +244,13 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def stage_spec(name: str, cfg: C.Config, spec: str) -> str:
+    """The "module:function" that does stage `name` under `cfg`: `spec` (its entry in STAGES or the CLI's commands),
+    or the variant STAGE_VARIANTS names where its setting is given."""
+    key, variant = STAGE_VARIANTS.get(name, ("", spec))
+    return variant if key and C.get_key(cfg, key) else spec
+
+
 def _stage_fn(spec: str):
     mod, fn = spec.split(":")
     try:
@@ -390,7 +400,7 @@ def run_pipeline(cfg: C.Config) -> dict:
             by = rec.get("by", name)
             log(f"[{name}] " + (f"a standalone `eyas {by}` wrote over its outputs since" if by == name else
                                 f"a standalone `eyas {by}` remade what it reads since") + ": running it again")
-        fn = _stage_fn(spec)
+        fn = _stage_fn(stage_spec(name, cfg, spec))
         if fn is None:
             missing.append(name)
             log(f"[{name}] not built yet in this version of eyas; stopping here")

@@ -15,12 +15,17 @@ import os
 import shutil
 from pathlib import Path
 
+from .fresh_folder import fresh_folder
 from .target import find_eot_ids
 from .target_source import PRESET_GGUF, resolve_source
 from .util import EyasError, atomic_write_json, log, share, writing
 
 MARKER = "eyas_target.json"  # what the folder was written from; also tells a target folder eyas may replace
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")
+# hub ids of the presets, written as the verifier a served drafter belongs to
+PRESET_HUB_IDS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                  "qwen-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+                  "qwen-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}
 
 
 def needs_folder(tcfg) -> bool:
@@ -32,8 +37,6 @@ def write_target_folder(tcfg, out: Path) -> Path:
     """Write the target of `tcfg` into `out` as a transformers folder (see the module docstring); `out` is replaced
     whole, never left half-written."""
     from transformers import AutoTokenizer, GenerationConfig
-
-    from .export import _fresh_folder  # export imports this module
 
     source, digest = resolve_source(tcfg)
     src = Path(source)
@@ -47,7 +50,7 @@ def write_target_folder(tcfg, out: Path) -> Path:
     except OSError:
         gen = GenerationConfig()
     eot = find_eot_ids(tok, gen)
-    with _fresh_folder(out, check=_check_replaceable) as tmp:
+    with fresh_folder(out, _check_replaceable) as tmp:
         for f in [src / "config.json", *weights]:
             _link_or_copy(f, tmp / f.name, out / f.name)
         if eot:
@@ -66,11 +69,13 @@ def write_target_folder(tcfg, out: Path) -> Path:
 def serve_target(cfg, run: Path) -> str:
     """The target the exports name: <run>/export/target (written here) for a preset or a .gguf target when
     export.target_folder is on, else the hub id of a preset or the target as given."""
-    from .export import verifier_name
-
     if not (cfg.export.target_folder and needs_folder(cfg.target)):
         return verifier_name(cfg.target)
     return str(write_target_folder(cfg.target, run / "export" / "target").resolve())
+
+
+def verifier_name(target_cfg) -> str:
+    return PRESET_HUB_IDS.get(target_cfg.name, target_cfg.name)
 
 
 def _link_or_copy(src: Path, dst: Path, shown: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.config import TargetConfig
+from eyas.engine_features import run_engine_extract
 from eyas.features import OfflineFeatures, run_extract
 from eyas.target import load_target
 from eyas.util import EyasError, read_json
@@ -111,19 +112,19 @@ def test_vllm_files_become_the_shards_eyas_extract_writes_and_train(extracted, t
     engine_folder(ref, tiny, tmp_path / "hs")
     run = tmp_path / "run"
     engine_run(ref, run)
-    res = run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
+    res = run_engine_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
     assert res["engine"]["files"] == 8 and [s["reused_shards"] for s in res["splits"]] == [0, 0]
     same_features(ref, run, atol=1e-5)
     man = read_json(run / "features" / "train" / "manifest.json")
     assert man["source"] == {"engine": "vllm"} and man["engine"]["layer_ids"] == [*tiny.aux_layers, tiny.num_layers]
     # run again: every shard is reused, nothing is read; a shard lost is read again, the same bytes
     before = shard_hashes(run)
-    again = run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
+    again = run_engine_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
     assert [s["extracted_tokens"] for s in again["splits"]] == [0, 0]
     lost = run / "features" / "train" / "shard-000-00001.safetensors"
     n_lost = read_json(run / "features" / "train" / "index.json")["shards"][1]["tokens"]
     lost.unlink()
-    again = run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
+    again = run_engine_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
     assert [s["extracted_tokens"] for s in again["splits"]] == [n_lost, 0] and shard_hashes(run) == before
     # an in-process extraction into the same folder does not mix its shards with the engine's
     with pytest.raises(EyasError, match=r"manifest.json: features were extracted with other settings \(source"):
@@ -144,7 +145,7 @@ def test_fp8_files_named_as_speculators_names_them(extracted, tmp_path):
     engine_folder(ref, tiny, tmp_path / "hs", names="speculators", fp8=True)
     run = tmp_path / "run"
     engine_run(ref, run)
-    run_extract(tiny_cfg(run, dtype="bf16", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
+    run_engine_extract(tiny_cfg(run, dtype="bf16", shard_tokens=128, from_vllm=str(tmp_path / "hs")))
     a, b = OfflineFeatures(ref, "train"), OfflineFeatures(run, "train", dtype=torch.float32)
     for x, y in zip(a.get(range(len(a))), b.get(range(len(b)))):
         # fp8 e4m3 (3 mantissa bits) with one scale per token over all four layers, then bf16
@@ -167,7 +168,7 @@ def test_other_family_final_norm_is_its_own(tmp_path, tokenizer_dir):  # noqa: F
     engine_run(ref, run)
     cfg = tiny_cfg(run, dtype="fp32", from_vllm=str(tmp_path / "hs"))
     cfg.target.name = str(folder)
-    run_extract(cfg)
+    run_engine_extract(cfg)
     same_features(ref, run, atol=1e-5)
 
 
@@ -223,7 +224,7 @@ def test_server_url_sends_eyas_tokens_and_reads_what_it_wrote(extracted, tmp_pat
         run = tmp_path / "run"
         engine_run(ref, run)
         url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-        res = run_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=url))
+        res = run_engine_extract(tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=url))
     finally:
         srv.shutdown()
     assert res["engine"]["model"] == "tiny"
@@ -253,7 +254,7 @@ def test_bad_engine_files_are_named(extracted, tmp_path):
         run = tmp_path / uuid.uuid4().hex
         engine_run(ref, run)
         with pytest.raises(EyasError, match=match):
-            run_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(d)))
+            run_engine_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(d)))
 
     good = engine_states(tiny.model, ids, aux)
     # launched without the last layer (speculators' --no-include-last-layer): three layers, no final state
@@ -275,9 +276,9 @@ def test_bad_engine_files_are_named(extracted, tmp_path):
     run = tmp_path / "r2"
     engine_run(ref, run)
     with pytest.raises(EyasError, match=r"a.safetensors: not a readable safetensors file"):
-        run_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(d)))
+        run_engine_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(d)))
     with pytest.raises(EyasError, match=r"no such folder"):
-        run_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(tmp_path / "nowhere")))
+        run_engine_extract(tiny_cfg(run, dtype="fp32", from_vllm=str(tmp_path / "nowhere")))
 
 
 def test_online_training_streams_features_from_the_server(extracted, tmp_path):
@@ -330,6 +331,29 @@ def test_the_pipeline_loads_no_target_to_read_an_engine(tmp_path):
     assert not stage_runs_target("train", cfg)
 
 
+def test_the_extract_stage_reads_the_engine_where_from_vllm_is_given(extracted, tmp_path, capsys):
+    """`eyas extract --from-vllm` and `eyas run`'s extract stage run eyas.engine_features' extraction; without it,
+    the in-process one. run_extract itself refuses the setting rather than run the target in its place."""
+    from eyas.cli import main
+    from eyas.pipeline import STAGES, stage_spec
+
+    spec = dict((n, s) for n, s, *_ in STAGES)["extract"]
+    cfg = tiny_cfg(tmp_path)
+    assert stage_spec("extract", cfg, spec) == "eyas.features:run_extract"
+    cfg.features.from_vllm = str(tmp_path / "nowhere")
+    assert stage_spec("extract", cfg, spec) == "eyas.engine_features:run_engine_extract"
+    assert stage_spec("train", cfg, "eyas.train:run_train") == "eyas.train:run_train"
+    with pytest.raises(EyasError, match=r"features.from_vllm: the features are read from vLLM by eyas.engine_features"):
+        run_extract(cfg)
+    _, ref = extracted
+    run = tmp_path / "run"
+    engine_run(ref, run)
+    assert main(["extract", "--preset", "tiny", "--out", str(run), "--device", "cpu",
+                 "--from-vllm", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "features.from_vllm" in err and "no such folder" in err, err
+
+
 def test_a_server_whose_files_are_not_visible_here_is_named(extracted, tmp_path, monkeypatch):
     """The connector's storage is on the server's machine only: the file the answer names never appears here."""
     import eyas.engine_features as ef
@@ -349,6 +373,6 @@ def test_a_server_whose_files_are_not_visible_here_is_named(extracted, tmp_path,
         engine_run(ref, run)
         with pytest.raises(EyasError, match=r"/elsewhere/hs/cmpl-1-0.safetensors: the server wrote its hidden states "
                                             r"here, but this machine cannot see the file"):
-            run_extract(tiny_cfg(run, from_vllm=f"http://127.0.0.1:{srv.server_address[1]}"))
+            run_engine_extract(tiny_cfg(run, from_vllm=f"http://127.0.0.1:{srv.server_address[1]}"))
     finally:
         srv.shutdown()

@@ -26,8 +26,9 @@ from eyas.config import Config
 from eyas.draft import Eagle3Drafter, build_drafter, save_drafter
 from eyas.aux_layers import engine_aux_ids, eyas_aux_ids
 from eyas.draft_config import check_checkpoint
-from eyas.export import export_drafter, run_export, verifier_architectures, verifier_name
+from eyas.export import export_drafter, run_export, verifier_architectures
 from eyas.formats import import_drafter
+from eyas.serve_target import verifier_name
 from eyas.util import EyasError
 
 DRAFT_VOCAB = 2048
@@ -509,6 +510,7 @@ def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
     import sys
 
     import eyas.export as E
+    import eyas.fresh_folder as F
 
     save_drafter(drafter, tmp_path / "draft")
     cfg = Config()
@@ -538,7 +540,7 @@ def test_export_replaces_the_folder_whole(tiny, drafter, tmp_path, monkeypatch):
     left = vllm.parent / f".vllm.{int(gone.stdout)}.tmp"
     left.mkdir()
     (left / "config.json").write_text("{}")
-    monkeypatch.setattr(E, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(F, "_exchange", lambda a, b: False)
     run_export(cfg)
     assert sorted(p.name for p in vllm.parent.iterdir()) == ["target", "vllm"] and _files(vllm) != before
     assert torch.equal(_logits(import_drafter(vllm, target=tiny), tiny), _logits(_drafter(tiny, seed=5), tiny))

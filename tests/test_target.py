@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eyas.config import TargetConfig
-from eyas.aux_layers import check_aux_layers, default_aux_layers
+from eyas.aux_layers import FORMATS, check_aux_layers, default_aux_layers, engine_aux_ids, eyas_aux_ids
 from eyas.target import load_target
 from eyas.util import EyasError
 
@@ -63,6 +63,56 @@ def test_aux_layer_checks():
         check_aux_layers([2, 15, 40], 30)
     with pytest.raises(EyasError, match="3 layers"):
         check_aux_layers([2, 15], 30)
+
+
+def test_default_aux_layers_are_three_distinct_layers_for_every_target_size():
+    """EAGLE's [2, N//2, N-3] wherever it names three distinct layers in 0..N (SmolLM2's 30: [2, 15, 27], so every
+    drafter exported before stays the same); for fewer layers three other distinct increasing ids, ones both
+    engines serve (1..N-1) where there are three of those; refused where 0..N holds fewer than three."""
+    for n in range(1, 81):
+        if n < 2:
+            with pytest.raises(EyasError, match=rf"a target of {n} decoder layer\(s\) has {n + 1} residual"):
+                default_aux_layers(n)
+            continue
+        aux = default_aux_layers(n)
+        assert len(aux) == 3 and aux == sorted(set(aux)) and 0 <= aux[0] and aux[-1] <= n, (n, aux)
+        assert check_aux_layers(aux, n) == aux
+        eagle = [2, n // 2, n - 3]
+        if eagle == sorted(set(eagle)) and 0 <= eagle[0] and eagle[-1] <= n:
+            assert aux == eagle, n
+        if n >= 4:  # 1..N-1 holds three ids: each engine is given ids that select these layers
+            for fmt in FORMATS:
+                assert eyas_aux_ids(engine_aux_ids(aux, fmt, n), fmt) == aux, (n, fmt)
+        else:
+            with pytest.raises(EyasError, match="cannot be served"):
+                engine_aux_ids(aux, "vllm", n)
+    assert [default_aux_layers(n) for n in (2, 3, 4, 5, 6, 7, 30)] == [
+        [0, 1, 2], [1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 3, 5], [2, 3, 4], [2, 15, 27]]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_a_small_target_captures_its_default_aux_layers(n):
+    """A random Llama of n layers: its default aux states are output_hidden_states at those ids, and id n (a default
+    of a 2- or 3-layer target) is the stream the final norm reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas.target import capture_hidden
+
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=n,
+                                num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(conf).eval()
+    ids = torch.randint(0, 256, (1, 12))
+    aux, _ = capture_hidden(model, default_aux_layers(n), ids)
+    before_norm = []
+    hook = model.model.norm.register_forward_pre_hook(lambda mod, args: before_norm.append(args[0]))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    hook.remove()
+    # transformers' last hidden_states entry is after the final norm; id n is the stream before it
+    states = [*hs[:n], before_norm[0]]
+    for k, i in enumerate(default_aux_layers(n)):
+        torch.testing.assert_close(aux[..., k * 32:(k + 1) * 32], states[i])
 
 
 def test_bad_targets(tmp_path, monkeypatch):
@@ -156,7 +206,8 @@ def test_two_processes_dequantize_the_gguf_once(tmp_path):
 
 def test_the_qwen_coder_1_5b_preset_names_its_parts_or_finds_a_staged_file(tmp_path, monkeypatch):
     from eyas.config import preset
-    from eyas.export import verifier_architectures, verifier_name
+    from eyas.export import verifier_architectures
+    from eyas.serve_target import verifier_name
     from eyas.target_source import find_preset_gguf
 
     for var in ("EYAS_QWEN_CODER_1_5B_GGUF", "EYAS_STAGE_DIR"):

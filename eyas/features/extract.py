@@ -325,10 +325,9 @@ def _write_shards(cfg: Config, target, share: _Share, todo: list[int], record, t
 def run_extract(cfg: Config, target=None) -> dict:
     """`eyas extract`: capture the target's aux and final hidden states for the train and val
     splits into feature shards. Under torchrun each rank extracts its share on its own GPU."""
-    if cfg.features.from_vllm:  # the engine ran the target: read its states, load only the head here
-        from ..engine_features import run_engine_extract  # imported here: engine_features builds on this module
-
-        return run_engine_extract(cfg)
+    if cfg.features.from_vllm:  # the stage's entry hands this to eyas.engine_features (pipeline.stage_spec)
+        raise EyasError("features.from_vllm: the features are read from vLLM by eyas.engine_features."
+                        "run_engine_extract, not extracted here")
     rank, world, local = dist_env()
     own_pg = False
     if world > 1:
