@@ -36,6 +36,8 @@ def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:
         if not 0 <= a <= num_layers:
             raise EyasError(f"target.aux_layers: layer {a} is out of range for a target with {num_layers} "
                             f"decoder layers (valid: 0..{num_layers}, where {num_layers} is the final pre-norm state)")
+    if len(set(aux)) != 3:  # the drafter's fc would read one stream twice; speculators refuses such a config too
+        raise EyasError(f"target.aux_layers: {aux} names a layer twice; name 3 distinct layers")
     return list(aux)
 
 

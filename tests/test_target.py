@@ -63,6 +63,8 @@ def test_aux_layer_checks():
         check_aux_layers([2, 15, 40], 30)
     with pytest.raises(EyasError, match="3 layers"):
         check_aux_layers([2, 15], 30)
+    with pytest.raises(EyasError, match="twice"):
+        check_aux_layers([2, 15, 15], 30)
 
 
 def test_default_aux_layers_are_three_distinct_layers_for_every_target_size():
