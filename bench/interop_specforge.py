@@ -54,7 +54,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from interop_speculators import Report, add_common_args, chat_inputs, setup, write_report  # noqa: E402
+from interop_speculators import Report, add_common_args, chat_inputs, setup, unroll_eyas, write_report  # noqa: E402
 
 # what SGLang's Llama draft layer computes for yarn (its get_rope reads no mscale): written into the config that
 # SpecForge reads, where the export alone does not build (see the KNOWN row)
@@ -276,24 +276,6 @@ def specforge_unroll(sf, model, x, g, steps: int, backend: str, target_logits):
     return hs, lg
 
 
-def eyas_unroll(drafter, x, g, steps: int):
-    import torch
-
-    from eyas.train.attention import TTTAttend
-
-    T = x.shape[1]
-    attend = TTTAttend(torch.zeros(T, dtype=torch.int32), "auto", steps)
-    pos = torch.arange(T)[None]
-    hidden, hs, lg = g, [], []
-    with torch.no_grad():
-        for j in range(steps):
-            xj = torch.cat([x[:, j:], x.new_zeros(1, j)], 1)
-            hidden, logits = drafter(xj, hidden, pos + j, attend)
-            hs.append(hidden)
-            lg.append(logits)
-    return hs, lg
-
-
 def compare_unroll(rep, section, eh, el, sh, sl, flex: bool):
     for j in range(len(eh)):
         n = eh[j].shape[1] - (j if flex else 0)  # flex masks the rows whose token is padding
@@ -352,7 +334,7 @@ def main(argv=None) -> int:
     ids, x, g = chat_inputs(target)  # positions from 0 (SGLang's, eyas')
     with torch.no_grad():
         target_logits = target.model(ids).logits[:, :-1].float()
-    eh, el = eyas_unroll(drafter, x, g, args.steps)
+    eh, el = unroll_eyas(drafter, x, g, torch.arange(x.shape[1])[None], args.steps)
     for name, backend in (("sglang", "sdpa"), ("sglang", "flex_attention"), ("sglang-emb", "sdpa")):
         cfg_n = read_config(sf, folders[name], extra)
         m, report = load_model(sf, folders[name], cfg_n, backend, target.source, name.endswith("-emb"))
@@ -395,8 +377,9 @@ def check_reimport(rep, model, folder: Path, drafter, target, x, g, steps: int):
     esd, bsd = drafter.state_dict(), back.state_dict()
     wrong = [k for k in esd if k not in bsd or not torch.equal(esd[k], bsd[k])]
     rep.add(S, "every tensor equal to the drafter exported", not wrong, wrong or f"{len(esd)} equal")
-    eh, el = eyas_unroll(drafter, x, g, steps)
-    bh, bl = eyas_unroll(back, x, g, steps)
+    pos = torch.arange(x.shape[1])[None]
+    eh, el = unroll_eyas(drafter, x, g, pos, steps)
+    bh, bl = unroll_eyas(back, x, g, pos, steps)
     rep.add(S, f"{steps}-step unroll equal", all(torch.equal(a, b) for a, b in zip(el + eh, bl + bh)), "bit-equal")
 
 

@@ -179,10 +179,10 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def setup(args, fmt: str, other: str, variants=None):
-    """The start every interop script shares: torch on at most 2 threads, the target (`args.target`, fp32 on the CPU), a drafter for it
-    (make_drafter) exported for `fmt` twice, to out/<fmt> and, with the target's embedding, out/<fmt>-emb; a line
-    naming `other` (the implementation and its version), the versions, the target and the drafter (and `variants`
-    when given) -> (target, drafter, {folder name: path}, the config.json of out/<fmt>)."""
+    """The start every interop script shares: torch on at most 2 threads, the target (`args.target`, fp32 on the
+    CPU), a drafter for it (make_drafter) exported for `fmt` twice, to out/<fmt> and, with the target's embedding,
+    out/<fmt>-emb; a line naming `other` (the implementation and its version), the versions, the target and the
+    drafter (and `variants` when given) -> (target, drafter, {folder name: path}, the config.json of out/<fmt>)."""
     import torch
     import transformers
 
