@@ -54,7 +54,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from interop_speculators import ROPES, Report, conversation_ids, make_drafter  # noqa: E402
+from interop_speculators import Report, add_common_args, chat_inputs, setup, unroll_eyas, write_report  # noqa: E402
 
 # what SGLang's Llama draft layer computes for yarn (its get_rope reads no mscale): written into the config that
 # SpecForge reads, where the export alone does not build (see the KNOWN row)
@@ -276,24 +276,6 @@ def specforge_unroll(sf, model, x, g, steps: int, backend: str, target_logits):
     return hs, lg
 
 
-def eyas_unroll(drafter, x, g, steps: int):
-    import torch
-
-    from eyas.train.attention import TTTAttend
-
-    T = x.shape[1]
-    attend = TTTAttend(torch.zeros(T, dtype=torch.int32), "auto", steps)
-    pos = torch.arange(T)[None]
-    hidden, hs, lg = g, [], []
-    with torch.no_grad():
-        for j in range(steps):
-            xj = torch.cat([x[:, j:], x.new_zeros(1, j)], 1)
-            hidden, logits = drafter(xj, hidden, pos + j, attend)
-            hs.append(hidden)
-            lg.append(logits)
-    return hs, lg
-
-
 def compare_unroll(rep, section, eh, el, sh, sl, flex: bool):
     for j in range(len(eh)):
         n = eh[j].shape[1] - (j if flex else 0)  # flex masks the rows whose token is padding
@@ -308,42 +290,16 @@ def compare_unroll(rep, section, eh, el, sh, sl, flex: bool):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", choices=["tiny", "smollm2"], default="tiny", help="eyas target preset")
-    ap.add_argument("--out", required=True, help="folder for the exported drafters and interop.json")
-    ap.add_argument("--draft-vocab", type=int, default=0, help="draft vocabulary size (default 2048 tiny, 8192 "
-                                                                "smollm2)")
-    ap.add_argument("--steps", type=int, default=3, help="TTT steps to unroll")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the drafter's random weights and vocabulary")
-    ap.add_argument("--rope", choices=list(ROPES), default="default",
-                    help="rope kind of the drafter (its settings in interop_speculators.ROPES; "
-                         "max_position_embeddings 256)")
+    add_common_args(ap)
     args = ap.parse_args(argv)
 
     import torch
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    warnings.filterwarnings("ignore", message=".*flex_attention.*")
     sf = import_specforge()
     import transformers
 
-    from eyas.config import TargetConfig
-    from eyas.export import export_drafter
-    from eyas.serve_target import verifier_name
-    from eyas.target import load_target
-
-    out = Path(args.out)
-    tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
-    target = load_target(tcfg)
-    drafter = make_drafter(target, args.draft_vocab or (2048 if args.target == "tiny" else 8192), args.seed,
-                           args.rope)
+    target, drafter, folders, exported = setup(args, "sglang", f"specforge {sf.version}")
     c = drafter.config
-    print(f"specforge {sf.version}, transformers {transformers.__version__}, torch {torch.__version__}; target "
-          f"{args.target} ({target.num_layers} layers, H {c.hidden_size}, heads {c.num_attention_heads}/"
-          f"{c.num_key_value_heads}, head_dim {c.head_dim}, theta {c.rope_theta}), draft vocab {c.draft_vocab_size}, "
-          f"aux {c.aux_layers}, rope {c.rope_scaling or 'default'}\n")
-    folders = {name: export_drafter(drafter, out / name, "sglang", verifier_name(tcfg), include_embeddings=emb,
-                                    num_speculative_tokens=args.steps)
-               for name, emb in (("sglang", False), ("sglang-emb", True))}
-    exported = json.loads((folders["sglang"] / "config.json").read_text())
+    out = Path(args.out)
     rep = Report("SpecForge")
     if args.rope == "dynamic":  # the table row says why in full
         rep.forward_known = "SpecForge's dynamic table differs from SGLang's (see the RoPE table row)"
@@ -375,13 +331,10 @@ def main(argv=None) -> int:
     if extra is NO_ROPE:  # another rope than the drafter's: no forward to compare
         return finish(rep, out, args, sf, transformers)
 
-    ids = conversation_ids(target)
-    aux, _ = target.capture(ids)
+    ids, x, g = chat_inputs(target)  # positions from 0 (SGLang's, eyas')
     with torch.no_grad():
         target_logits = target.model(ids).logits[:, :-1].float()
-    x, g = ids[:, 1:], aux[:, :-1]  # x_{t+1} with the aux state of t, positions from 0 (SGLang's, eyas')
-    eh, el = eyas_unroll(drafter, x, g, args.steps)
-    print(f"inputs: {ids.shape[1]} tokens of a chat, aux states from the target ({aux.shape[-1]} wide)")
+    eh, el = unroll_eyas(drafter, x, g, torch.arange(x.shape[1])[None], args.steps)
     for name, backend in (("sglang", "sdpa"), ("sglang", "flex_attention"), ("sglang-emb", "sdpa")):
         cfg_n = read_config(sf, folders[name], extra)
         m, report = load_model(sf, folders[name], cfg_n, backend, target.source, name.endswith("-emb"))
@@ -424,20 +377,16 @@ def check_reimport(rep, model, folder: Path, drafter, target, x, g, steps: int):
     esd, bsd = drafter.state_dict(), back.state_dict()
     wrong = [k for k in esd if k not in bsd or not torch.equal(esd[k], bsd[k])]
     rep.add(S, "every tensor equal to the drafter exported", not wrong, wrong or f"{len(esd)} equal")
-    eh, el = eyas_unroll(drafter, x, g, steps)
-    bh, bl = eyas_unroll(back, x, g, steps)
+    pos = torch.arange(x.shape[1])[None]
+    eh, el = unroll_eyas(drafter, x, g, pos, steps)
+    bh, bl = unroll_eyas(back, x, g, pos, steps)
     rep.add(S, f"{steps}-step unroll equal", all(torch.equal(a, b) for a, b in zip(el + eh, bl + bh)), "bit-equal")
 
 
 def finish(rep, out: Path, args, sf, transformers) -> int:
-    print()
-    n_fail = rep.print()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "interop.json").write_text(json.dumps(
-        {"target": args.target, "rope": args.rope, "specforge": sf.version, "transformers": transformers.__version__,
-         "rows": rep.rows}, indent=2) + "\n")
-    print(f"{'FAIL' if n_fail else 'PASS'}: eyas SGLang export vs SpecForge {sf.version}  ({out / 'interop.json'})")
-    return 1 if n_fail else 0
+    return write_report(rep, out, {"target": args.target, "rope": args.rope, "specforge": sf.version,
+                                   "transformers": transformers.__version__},
+                        f"eyas SGLang export vs SpecForge {sf.version}")
 
 
 if __name__ == "__main__":

@@ -164,6 +164,74 @@ def conversation_ids(target):
     return torch.tensor(out["input_ids"])[None]
 
 
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options every interop script takes: the target, the output folder, the drafter's draft vocabulary, seed
+    and rope kind, and the TTT steps to unroll."""
+    ap.add_argument("--target", choices=["tiny", "smollm2"], default="tiny", help="eyas target preset")
+    ap.add_argument("--out", required=True, help="folder for the exported drafters and interop.json")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft vocabulary size (default 2048 tiny, 8192 smollm2)")
+    ap.add_argument("--steps", type=int, default=3, help="TTT steps to unroll")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drafter's random weights and vocabulary")
+    ap.add_argument("--rope", choices=list(ROPES), default="default",
+                    help="rope kind of the drafter (its settings in interop_speculators.ROPES; "
+                         "max_position_embeddings 256)")
+
+
+def setup(args, fmt: str, other: str, variants=None):
+    """The start every interop script shares: torch on at most 2 threads, the target (`args.target`, fp32 on the
+    CPU), a drafter for it (make_drafter) exported for `fmt` twice, to out/<fmt> and, with the target's embedding,
+    out/<fmt>-emb; a line naming `other` (the implementation and its version), the versions, the target and the
+    drafter (and `variants` when given) -> (target, drafter, {folder name: path}, the config.json of out/<fmt>)."""
+    import torch
+    import transformers
+
+    from eyas.config import TargetConfig
+    from eyas.export import export_drafter
+    from eyas.serve_target import verifier_name
+    from eyas.target import load_target
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # flex attention runs uncompiled on the CPU and says so once per call
+    warnings.filterwarnings("ignore", message=".*flex_attention.*")
+    tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
+    target = load_target(tcfg)
+    drafter = make_drafter(target, args.draft_vocab or (2048 if args.target == "tiny" else 8192), args.seed,
+                           args.rope, variants or ())
+    c = drafter.config
+    print(f"{other}, transformers {transformers.__version__}, torch {torch.__version__}; target {args.target} "
+          f"({target.num_layers} layers, H {c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}, "
+          f"head_dim {c.head_dim}, theta {c.rope_theta}), draft vocab {c.draft_vocab_size}, aux {c.aux_layers}, "
+          f"rope {c.rope_scaling or 'default'}" + ("" if variants is None else f", variants {variants or 'none'}")
+          + "\n")
+    out = Path(args.out)
+    folders = {name: export_drafter(drafter, out / name, fmt, verifier_name(tcfg), include_embeddings=emb,
+                                    num_speculative_tokens=args.steps)
+               for name, emb in ((fmt, False), (f"{fmt}-emb", True))}
+    exported = json.loads((folders[fmt] / "config.json").read_text())
+    return target, drafter, folders, exported
+
+
+def chat_inputs(target):
+    """The drafter's inputs for a chat (conversation_ids) -> (ids [1, T], x = ids[:, 1:], g = the target's aux states
+    at positions 0..T-2): x_{t+1} paired with the aux state of t."""
+    ids = conversation_ids(target)
+    aux, _ = target.capture(ids)
+    print(f"inputs: {ids.shape[1]} tokens of a chat, aux states from the target ({aux.shape[-1]} wide)")
+    return ids, ids[:, 1:], aux[:, :-1]
+
+
+def write_report(rep, out: Path, record: dict, summary: str) -> int:
+    """Print the report's rows, write them after `record` to out/interop.json, and end with PASS or FAIL and
+    `summary` -> the exit code: 1 where a check failed."""
+    print()
+    n_fail = rep.print()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "interop.json").write_text(json.dumps({**record, "rows": rep.rows}, indent=2) + "\n")
+    print(f"{'FAIL' if n_fail else 'PASS'}: {summary}  ({out / 'interop.json'})")
+    return 1 if n_fail else 0
+
+
 def load_speculators(classes, folder: Path, verifier_path: str, attn: str | None):
     Eagle3DraftModel, Eagle3SpeculatorConfig = classes
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(folder))
@@ -370,14 +438,7 @@ def check_vocab(rep, drafter, model, target):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", choices=["tiny", "smollm2"], default="tiny")
-    ap.add_argument("--out", required=True, help="folder for the exported drafters and interop.json")
-    ap.add_argument("--draft-vocab", type=int, default=0,
-                    help="draft vocabulary size (default 2048 tiny, 8192 smollm2)")
-    ap.add_argument("--steps", type=int, default=3, help="TTT steps to unroll")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rope", choices=list(ROPES), default="default",
-                    help="rope kind of the drafter (its settings in ROPES; max_position_embeddings 256)")
+    add_common_args(ap)
     ap.add_argument("--variant", default="", help="comma-separated drafter variants: " + ", ".join(VARIANT_NAMES)
                     + " (norm_before_fc and fc_norm exclude each other)")
     args = ap.parse_args(argv)
@@ -387,32 +448,11 @@ def main(argv=None) -> int:
             ap.error(f"--variant {v!r} is not one of {', '.join(VARIANT_NAMES)}")
 
     import torch
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    # flex attention runs uncompiled on the CPU and says so once per call
-    warnings.filterwarnings("ignore", message=".*flex_attention.*")
     Eagle3DraftModel, Eagle3SpeculatorConfig, spec_version = import_speculators()
     import transformers
 
-    from eyas.config import TargetConfig
-    from eyas.export import export_drafter
-    from eyas.serve_target import verifier_name
-    from eyas.target import load_target
-
-    out = Path(args.out)
-    tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
-    target = load_target(tcfg)
-    drafter = make_drafter(target, args.draft_vocab or (2048 if args.target == "tiny" else 8192), args.seed,
-                           args.rope, variants)
+    target, drafter, folders, exported = setup(args, "vllm", f"speculators {spec_version}", variants)
     c = drafter.config
-    print(f"speculators {spec_version}, transformers {transformers.__version__}, torch {torch.__version__}; "
-          f"target {args.target} ({target.num_layers} layers, H {c.hidden_size}, heads {c.num_attention_heads}/"
-          f"{c.num_key_value_heads}, head_dim {c.head_dim}, theta {c.rope_theta}), draft vocab {c.draft_vocab_size}, "
-          f"aux {c.aux_layers}, rope {c.rope_scaling or 'default'}, variants {variants or 'none'}\n")
-
-    folders = {name: export_drafter(drafter, out / name, "vllm", verifier_name(tcfg), include_embeddings=emb,
-                                    num_speculative_tokens=args.steps)
-               for name, emb in (("vllm", False), ("vllm-emb", True))}
-    exported = json.loads((folders["vllm"] / "config.json").read_text())
     rep = Report()
     if args.rope in ("dynamic", "longrope"):
         rep.forward_known = {
@@ -432,12 +472,9 @@ def main(argv=None) -> int:
     if not embed_ok:  # speculators' own loader, told to take the verifier's embedding
         model._load_verifier_weights(overwrite_embed_tokens=True)
 
-    ids = conversation_ids(target)
-    aux, _ = target.capture(ids)
-    x, g = ids[:, 1:], aux[:, :-1]                 # x_{t+1} with the aux state of t
+    ids, x, g = chat_inputs(target)
     pos = torch.arange(1, ids.shape[1])[None]     # speculators' shift_batch positions
     eh, el = unroll_eyas(drafter, x, g, pos, args.steps)
-    print(f"inputs: {ids.shape[1]} tokens of a chat, aux states from the target ({aux.shape[-1]} wide)")
 
     sec = "forward vllm/ flex" + ("" if embed_ok else " (embed from verifier)")
     compare_unroll(rep, sec, eh, el, *unroll_speculators(model, x, g, pos, args.steps, pad_to=128), model=model)
@@ -457,13 +494,9 @@ def main(argv=None) -> int:
         compare_unroll(rep, f"forward {name}/ {attn}", eh, el, *unroll_speculators(m2, x, g, pos, args.steps),
                        model=m2)
 
-    print()
-    n_fail = rep.print()
-    (out / "interop.json").write_text(json.dumps(
-        {"target": args.target, "rope": args.rope, "variants": variants, "speculators": spec_version, "transformers": transformers.__version__,
-         "rtol": RTOL, "rows": rep.rows}, indent=2) + "\n")
-    print(f"{'FAIL' if n_fail else 'PASS'}: eyas vLLM export vs speculators {spec_version}  ({out / 'interop.json'})")
-    return 1 if n_fail else 0
+    return write_report(rep, Path(args.out), {"target": args.target, "rope": args.rope, "variants": variants,
+                                               "speculators": spec_version, "transformers": transformers.__version__,
+                                               "rtol": RTOL}, f"eyas vLLM export vs speculators {spec_version}")
 
 
 if __name__ == "__main__":

@@ -146,6 +146,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class _Run:
+    """One generate call under way, from Decoder._begin to Decoder._finish."""
+    gen: Generation      # gen.tokens: the tokens made so far
+    stop: set            # stop token ids
+    clock: PhaseClock    # draft / verify / prefill times
+    t_start: float = 0.0  # wall-clock start, after a device sync
+
+
 class Decoder:
     """Speculative (and plain) decoding of one sequence at a time with a target and an EAGLE-3 drafter.
 
@@ -523,10 +532,12 @@ class Decoder:
         _sync(self.device)
         return n
 
-    @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
-        """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any
-        token in `stop_ids`. speculative=False: plain decoding, one target forward per token."""
+    def _begin(self, prompt_ids, max_new_tokens: int, stop_ids, speculative: bool, round_slots: int,
+               round_what: str = ""):
+        """The start every generate shares: check the prompt (list or 1-D tensor) fits the cache with max_new_tokens
+        and the `round_slots` a last round may write past them (`round_what` names those in the error), start the
+        clocks, prefill -> (the _Run, whose gen.tokens holds the first token; first [1]; the drafter's h_last and
+        logits_last after it, None when not `speculative`)."""
         if speculative and self.drafter is None:
             raise EyasError("speculative decoding needs a drafter")
         ids = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
@@ -534,21 +545,37 @@ class Decoder:
         n = ids.shape[1]
         if n == 0:
             raise EyasError("empty prompt")
-        need = n + max_new_tokens + self.k + 1
-        if need > self.max_len:
-            raise EyasError(f"prompt of {n} tokens + {max_new_tokens} new tokens does not fit the decoder's "
-                            f"cache of {self.max_len} tokens")
-        stop = set(int(s) for s in stop_ids)
-        clock = PhaseClock(self.device)
+        if n + max_new_tokens + round_slots > self.max_len:
+            raise EyasError(f"prompt of {n} tokens + {max_new_tokens} new tokens{round_what} does not fit the "
+                            f"decoder's cache of {self.max_len} tokens")
+        run = _Run(Generation(tokens=[], prompt_tokens=n), set(int(s) for s in stop_ids), PhaseClock(self.device))
         _sync(self.device)
-        t_start = time.perf_counter()
-        gen = Generation(tokens=[], prompt_tokens=n)
-
-        t0 = clock.start()
+        run.t_start = time.perf_counter()
+        t0 = run.clock.start()
         first, h_last, logits_last = self._prefill(ids, speculative)
-        clock.stop("prefill", t0)
-        out = [int(first.item())]
-        L = n + 1
+        run.clock.stop("prefill", t0)
+        run.gen.tokens.append(int(first.item()))
+        return run, first, h_last, logits_last
+
+    def _finish(self, run: _Run) -> Generation:
+        """The end every generate shares: the device synced, the wall and phase times and the stop flag filled in."""
+        gen = run.gen
+        _sync(self.device)
+        gen.seconds = time.perf_counter() - run.t_start
+        tot = run.clock.totals()
+        gen.draft_seconds, gen.verify_seconds = tot.get("draft", 0.0), tot.get("verify", 0.0)
+        gen.prefill_seconds = tot.get("prefill", 0.0)
+        gen.stopped = gen.tokens[-1] in run.stop
+        return gen
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
+        """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any
+        token in `stop_ids`. speculative=False: plain decoding, one target forward per token."""
+        run, first, h_last, logits_last = self._begin(prompt_ids, max_new_tokens, stop_ids, speculative,
+                                                      self.k + 1)
+        gen, out, stop, clock = run.gen, run.gen.tokens, run.stop, run.clock
+        L = gen.prompt_tokens + 1
         last_dev = first.view(1)
         if (not speculative or self.fused) and len(out) < max_new_tokens and out[-1] not in stop:
             state = (last_dev, h_last, logits_last, self._pos(L - 1, 1)) if speculative else (last_dev, L - 1)
@@ -576,14 +603,7 @@ class Decoder:
             if _commit(out, new, stop, max_new_tokens):
                 break
             L += len(new)
-        _sync(self.device)
-        gen.seconds = time.perf_counter() - t_start
-        tot = clock.totals()
-        gen.draft_seconds, gen.verify_seconds = tot.get("draft", 0.0), tot.get("verify", 0.0)
-        gen.prefill_seconds = tot.get("prefill", 0.0)
-        gen.tokens = out
-        gen.stopped = out[-1] in stop
-        return gen
+        return self._finish(run)
 
     def close(self) -> None:
         self.runner.close()

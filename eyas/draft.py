@@ -28,8 +28,8 @@ from torch import nn
 from safetensors.torch import save_file
 
 from .aux_layers import check_drafter_aux_layers
-from .draft_config import (EYAS_FORMAT, NON_FINITE, DraftConfig, check_fits, check_tensors, is_eyas_config,
-                           read_config, read_safetensors)
+from .draft_config import (EYAS_FORMAT, NON_FINITE, DraftConfig, check_fits, check_tensors, read_eyas_config,
+                           read_safetensors, shapes_of)
 from .engine.fastlm import compiled, fuse_linears, held_fusion, llama_rms_norm
 from .rope import RopeFrequencies
 from .util import DAMAGED, EyasError, atomic_path, refuse_non_finite, writing
@@ -405,22 +405,16 @@ def load_drafter(path: str | Path, target=None, device=None) -> Eagle3Drafter:
     missing or of the wrong type, weights cut short or not matching the config) is refused naming
     the file, before anything is built."""
     path = Path(path)
-    cfg_path = path / "config.json"
-    if not cfg_path.exists():
-        raise EyasError(f"{path}: not a drafter folder (no config.json)")
-    raw = read_config(cfg_path)
-    if not is_eyas_config(raw, cfg_path):
-        raise EyasError(f"{path}: not an eyas drafter folder; use eyas.formats.import_drafter for SGLang/vLLM formats")
-    c = DraftConfig.from_dict(raw, str(cfg_path))
+    c = read_eyas_config(path)
     if target is not None:
-        check_drafter_aux_layers(c.aux_layers, cfg_path, target, field="aux_layers")
+        check_drafter_aux_layers(c.aux_layers, path / "config.json", target, field="aux_layers")
         check_fits(c, target, str(path))
     weights = path / "model.safetensors"
     sd = read_safetensors(weights)
     refuse_non_finite(sd, str(weights), NON_FINITE)
     # load_state_dict(strict=False) still raises on a misshapen tensor, with torch's traceback: checked first
-    check_tensors({k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, c, f"{weights} (against {cfg_path.name})",
-                  include_embeddings=Eagle3Drafter.FROZEN in sd, hint=DAMAGED)
+    check_tensors(shapes_of(sd), c, f"{weights} (against config.json)", include_embeddings=Eagle3Drafter.FROZEN in sd,
+                  hint=DAMAGED)
     d = Eagle3Drafter(c, target.embed_tokens().weight.detach().float() if target is not None else None)
     missing, unexpected = d.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m != d.FROZEN]

@@ -202,18 +202,25 @@ def check_fits(c: DraftConfig, target, where: str) -> None:
 
 # ----------------------------------------------------------------------------- files
 
+def read_eyas_config(path: Path) -> DraftConfig:
+    """An eyas drafter folder's config.json as a DraftConfig, or an EyasError naming the file when it is missing,
+    damaged or another format's (which eyas.formats.import_drafter reads)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise EyasError(f"{cfg_file}: not found (is {path} a trained eyas drafter folder? run `eyas train` first)")
+    raw = read_config(cfg_file)
+    if not is_eyas_config(raw, cfg_file):
+        raise EyasError(f"{cfg_file}: not an eyas drafter's config (no eyas_format): an SGLang, vLLM or EAGLE "
+                        f"drafter is read by eyas.formats.import_drafter; otherwise {DAMAGED}")
+    return DraftConfig.from_dict(raw, str(cfg_file))
+
+
 def check_checkpoint(path: str | Path) -> DraftConfig:
     """Check an eyas drafter folder's tensors against its config without building the model."""
     path = Path(path)
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    for f in (cfg_file, weights):
-        if not f.exists():
-            raise EyasError(f"{f}: not found (is {path} a trained eyas drafter folder? run `eyas train` first)")
-    raw = read_config(cfg_file)
-    if not is_eyas_config(raw, cfg_file):
-        raise EyasError(f"{cfg_file}: not an eyas drafter's config (no eyas_format); {DAMAGED}")
-    c = DraftConfig.from_dict(raw, str(cfg_file))
-    check_tensors(safetensors_shapes(weights), c, f"{weights} (against {cfg_file.name})", hint=DAMAGED)
+    c = read_eyas_config(path)
+    weights = path / "model.safetensors"
+    check_tensors(safetensors_shapes(weights), c, f"{weights} (against config.json)", hint=DAMAGED)
     return c
 
 

@@ -23,12 +23,10 @@ the tree on the host and runs eagerly. A greedy round's time is reported as veri
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
-from .decode import Decoder, Generation, _commit, _sync, probs_from_logits
+from .decode import Decoder, Generation, _commit, _emitted, probs_from_logits
 from .engine.runners import FastTargetRunner
 from .tree import Tree, TreeSpec, accept_greedy, accept_sample, grow_tree
 from .util import EyasError, PhaseClock
@@ -230,26 +228,10 @@ class TreeDecoder(Decoder):
         """As Decoder.generate, with tree rounds when `speculative`."""
         if not speculative:
             return super().generate(prompt_ids, max_new_tokens, stop_ids, speculative=False)
-        if self.drafter is None:
-            raise EyasError("speculative decoding needs a drafter")
-        ids = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
-                              dtype=torch.long, device=self.device).view(1, -1)
-        n = ids.shape[1]
-        if n == 0:
-            raise EyasError("empty prompt")
-        if n + max_new_tokens + self.span + 1 > self.max_len:
-            raise EyasError(f"prompt of {n} tokens + {max_new_tokens} new tokens + a tree of {self.tree.tokens} "
-                            f"does not fit the decoder's cache of {self.max_len} tokens")
-        stop = set(int(s) for s in stop_ids)
-        clock = PhaseClock(self.device)
-        _sync(self.device)
-        t_start = time.perf_counter()
-        gen = Generation(tokens=[], prompt_tokens=n)
-        t0 = clock.start()
-        first, h_last, logits_last = self._prefill(ids, True)
-        clock.stop("prefill", t0)
-        out = [int(first.item())]
-        L = n + 1
+        run, first, h_last, logits_last = self._begin(prompt_ids, max_new_tokens, stop_ids, True, self.span + 1,
+                                                      f" + a tree of {self.tree.tokens}")
+        gen, out, stop, clock = run.gen, run.gen.tokens, run.stop, run.clock
+        L = gen.prompt_tokens + 1
         state = (first.view(1), h_last, logits_last, self._pos(L - 1, 1))
         while len(out) < max_new_tokens and out[-1] not in stop:
             upto = self._upto(L - 1 + self.span)
@@ -260,20 +242,11 @@ class TreeDecoder(Decoder):
             else:
                 res = self._sampled_round(*state, upto=upto, clock=clock)
             packed, h_last, logits_last, pos0 = res
-            vals = packed.tolist()  # the round's one host sync
-            a = vals[0]
-            new = vals[1:1 + a] + [vals[-1]]
+            a, new = _emitted(packed.tolist())  # the round's one host sync
             gen.accepted.append(a)
             gen.target_forwards += 1
             state = (packed[-1:], h_last, logits_last, pos0)
             if _commit(out, new, stop, max_new_tokens):
                 break
             L += len(new)
-        _sync(self.device)
-        gen.seconds = time.perf_counter() - t_start
-        tot = clock.totals()
-        gen.draft_seconds, gen.verify_seconds = tot.get("draft", 0.0), tot.get("verify", 0.0)
-        gen.prefill_seconds = tot.get("prefill", 0.0)
-        gen.tokens = out
-        gen.stopped = out[-1] in stop
-        return gen
+        return self._finish(run)

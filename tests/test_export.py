@@ -673,6 +673,21 @@ def test_a_damaged_drafter_folder_is_refused_naming_the_file(tiny, drafter, tmp_
     assert "Traceback" not in err and str(run / "draft") in err, err
 
 
+def test_the_eyas_readers_refuse_a_folder_that_is_not_an_eyas_drafter_alike(drafter, tmp_path):
+    """load_drafter and check_checkpoint read a folder's config through one function: a missing config and another
+    format's folder get the same message from both, naming config.json (and, for another format, the reader)."""
+    from eyas.draft import load_drafter
+
+    sg = export_drafter(drafter, tmp_path / "sg", "sglang", "x")
+    for read in (load_drafter, check_checkpoint):
+        with pytest.raises(EyasError, match=r"nowhere/config.json: not found \(is .*nowhere a trained eyas drafter "
+                                            r"folder\? run `eyas train` first\)"):
+            read(tmp_path / "nowhere")
+        with pytest.raises(EyasError, match=r"sg/config.json: not an eyas drafter's config \(no eyas_format\): an "
+                                            r"SGLang, vLLM or EAGLE drafter is read by eyas.formats.import_drafter"):
+            read(sg)
+
+
 def test_aux_layers_the_target_lacks_are_blamed_on_the_drafters_file(tiny, drafter, tmp_path):
     """A drafter recording aux layers its target does not have is refused naming its config file and what the target
     has (the user never set target.aux_layers)."""
