@@ -26,6 +26,8 @@ $R/sglang_$PORT.log (R: the gpu_run.sh results folder, default /tmp/gpu_run). Wh
 FlashAttention-3 (bench/stage_sglang.py without --fa3), it serves with --attention-backend triton.'
 
 set -uo pipefail
+# shellcheck source=bench/serve_lib.sh
+source "$(dirname "$0")/serve_lib.sh"
 STAGE=${EYAS_STAGE_DIR:-$HOME/eyas-stage}
 SITE=${SGLANG_SITE:-/tmp/sglang-site}
 TF=${SGLANG_TF:-/tmp/sglang-tf}
@@ -82,27 +84,11 @@ print("sglang", sglang.__version__, "sgl_kernel", sgl_kernel.__version__, "torch
       --served-model-name target "${backend[@]}" "${spec[@]}" ${SGLANG_ARGS:-} \
       > "$R/sglang_$PORT.log" 2>&1 < /dev/null &
     echo $! > "$R/sglang_$PORT.pid"
-    while ! curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; do
-      if ! kill -0 "$(cat "$R/sglang_$PORT.pid")" 2>/dev/null; then
-        echo "serve_sglang.sh: the server exited; its log's last lines:" >&2; tail -30 "$R/sglang_$PORT.log" >&2; exit 1
-      fi
-      if [ $(( $(date +%s) - t0 )) -gt "$WAIT" ]; then
-        echo "serve_sglang.sh: no answer from /health in $WAIT s" >&2; tail -30 "$R/sglang_$PORT.log" >&2; exit 1
-      fi
-      sleep 2
-    done
+    server_wait sglang "$t0"
     echo "sglang ready on port $PORT in $(( $(date +%s) - t0 )) s" \
       "(draft: ${draft:-none}${draft:+, steps $k, topk $topk, tokens $tokens})" ;;
   stop)
-    if [ -f "$R/sglang_$PORT.pid" ]; then
-      pid=$(cat "$R/sglang_$PORT.pid")
-      kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null
-      for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-      kill -9 -- -"$pid" 2>/dev/null
-      rm -f "$R/sglang_$PORT.pid"
-      cp "$R/sglang_$PORT.log" "$R/sglang_$PORT.$(date +%s).log" 2>/dev/null
-    fi
-    echo "stopped" ;;
+    server_stop sglang ;;
   *)
     echo "serve_sglang.sh: unknown step ${1}; see --help" >&2; exit 2 ;;
 esac

@@ -18,6 +18,8 @@ The server runs with PYTHONPATH=/tmp/vllm-site in front of the image'"'"'s packa
 $R/vllm_$PORT.log (R: the gpu_run.sh results folder, default /tmp/gpu_run).'
 
 set -uo pipefail
+# shellcheck source=bench/serve_lib.sh
+source "$(dirname "$0")/serve_lib.sh"
 STAGE=${EYAS_STAGE_DIR:-$HOME/eyas-stage}
 SITE=/tmp/vllm-site
 PORT=${PORT:-8000}
@@ -55,26 +57,10 @@ torch.__version__, "transformers", transformers.__version__)' 2>&1 | tail -1 ;;
       --port "$PORT" --max-model-len 4096 --gpu-memory-utilization 0.6 --seed 0 --served-model-name target \
       "${spec[@]}" ${VLLM_ARGS:-} > "$R/vllm_$PORT.log" 2>&1 < /dev/null &
     echo $! > "$R/vllm_$PORT.pid"
-    while ! curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; do
-      if ! kill -0 "$(cat "$R/vllm_$PORT.pid")" 2>/dev/null; then
-        echo "serve_vllm.sh: the server exited; its log's last lines:" >&2; tail -30 "$R/vllm_$PORT.log" >&2; exit 1
-      fi
-      if [ $(( $(date +%s) - t0 )) -gt "$WAIT" ]; then
-        echo "serve_vllm.sh: no answer from /health in $WAIT s" >&2; tail -30 "$R/vllm_$PORT.log" >&2; exit 1
-      fi
-      sleep 2
-    done
+    server_wait vllm "$t0"
     echo "vllm ready on port $PORT in $(( $(date +%s) - t0 )) s (draft: ${draft:-none}, k: ${draft:+$k})" ;;
   stop)
-    if [ -f "$R/vllm_$PORT.pid" ]; then
-      pid=$(cat "$R/vllm_$PORT.pid")
-      kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null
-      for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-      kill -9 -- -"$pid" 2>/dev/null
-      rm -f "$R/vllm_$PORT.pid"
-      cp "$R/vllm_$PORT.log" "$R/vllm_$PORT.$(date +%s).log" 2>/dev/null
-    fi
-    echo "stopped" ;;
+    server_stop vllm ;;
   *)
     echo "serve_vllm.sh: unknown step ${1}; see --help" >&2; exit 2 ;;
 esac
