@@ -15,7 +15,8 @@ from eyas.tree import Tree, TreeSpec, accept_sample, grow_tree, serving_flags
 from eyas.tree_decode import TreeDecoder, _keep_path, _target_tree_forward
 from eyas.util import EyasError
 
-from test_decode import NEW, _chi2, plain_outputs, prompt_set, trained  # noqa: F401 (fixtures)
+from conftest import NEW
+from test_decode import _chi2
 
 
 # ---------------------------------------------------------------------------------------------
