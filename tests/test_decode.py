@@ -207,11 +207,11 @@ def test_folded_verify_decodes_losslessly(smol, prompt_set, trained, fused, monk
 
     monkeypatch.setattr(FastLM, "gqa_steps", False)
     plain = Decoder(smol, None, max_len=256)
+    refs = [plain.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens for ids in prompt_set[:4]]
     for k in (3, 7):
         dec = Decoder(smol, trained, k=k, max_len=256, fused=fused)
         acc = []
-        for ids in prompt_set[:4]:
-            ref = plain.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens
+        for ids, ref in zip(prompt_set[:4], refs):
             g = dec.generate(ids, NEW, smol.eot_token_ids, speculative=True)
             assert g.tokens == ref, (k, smol.tokenizer.decode(ids[-12:]))
             acc += g.accepted
