@@ -105,6 +105,13 @@ def plain_outputs(smol, prompt_set):
     return outs
 
 
+@pytest.fixture(scope="session")
+def long_answer(smol, prompt_set):
+    """Plain greedy decoding of the second prompt for 48 tokens, through any end of turn: the reference the
+    scripted rejections of test_decode and test_tree draw their drafts from."""
+    return Decoder(smol, None, max_len=256).generate(prompt_set[1], 48, (), speculative=False).tokens
+
+
 def draft_vocab(smol, seqs, size=2048):
     """A draft vocabulary of `size` ids: every id in seqs, then the lowest others."""
     used = sorted({t for s in seqs for t in s})

@@ -321,25 +321,25 @@ class ScriptedDecoder(Decoder):
 
 @pytest.mark.parametrize("fused", [False, True, "overlap"], ids=["steps", "fused", "fused_overlap"])
 @pytest.mark.parametrize("k", [3, 7])
-def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k, fused, monkeypatch):
-    _rollback_check(smol, prompt_set, untrained, k, fused, monkeypatch)
+def test_rollback_with_rejections_at_every_position(smol, prompt_set, long_answer, untrained, k, fused, monkeypatch):
+    _rollback_check(smol, prompt_set, long_answer, untrained, k, fused, monkeypatch)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
-def test_two_layer_drafter_rolls_back_every_layer(smol, prompt_set, plain_outputs, fused, monkeypatch):
+def test_two_layer_drafter_rolls_back_every_layer(smol, prompt_set, plain_outputs, long_answer, fused, monkeypatch):
     """A drafter of two decoder layers (train.draft_layers=2) decodes losslessly through rejections at every
     position, and each layer's cache holds what a fresh pass over the final sequence computes for that layer."""
     torch.manual_seed(1)
     deep = build_drafter(smol, 2048, draft_vocab(smol, [p + o for p, o in zip(prompt_set, plain_outputs)]),
                          num_layers=2)
-    _rollback_check(smol, prompt_set, deep, 3, fused, monkeypatch)
+    _rollback_check(smol, prompt_set, long_answer, deep, 3, fused, monkeypatch)
 
 
-def _rollback_check(smol, prompt_set, untrained, k, fused, monkeypatch):
+def _rollback_check(smol, prompt_set, long_answer, untrained, k, fused, monkeypatch):
     if fused == "overlap":  # fused rounds, each queued before the last one is read (the GPU default)
         monkeypatch.setattr(Decoder, "overlap", True)
     ids = prompt_set[1]
-    ref = Decoder(smol, None, max_len=256).generate(ids, 48, (), speculative=False).tokens
+    ref = long_answer
     dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=bool(fused))
     g = dec.generate(ids, 40, (), speculative=True)
     assert g.tokens == ref[:40]
