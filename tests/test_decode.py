@@ -2,7 +2,6 @@
 rejection-sampling rule against exact distributions, and cache rollback under forced rejections."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from eyas.decode import Decoder, verify_greedy, verify_sample
 from eyas.draft import build_drafter, causal_attend
@@ -10,19 +9,9 @@ from eyas.engine.fastlm import FastLM
 from eyas.engine.sampling import probs_from_logits
 from eyas.evaluate import prompt_ids
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three primary colors.",
-    "Explain what a CPU does in one sentence.",
-    "Give me a synonym for happy.",
-    "How many legs does a spider have?",
-    "Write a Python function that adds two numbers.",
-    "What is 12 times 7?",
-    "Name a famous painter.",
-    "Translate 'good morning' into Spanish.",
-]
-NEW = 24  # new tokens per prompt (the untrained drafter, rejected almost always, checks the first NEW_UNTRAINED)
+from conftest import NEW, draft_vocab
+
+# the untrained drafter, rejected almost always, checks the first NEW_UNTRAINED of conftest's NEW answer tokens
 NEW_UNTRAINED = 12
 FEW = 5  # prompts for the decoding paths checked beside the main one (each SmolLM2 verify pass costs 0.1-0.3 s on CI's CPU)
 
@@ -141,63 +130,6 @@ def test_probs_top_p_and_greedy_rule():
 # ---------------------------------------------------------------------------------------------
 # greedy losslessness on the real target
 
-@pytest.fixture(scope="module")
-def prompt_set(smol):
-    return [prompt_ids(smol.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(smol, prompt_set):
-    """Plain greedy decoding on the engine (eyas' own forward for SmolLM2), checked against
-    transformers' generate, an independent implementation, on three prompts."""
-    dec = Decoder(smol, None, k=1, max_len=256)
-    assert dec.engine == "fast"
-    outs = [dec.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens for ids in prompt_set]
-    for ids, out in list(zip(prompt_set, outs))[:3]:
-        x = torch.tensor([ids])
-        ref = smol.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=len(out),
-                                  do_sample=False)[0, len(ids):].tolist()
-        assert ref == out
-    return outs
-
-
-def _draft_vocab(smol, seqs, size=2048):
-    used = sorted({t for s in seqs for t in s})
-    rest = [i for i in range(smol.vocab_size) if i not in set(used)][: size - len(used)]
-    return torch.tensor(sorted(used + rest)[:size])
-
-
-@pytest.fixture(scope="module")
-def untrained(smol, prompt_set, plain_outputs):
-    torch.manual_seed(0)
-    return build_drafter(smol, 2048, _draft_vocab(smol, [p + o for p, o in zip(prompt_set, plain_outputs)]))
-
-
-@pytest.fixture(scope="module")
-def trained(smol, prompt_set, plain_outputs):
-    """A drafter distilled in a few seconds from SmolLM2 features: greedy continuations of the test
-    prompts plus the prompts, step-0 objective (soft cross-entropy over the draft vocabulary)."""
-    seqs = [p + o for p, o in zip(prompt_set, plain_outputs)]
-    draft_ids = _draft_vocab(smol, seqs)
-    torch.manual_seed(0)
-    d = build_drafter(smol, 2048, draft_ids)
-    feats = []
-    W = smol.model.get_output_embeddings().weight[draft_ids]
-    for s in seqs:
-        x = torch.tensor([s])
-        aux, final = smol.capture(x)
-        feats.append((x[:, 1:], aux[:, :-1], torch.softmax(final[:, 1:] @ W.T, -1)))
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    for step in range(150):
-        ids, aux, tgt = feats[step % len(feats)]
-        _, logits = d(ids, aux, attend=causal_attend)
-        loss = -(tgt * F.log_softmax(logits, -1)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d.eval()
-
-
 @pytest.mark.parametrize("layers", [1, 2])
 def test_fused_drafter_step_equals_the_plain_one(tiny, tmp_path, layers):
     """Eagle3Drafter.fuse (q/k/v and gate/up as one product each in every layer, rope from a table) gives the same
@@ -275,11 +207,11 @@ def test_folded_verify_decodes_losslessly(smol, prompt_set, trained, fused, monk
 
     monkeypatch.setattr(FastLM, "gqa_steps", False)
     plain = Decoder(smol, None, max_len=256)
+    refs = [plain.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens for ids in prompt_set[:4]]
     for k in (3, 7):
         dec = Decoder(smol, trained, k=k, max_len=256, fused=fused)
         acc = []
-        for ids in prompt_set[:4]:
-            ref = plain.generate(ids, NEW, smol.eot_token_ids, speculative=False).tokens
+        for ids, ref in zip(prompt_set[:4], refs):
             g = dec.generate(ids, NEW, smol.eot_token_ids, speculative=True)
             assert g.tokens == ref, (k, smol.tokenizer.decode(ids[-12:]))
             acc += g.accepted
@@ -389,25 +321,25 @@ class ScriptedDecoder(Decoder):
 
 @pytest.mark.parametrize("fused", [False, True, "overlap"], ids=["steps", "fused", "fused_overlap"])
 @pytest.mark.parametrize("k", [3, 7])
-def test_rollback_with_rejections_at_every_position(smol, prompt_set, untrained, k, fused, monkeypatch):
-    _rollback_check(smol, prompt_set, untrained, k, fused, monkeypatch)
+def test_rollback_with_rejections_at_every_position(smol, prompt_set, long_answer, untrained, k, fused, monkeypatch):
+    _rollback_check(smol, prompt_set, long_answer, untrained, k, fused, monkeypatch)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
-def test_two_layer_drafter_rolls_back_every_layer(smol, prompt_set, plain_outputs, fused, monkeypatch):
+def test_two_layer_drafter_rolls_back_every_layer(smol, prompt_set, plain_outputs, long_answer, fused, monkeypatch):
     """A drafter of two decoder layers (train.draft_layers=2) decodes losslessly through rejections at every
     position, and each layer's cache holds what a fresh pass over the final sequence computes for that layer."""
     torch.manual_seed(1)
-    deep = build_drafter(smol, 2048, _draft_vocab(smol, [p + o for p, o in zip(prompt_set, plain_outputs)]),
+    deep = build_drafter(smol, 2048, draft_vocab(smol, [p + o for p, o in zip(prompt_set, plain_outputs)]),
                          num_layers=2)
-    _rollback_check(smol, prompt_set, deep, 3, fused, monkeypatch)
+    _rollback_check(smol, prompt_set, long_answer, deep, 3, fused, monkeypatch)
 
 
-def _rollback_check(smol, prompt_set, untrained, k, fused, monkeypatch):
+def _rollback_check(smol, prompt_set, long_answer, untrained, k, fused, monkeypatch):
     if fused == "overlap":  # fused rounds, each queued before the last one is read (the GPU default)
         monkeypatch.setattr(Decoder, "overlap", True)
     ids = prompt_set[1]
-    ref = Decoder(smol, None, max_len=256).generate(ids, 48, (), speculative=False).tokens
+    ref = long_answer
     dec = ScriptedDecoder(smol, untrained, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=bool(fused))
     g = dec.generate(ids, 40, (), speculative=True)
     assert g.tokens == ref[:40]

@@ -9,13 +9,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from eyas.decode import Decoder, FastTargetRunner, TargetRunner, probs_from_logits
+from eyas.decode import FastTargetRunner, TargetRunner, probs_from_logits
 from eyas.draft import causal_attend
 from eyas.tree import Tree, TreeSpec, accept_sample, grow_tree, serving_flags
 from eyas.tree_decode import TreeDecoder, _keep_path, _target_tree_forward
 from eyas.util import EyasError
 
-from test_decode import NEW, _chi2, plain_outputs, prompt_set, trained  # noqa: F401 (fixtures)
+from conftest import NEW
+from test_decode import _chi2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,14 +191,14 @@ class ScriptedTreeDecoder(TreeDecoder):
 
 
 @pytest.mark.parametrize("shape", ["3,3,8", "2,4,9"])
-def test_scripted_acceptance_on_every_branch_keeps_the_caches_right(smol, prompt_set, trained, shape):
+def test_scripted_acceptance_on_every_branch_keeps_the_caches_right(smol, prompt_set, long_answer, trained, shape):
     """Every accepted length 0..depth, along the last branch of its level: the output equals plain greedy decoding,
     and afterwards the target's cache and the drafter's hold what fresh passes over the final sequence compute."""
     from eyas.engine.fastlm import FastLM
 
     spec = TreeSpec.parse(shape)
     ids = prompt_set[1]
-    ref = Decoder(smol, None, max_len=256).generate(ids, 40, (), speculative=False).tokens
+    ref = long_answer[:40]
     dec = ScriptedTreeDecoder(smol, trained, spec, max_len=256, reference=ref, prompt_len=len(ids))
     g = dec.generate(ids, 30, ())
     assert g.tokens == ref[:30]
