@@ -8,8 +8,8 @@ Each method gets a warm-up and a time box (--budget seconds); tokens/s = new tok
 wall time over the prompts it finished. A faster method finishes more prompts in its box, so each speculative
 method also gets its speedup on the prompts both it and its plain baseline finished
 (speedup_vs_plain_same_prompts, from each prompt's seconds). On a GPU, each method's entry also says what the card's SM clock,
-temperature and power did while it ran ("gpu", bench/gpu_watch.py): the same method ran up to 13% slower
-straight after a training run (BENCHMARKS.md, thirteenth session). ShareGPT prompts are the first user turn of held-out
+temperature and power did while it ran ("gpu", bench/gpu_watch.py): a card still hot from a training run
+slows a method down, which that record shows. ShareGPT prompts are the first user turn of held-out
 (test-split) conversations.
 """
 from __future__ import annotations
@@ -280,20 +280,19 @@ def main(argv=None) -> int:
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))
     ap.add_argument("--ew", default="1",
-                    help="Decoder.compile_elementwise: 1 (the GPU default since the fourteenth session: the target's "
+                    help="Decoder.compile_elementwise: 1 (the GPU default: the target's "
                          "rope, residual add + norm and silu * up as torch.compile'd kernels in its steps and verify "
-                         "passes), 0 (eager), " + BOTH.format("_ew0") + "; the fourteenth session's runs, when 0 was "
-                         "the default, named the 1 methods _ew1")
+                         "passes), 0 (eager), " + BOTH.format("_ew0"))
     ap.add_argument("--prefill", default="1",
-                    help="Decoder.graph_prefill: 1 (the default where CUDA graphs are on, since the fifteenth session: "
+                    help="Decoder.graph_prefill: 1 (the default where CUDA graphs are on: "
                          "each prompt right-padded to a multiple of 128 tokens and prefilled as one CUDA graph per "
                          "padded length), 0 (the eager prefill of the prompt's own length), " + BOTH.format("_pf0"))
     ap.add_argument("--draft-compile", default="1",
-                    help="Decoder.compile_drafter: 1 (the default on a GPU since the nineteenth session: each drafter "
+                    help="Decoder.compile_drafter: 1 (the default on a GPU: each drafter "
                          "step's two parts around the attention as torch.compile'd kernels), 0 (the steps eager, in "
                          "their CUDA graphs), " + BOTH.format("_dc0"))
     ap.add_argument("--no-warm-up", action="store_true",
-                    help="skip Decoder.warm_up before each method (the fourteenth session's and earlier runs had none: "
+                    help="skip Decoder.warm_up before each method (without it "
                          "a method then builds its graphs and per-shape kernels for each longer span of the cache "
                          "inside its timed prompts, and the first method to use a shape pays for it)")
     ap.add_argument("--out", default="results.json")

@@ -214,9 +214,8 @@ def main(argv=None) -> int:
            "target": target.name, "random_init": args.random_init, "dtype": str(target.dtype),
            "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "temperature": 0.0,
            "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
-    # untimed: the first regen of a process pays one-off costs (CUDA and cuBLAS set-up, graph captures); in the
-    # fifth session's first run it took 11.8 s where the same engine took 8.5 s later (generate's warm-up is
-    # its batch 0)
+    # untimed: the first regen of a process pays one-off costs (CUDA and cuBLAS set-up, graph captures), which
+    # would inflate the first engine's time (generate's warm-up is its batch 0)
     warm = bench_eyas(target, users[: 2 * args.batch_size], args, engines[0])
     res["warm_up"] = {"engine": engines[0], "prompts": warm["prompts"], "seconds": warm["seconds"]}
     res["eyas_regen"] = {}

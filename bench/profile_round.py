@@ -29,7 +29,7 @@ def device_events(prof) -> list:
 
 
 def _annotation(e) -> bool:
-    # (the step marks by name as well: the thirty-second session's profile counted them as kernels)
+    # (the step marks by name as well: otherwise a profile counts them as kernels)
     return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith("ProfilerStep")
 
 

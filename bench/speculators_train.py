@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     elif not any(x.startswith("--loss-implementation") for x in extra) and not a.fused_loss:
         # its default, the fused Triton loss, fails under the GPU image's torch 2.11: dynamo, compiling the
         # forward with the loss inside, stops in the loss's backward kernel ("ListVariable(length=21) is already
-        # tracked for mutation", ninth session, BENCHMARKS.md). "eager" is the option speculators offers for
+        # tracked for mutation"). "eager" is the option speculators offers for
         # compatibility (the same KL divergence in torch ops, compiled with the rest of the forward)
         argv_spec += ["--loss-implementation", "eager"]
     base = TrainConfig.resolve(argv_spec + extra).flatten()
