@@ -2,6 +2,10 @@
 # What bench/serve_vllm.sh and bench/serve_sglang.sh share, sourced by both: waiting for a server they started and
 # stopping it. Each server's pid and log are $R/<kind>_$PORT.pid and .log; $WAIT bounds the wait in seconds.
 
+STAGE=${EYAS_STAGE_DIR:-$HOME/eyas-stage}  # the unpacked stage pieces
+R=${R:-/tmp/gpu_run}  # gpu_run.sh's results folder: pids and logs
+WAIT=${WAIT:-900}
+
 server_wait() {  # server_wait KIND T0: until /health on $PORT answers; exit 1 with the log's tail if the server dies
   local kind=$1 t0=$2
   while ! curl -sf "http://127.0.0.1:$PORT/health" > /dev/null 2>&1; do

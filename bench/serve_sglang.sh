@@ -28,12 +28,9 @@ FlashAttention-3 (bench/stage_sglang.py without --fa3), it serves with --attenti
 set -uo pipefail
 # shellcheck source=bench/serve_lib.sh
 source "$(dirname "$0")/serve_lib.sh"
-STAGE=${EYAS_STAGE_DIR:-$HOME/eyas-stage}
 SITE=${SGLANG_SITE:-/tmp/sglang-site}
 TF=${SGLANG_TF:-/tmp/sglang-tf}
 PORT=${PORT:-30000}
-R=${R:-/tmp/gpu_run}
-WAIT=${WAIT:-900}
 
 case ${1:-} in
   -h|--help|help|'')

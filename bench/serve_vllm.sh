@@ -20,11 +20,8 @@ $R/vllm_$PORT.log (R: the gpu_run.sh results folder, default /tmp/gpu_run).'
 set -uo pipefail
 # shellcheck source=bench/serve_lib.sh
 source "$(dirname "$0")/serve_lib.sh"
-STAGE=${EYAS_STAGE_DIR:-$HOME/eyas-stage}
 SITE=/tmp/vllm-site
 PORT=${PORT:-8000}
-R=${R:-/tmp/gpu_run}
-WAIT=${WAIT:-900}
 
 case ${1:-} in
   -h|--help|help|'')
