@@ -495,9 +495,17 @@ def cgroup_room(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "
 
 
 def compile_failure(e: BaseException) -> str:
-    """A compiler failure in one line: the exception's type and the first line of its message (at most 200
-    characters), for the logs and states of the compiled paths that fall back to eager."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    """A compiler or graph-capture failure in one line: the exception's type, the first line of its message (at
+    most 200 characters) and the innermost eyas line it passed through (where to look), for the logs and states
+    of the compiled and graphed paths that fall back to eager."""
+    msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    here, tb, package = None, e.__traceback__, str(Path(__file__).parent) + os.sep
+    while tb is not None:
+        f = tb.tb_frame.f_code.co_filename
+        if f.startswith(package):
+            here = f"{Path(f).name}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return f"{msg} (at {here})" if here else msg
 
 
 class PhaseClock:

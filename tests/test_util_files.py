@@ -142,3 +142,23 @@ def test_disk_full_while_saving_a_drafter_or_an_export_keeps_the_old_one(tiny, t
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     back = load_drafter(tmp_path / "draft", tiny)
     assert all(torch.equal(back.state_dict()[k], v) for k, v in old.trainable_state_dict().items())
+
+
+def test_a_fallback_names_the_eyas_line_it_failed_at():
+    """compile_failure, the one line the graphed and compiled paths log when they fall back to eager: the
+    exception, its first line, and the innermost eyas line the error passed through, so a GPU log says where."""
+    import torch
+
+    from eyas.engine.fastlm import FastLM
+    from eyas.util import compile_failure
+
+    try:
+        FastLM.forward(None, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1))
+    except Exception as e:  # noqa: BLE001
+        line = compile_failure(e)
+    assert line.startswith("AttributeError: ") and "\n" not in line
+    assert line.endswith(")") and "(at fastlm.py:" in line and " in " in line.rsplit("(at ", 1)[1]
+    try:
+        raise ValueError("first\nsecond")
+    except ValueError as e:  # raised here, in the tests: no eyas frame, no location
+        assert compile_failure(e) == "ValueError: first"

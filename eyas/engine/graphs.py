@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..util import log
+from ..util import compile_failure, log
 from .fastlm import SPAN, FastLM, attended_slots
 
 
@@ -72,7 +72,7 @@ class DecodeGraph:
                 g, _ = capture_cuda_graph(lambda: self._step(slots), self.lm.device, self.warmup, self.pool)
                 self.graphs[slots] = g
             except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
-                log(f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); decoding eagerly")
+                log(f"CUDA graph capture of the decode step failed ({compile_failure(e)}); decoding eagerly")
                 self.use_graphs = False
                 self.graphs.clear()
                 g = None
@@ -141,7 +141,7 @@ class StepGraphs:
             self.replays += 1
             res = tuple(o.clone() for o in out)
         except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
-            self.off(f"{name}: {type(e).__name__}: {e}")
+            self.off(f"{name}: {compile_failure(e)}")
             return fn(*args)
         if checked < self.check:
             entry[3] += 1
