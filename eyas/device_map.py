@@ -6,6 +6,9 @@ forward (eyas.engine.fastlm.supported says why)."""
 from __future__ import annotations
 
 import json
+import re
+
+import torch
 
 from .util import EyasError
 
@@ -39,3 +42,16 @@ def devices_of(model) -> set[str]:
 
 def is_split(model) -> bool:
     return len(devices_of(model)) > 1
+
+
+def layer_shares(model) -> dict[torch.device, float]:
+    """Each device a split model runs on (not "disk") and the share of its decoder layers there, whose KV cache that
+    device keeps: 0 for one holding only the embedding or the head. A map that names no single layer (whole stacks
+    per device) gives every device 1, the most it could hold. Empty for a model placed whole."""
+    m = getattr(model, "hf_device_map", None) or {}
+    devs = {str(d): torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+            for d in m.values() if str(d) != "disk"}
+    layers = [str(d) for name, d in m.items() if re.search(r"(^|\.)layers\.\d+$", name)]
+    if len(devs) < 2:
+        return {}
+    return {dev: (layers.count(key) / len(layers) if layers else 1.0) for key, dev in devs.items()}

@@ -255,3 +255,36 @@ def test_the_engine_logs_its_batch_and_why(tiny, monkeypatch, capsys):
                         r"[\d.]+ GB a layer \(743.6 KB a token\), the KV cache 4.6 KB a token \(shorter prompts go "
                         r"more at a time\)", line)
     assert said and 64 <= int(said[1]) < 2047, line
+
+
+def test_a_target_split_over_devices_is_planned_on_its_tightest_device(tiny, monkeypatch, capsys):
+    """A target split by target.device_map (what transformers records in hf_device_map) keeps each layer's KV cache
+    on that layer's device and runs every layer's transients there: the batch is what the tightest device takes,
+    counting only its own layers' cache, and the log names that device. A device holding only the head still
+    counts the transients and the logits."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**KIMI["text_config"]), dtype=torch.bfloat16)
+    target = Target(model=model, tokenizer=tiny.tokenizer, name="kimi-wide", source="random", sha256="0" * 64,
+                    aux_layers=[1, 2, 3], eot_token_ids=tiny.eot_token_ids)
+    rc = RegenConfig(batch_size=256, max_new_tokens=64)
+    layers = model.config.num_hidden_layers
+
+    def engine(device_map, free):
+        monkeypatch.setattr(model, "hf_device_map", device_map, raising=False)
+        monkeypatch.setattr(eyas.engine.generate, "free_bytes", lambda device: free[str(device)])
+        eng = GenerateEngine(target, rc, "keep", 2048)
+        return eng._plan([("", [0] * 2047, 64, 0)] * 256), capsys.readouterr().err.strip().splitlines()[-1]
+
+    whole, _ = engine({}, {"meta": 20 * GB})
+    half = {"model.embed_tokens": 0, "lm_head": 1,
+            **{f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)}}
+    even, _ = engine(half, {"cuda:0": 20 * GB, "cuda:1": 20 * GB})
+    assert (even.rows, even.chunk or 2047) > (whole.rows, whole.chunk or 2047)  # half the cache each: more fits
+    tight, line = engine(half, {"cuda:0": 60 * GB, "cuda:1": 4 * GB})
+    assert "free on cuda:1, the tightest of the 2 devices the target is split over" in line, line
+    alone, _ = engine({}, {"meta": 4 * GB})  # cuda:1 holds half the layers: it fits at least what a whole card
+    assert (tight.rows, tight.chunk or 2047) >= (alone.rows, alone.chunk or 2047)  # of its room would
+    head = {**{f"model.layers.{i}": 0 for i in range(layers)}, "model.embed_tokens": 0, "model.norm": 0,
+            "lm_head": 2}
+    starved, line = engine(head, {"cuda:0": 60 * GB, "cuda:2": 1e6})
+    assert starved is None and "not even one prompt" in line and "cuda:2" in line

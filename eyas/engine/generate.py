@@ -12,6 +12,7 @@ padded batches of prompts grouped by length through `model.generate`. `auto` tak
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections import deque
 
@@ -22,6 +23,7 @@ from ..config import RegenConfig
 from ..data.conversation import Turn, split_reasoning
 from ..data.reasoning import history_messages
 from ..data.tokenize import render
+from ..device_map import layer_shares
 from ..util import EyasError, human_bytes, log, mem_available, release_memory, to_device
 from .fastlm import FastLM, fast_engine_runs, supported
 from .graphs import DecodeGraph
@@ -187,17 +189,43 @@ class GenerateEngine(EmbeddedEngine):
         self._log_plan()
 
     def _plan(self, batch: list[tuple[str, list[int], int, int]]) -> BatchPlan | None:
-        """The rows and prefill chunk of the waiting prompts `batch` (sorted, shortest first) that fit the memory."""
-        budget = self.budget_share * free_bytes(self.t.device) / self.scale
-        return plan_batch(self.cost, budget, [len(p) for _, p, _, _ in batch], [m for _, _, m, _ in batch],
-                          self.batch, self.all_logits)
+        """The rows and prefill chunk of the waiting prompts `batch` (sorted, shortest first) that fit the memory. A
+        target split by target.device_map is planned on each of its devices (the KV cache of its layers there, the
+        widest layer's transients and the logits counted on every one): the fewest rows any device takes, then the
+        shortest prefill chunk any needs at that many rows. Sets self.bound: (device, free bytes) of the device that
+        bounds the plan."""
+        widths, news = [len(p) for _, p, _, _ in batch], [m for _, _, m, _ in batch]
+        devices = self._devices()
+
+        def plans(cap):
+            return [(plan_batch(cost, self.budget_share * free / self.scale, widths, news, cap, self.all_logits),
+                     dev, free) for dev, free, cost in devices]
+        got = plans(self.batch)
+        if any(p is None for p, _, _ in got):
+            self.bound = next((dev, free) for p, dev, free in got if p is None)
+            return None
+        rows = min(p.rows for p, _, _ in got)
+        if any(p.rows > rows for p, _, _ in got):
+            got = plans(rows)
+        plan, *bound = min(got, key=lambda g: (g[0].rows, g[0].chunk or widths[g[0].rows - 1] + 1))
+        self.bound = tuple(bound)
+        return plan
+
+    def _devices(self) -> list[tuple[torch.device, int, ForwardCost]]:
+        """(device, its free bytes, the forward's cost there) for each device the target runs on."""
+        shares = layer_shares(self.t.model) or {self.t.device: 1.0}
+        return [(dev, free_bytes(dev), dataclasses.replace(self.cost, kv_token=math.ceil(self.cost.kv_token * share)))
+                for dev, share in shares.items()]
 
     def _log_plan(self) -> None:
         """One line: the batch prompts at the context limit get, and what bounds it."""
         width = max(1, self.ctx_limit - 1)
         new = max(1, min(self.rc.max_new_tokens, self.model_max - width))
         plan = self._plan([("", [0] * width, new, 0)] * self.batch)
-        where = f"{human_bytes(free_bytes(self.t.device))} free on the {self.t.device.type} device"
+        dev, free = self.bound
+        split = len(layer_shares(self.t.model))
+        where = (f"{human_bytes(free)} free on {dev}, the tightest of the {split} devices the target is split over"
+                 if split else f"{human_bytes(free)} free on the {dev.type} device")
         if plan is None:
             log(f"regen: generate engine: by its memory estimate not even one prompt of {width:,} tokens fits the "
                 f"{where}; it tries one at a time, prefilled in chunks of {MIN_CHUNK} tokens")
