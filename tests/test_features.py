@@ -234,11 +234,11 @@ def test_feature_cache_budget_counts_what_the_allocator_holds_unused():
     which the driver reports as used: the auto budget must count it as free."""
     from eyas.features import feature_cache_budget
 
+    before = feature_cache_budget(-1, "cuda")
     held = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    del held  # 4 GiB now free for torch, used for the driver
-    seen = torch.cuda.mem_get_info()[0]
+    del held  # 4 GiB now free for torch, used for the driver (unless torch took it from a segment it already held)
     assert torch.cuda.memory_reserved() >= 4 << 30
-    assert feature_cache_budget(-1, "cuda") >= feature_cache_budget(-1, "cuda", free=seen + (4 << 30)) - (256 << 20)
+    assert feature_cache_budget(-1, "cuda") >= before - (256 << 20)
 
 
 def test_fp8_round_trip_bound():

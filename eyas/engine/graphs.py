@@ -18,9 +18,18 @@ def capture_cuda_graph(fn, device: torch.device, warmup: int = 1, pool=None):
             for _ in range(warmup):
                 fn()
         torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            out = fn()
+        g, failed = torch.cuda.CUDAGraph(), None
+        try:
+            with torch.cuda.graph(g, pool=pool):
+                try:
+                    out = fn()
+                except Exception as e:
+                    failed = e
+                    raise
+        except Exception as e:
+            # an error inside the capture invalidates it, and ending the capture then raises "operation failed due
+            # to a previous error during capture": the first error is the one that says what broke it
+            raise (failed or e) from None
     return g, out
 
 
