@@ -29,7 +29,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:
-    """The user's target.aux_layers, checked against a target of `num_layers` decoder layers."""
+    """The user's target.aux_layers, checked against a target of `num_layers` decoder layers, in ascending order:
+    the order SGLang and vLLM stack the states they capture in (their decoder loop's), so the drafter's fc is
+    trained on the layout the engines serve it."""
     if len(aux) != 3:
         raise EyasError(f"target.aux_layers must name 3 layers, got {aux}")
     for a in aux:
@@ -38,7 +40,7 @@ def check_aux_layers(aux: list[int], num_layers: int) -> list[int]:
                             f"decoder layers (valid: 0..{num_layers}, where {num_layers} is the final pre-norm state)")
     if len(set(aux)) != 3:  # the drafter's fc would read one stream twice; speculators refuses such a config too
         raise EyasError(f"target.aux_layers: {aux} names a layer twice; name 3 distinct layers")
-    return list(aux)
+    return sorted(aux)
 
 
 def check_drafter_aux_layers(aux, where, target=None, field: str = "") -> list[int]:
@@ -68,6 +70,10 @@ def engine_aux_ids(aux_layers: list[int], fmt: str, num_layers: int = 0) -> list
     """The ids to write into an engine's config so that it captures the same residual streams the
     drafter was trained on (eyas id i = the stream entering decoder layer i = HF hidden_states[i])."""
     check_format(fmt)
+    if list(aux_layers) != sorted(aux_layers):
+        raise EyasError(f"aux layers {list(aux_layers)} are not in ascending order: SGLang and vLLM stack the states "
+                        f"they capture in layer order, so a drafter trained on another order would read them "
+                        f"shuffled; retrain with target.aux_layers {sorted(aux_layers)}")
     for a in aux_layers:
         # both engines capture inside their decoder loop, before layer i runs, and add the
         # residual there: the embedding output (i=0) and the final pre-norm state (i=N) are not reachable

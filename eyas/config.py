@@ -35,7 +35,7 @@ class TargetConfig:
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16",
                      choices=("auto", "float32", "bfloat16", "float16"))
     device: str = opt("auto", "device: auto (cuda if present), cpu, cuda, cuda:N")
-    aux_layers: list[int] = opt([], "aux layer ids (residual stream entering these decoder layers); empty = [2, N//2, N-3]")
+    aux_layers: list[int] = opt([], "aux layer ids (residual stream entering these decoder layers), taken in ascending order; empty = [2, N//2, N-3]")
     cache_dir: str = opt("", "where dequantized GGUF weights are cached as safetensors (default: $EYAS_CACHE or ~/.cache/eyas)")
     trust_remote_code: bool = opt(False, "allow a hub/HF-folder target to run its own Python code (off: files are data)")
     tensor_parallel: bool = opt(False, "eyas extract under torchrun: shard the target's layers over the processes "

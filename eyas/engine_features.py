@@ -8,7 +8,8 @@ vLLM (0.23 and 0.26 read; speculators 0.9.0 drives the same path) serves a targe
                   the final norm;
     token_ids     [T] int64: the prompt's tokens.
 hs_connectors' FP8 connector writes hidden_states as float8_e4m3fn with hidden_states_scales [T, 1, 1] float32
-(one scale per token). eyas asks for its aux layers plus N (speculators' launch_vllm.py default), so L = 4.
+(one scale per token). eyas asks for its aux layers plus N (speculators' launch_vllm.py default), so L = 4 (3 where
+N is an aux layer itself, a target of 2-3 layers); it picks them in its aux order.
 
 Turned into eyas' features: aux = the L-1 aux states concatenated, final = the target's own final norm of the last
 one, top = argmax lm_head(final). The norm and lm_head come from the target's weight files by name (the head alone,
@@ -53,8 +54,16 @@ RETRIES = 3  # further tries of a request the server could not take (429, 5xx) o
 
 
 def engine_layer_ids(spec) -> list[int]:
-    """The layer ids the engine must capture for eyas: the aux layers and the last layer (before the norm)."""
-    return sorted(set(spec.aux_layers)) + [spec.num_layers]
+    """The layer ids the engine must capture for eyas, ascending (the order the engine stacks them in), each once: the
+    aux layers and the last layer (before the norm), which a target of few layers may have among its aux layers."""
+    return sorted(set(spec.aux_layers) | {spec.num_layers})
+
+
+def eyas_order(spec) -> list[int]:
+    """Where each state eyas wants lies among the engine's stacked layers (engine_layer_ids): the aux layers in
+    the target's aux order, then the last layer's."""
+    ids = engine_layer_ids(spec)
+    return [ids.index(a) for a in spec.aux_layers] + [ids.index(spec.num_layers)]
 
 
 def _launch_hint(spec) -> str:
@@ -94,8 +103,9 @@ def wait_unlocked(path: Path, timeout: float = LOCK_TIMEOUT_S) -> None:
 
 
 def read_vllm_states(path: Path, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """One file of vLLM's hidden-state connector -> (token_ids int64 [T], states float [T, L, H]), checked against
-    the target: L = its aux layers + the last, H its hidden size, finite values."""
+    """One file of vLLM's hidden-state connector -> (token_ids int64 [T], states [T, 4, H]: the aux layers' in the
+    target's aux order, then the last layer's), checked against the target: the file stacks engine_layer_ids, H is
+    its hidden size, the values finite."""
     from safetensors import SafetensorError, safe_open
 
     wait_unlocked(path)
@@ -132,7 +142,7 @@ def read_vllm_states(path: Path, spec) -> tuple[torch.Tensor, torch.Tensor]:
         raise EyasError(f"{path}: hidden_states_scales given but hidden_states is {hs.dtype}, not fp8")
     if not bool(torch.isfinite(hs).all()):
         raise EyasError(f"{path}: hidden_states holds non-finite values")
-    return ids.to(torch.int64), hs
+    return ids.to(torch.int64), hs[:, eyas_order(spec)]
 
 
 class FolderSource:

@@ -25,8 +25,9 @@ from test_features import shard_hashes, tiny_cfg, write_tokens
 
 @torch.no_grad()
 def engine_states(model, ids: torch.Tensor, aux_layers: list[int]) -> torch.Tensor:
-    """What vLLM stacks for layer ids aux + [N]: transformers' hidden_states[k] for each aux id k (the stream entering
-    layer k) and the last layer's output before the final norm, [T, 4, H]."""
+    """What vLLM stacks for layer ids aux + [N], in layer order, each id once: transformers' hidden_states[k] for id
+    k < N (the stream entering layer k) and the last layer's output before the final norm for N, [T, 4 (or 3), H]."""
+    n = model.config.num_hidden_layers
     grab = {}
     norm = model.get_decoder().norm
     h = norm.register_forward_pre_hook(lambda m, a: grab.__setitem__("x", a[0]))
@@ -34,7 +35,8 @@ def engine_states(model, ids: torch.Tensor, aux_layers: list[int]) -> torch.Tens
         out = model(input_ids=ids[None], output_hidden_states=True)
     finally:
         h.remove()
-    return torch.stack([out.hidden_states[k][0] for k in aux_layers] + [grab["x"][0]], dim=1)
+    return torch.stack([out.hidden_states[k][0] if k < n else grab["x"][0] for k in sorted(set(aux_layers) | {n})],
+                       dim=1)
 
 
 def write_vllm_file(path: Path, model, ids: torch.Tensor, aux_layers: list[int], dtype=torch.float32,
@@ -376,3 +378,28 @@ def test_a_server_whose_files_are_not_visible_here_is_named(extracted, tmp_path,
             run_engine_extract(tiny_cfg(run, from_vllm=f"http://127.0.0.1:{srv.server_address[1]}"))
     finally:
         srv.shutdown()
+
+
+def test_an_aux_layer_that_is_the_last_is_asked_for_once(tmp_path):
+    """A target whose aux layers include N (the last layer's output, as a 2-3-layer target's defaults do; given here
+    out of order, as a user may): vLLM is asked for each layer once, in the layer order it stacks them in, and the
+    features equal an in-process extraction's."""
+    tiny = load_target(TargetConfig(name="tiny", dtype="float32", device="cpu", aux_layers=[8, 1, 4]))
+    n = tiny.num_layers
+    assert n == 8 and tiny.aux_layers == [1, 4, 8]
+    ref = tmp_path / "ref"
+    write_tokens(ref, tiny, 4, 48)
+    run_extract(tiny_cfg(ref, dtype="fp32", shard_tokens=128), tiny)
+    engine_folder(ref, tiny, tmp_path / "hs")
+    f = next((tmp_path / "hs").glob("*.safetensors"))
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as g:
+        assert g.get_slice("hidden_states").get_shape()[1] == 3  # layers 1, 4 and 8: N once
+    run = tmp_path / "run"
+    engine_run(ref, run)
+    cfg = tiny_cfg(run, dtype="fp32", shard_tokens=128, from_vllm=str(tmp_path / "hs"))
+    cfg.target.aux_layers = [8, 1, 4]
+    run_engine_extract(cfg)
+    assert read_json(run / "features" / "train" / "manifest.json")["engine"]["layer_ids"] == [1, 4, 8]
+    same_features(ref, run, atol=1e-5)

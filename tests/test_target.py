@@ -65,6 +65,9 @@ def test_aux_layer_checks():
         check_aux_layers([2, 15], 30)
     with pytest.raises(EyasError, match="twice"):
         check_aux_layers([2, 15, 15], 30)
+    assert check_aux_layers([27, 2, 15], 30) == [2, 15, 27]  # the engines' order (their decoder loop's)
+    with pytest.raises(EyasError, match=r"aux layers \[27, 2, 15\] are not in ascending order.*\[2, 15, 27\]"):
+        engine_aux_ids([27, 2, 15], "vllm", 30)  # a drafter trained on another order cannot be served as it is
 
 
 def test_default_aux_layers_are_three_distinct_layers_for_every_target_size():
