@@ -34,6 +34,7 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
         # 0: off, 1: the default bound (FastLM.GQA_MAX_T), T > 1: enable_gqa for calls of up to T tokens
         ("gqa", lambda v: {(FastLM, "gqa_steps"): bool(v), (FastLM, "GQA_MAX_T"): v if v > 1 else FastLM.GQA_MAX_T},
          lambda v: "" if v == 1 else f"_gqa{v}"),
+        ("rowwise", lambda v: {(FastLM, "rowwise_verify"): bool(v)}, lambda v: "_rw1" if v else ""),
         ("overlap", lambda v: {(Decoder, "overlap"): bool(v)}, lambda v: "" if v else "_ovl0"),
         ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
         # 1: where CUDA graphs are on (the default), 0: never
@@ -46,6 +47,11 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
 
 # --random-target shapes: (model type, config fields); the vocabulary is the tokenizer's
 RANDOM_SHAPES = {
+    # SmolLM2-135M's shape: the default target's kernels without its weights
+    "smollm2": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                              num_key_value_heads=3, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                              max_position_embeddings=8192, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 100000.0})),
     # Qwen3-0.6B's shape: q/k norm, head size 128 (not hidden / heads), tied head
     "qwen3": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                             num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -276,6 +282,10 @@ def main(argv=None) -> int:
                          "default): 1 (calls of up to FastLM.GQA_MAX_T tokens), T > 1 (calls of up to T tokens, for a "
                          "tree's verify), 0 (query heads folded, as a one-token step); a comma list times each (the "
                          "methods of a value other than 1 get the suffix _gqaT)")
+    ap.add_argument("--rowwise", default="0",
+                    help="FastLM.rowwise_verify: 0 (the default: a verify's tokens attend together), 1 (token by token, "
+                         "each shaped as a one-token step, so the attention rounds as plain decoding's), or 0,1 to "
+                         "time both (the 1 methods get the suffix _rw1)")
     ap.add_argument("--overlap", default="1",
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))

@@ -12,6 +12,11 @@ draft and verify seconds over rounds), after Decoder.warm_up and one warm-up gen
 part of a round captured alone as a CUDA graph (`parts_ms`: the target's one-token forward, the verify
 pass over K+1 tokens, one drafter step, the drafter's rebuild over K+1 tokens, and their sum as a round
 runs them), with the top kernels of each eager call by device time.
+
+--trees 8,5,16 8,3,16 ... does the same for EAGLE-2 dynamic trees (eyas.tree_decode, TOPK,DEPTH,TOKENS): the wall
+time per tree round, and with --parts its growth (the drafter's expansions and top-k selections), its verify over
+TOKENS nodes and the whole round, each captured alone. With an untrained drafter a round emits about one token, so
+these are costs only; τ comes from bench_decode.py with a trained one.
 """
 from __future__ import annotations
 
@@ -126,7 +131,7 @@ def graph_ms(fn, dev, n: int = 0) -> float:
     return round(1e3 * (time.perf_counter() - t0) / n, 4)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--draft", default="",
@@ -148,7 +153,10 @@ def main():
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read before the next is launched), or 1,0 for both "
                          "(the second under overlap_<n>, the default drafter only)")
-    a = ap.parse_args()
+    ap.add_argument("--trees", nargs="*", default=[],
+                    help="EAGLE-2 trees (TOPK,DEPTH,TOKENS) whose rounds to time after the chains' (their parts "
+                         "with --parts)")
+    a = ap.parse_args(argv)
     global REPLAYS
     REPLAYS = a.replays
 
@@ -157,13 +165,17 @@ def main():
     from eyas.decode import Decoder
     from eyas.evaluate import prompt_ids
     from eyas.target import load_target
+    from eyas.tree import TreeSpec
+    from eyas.tree_decode import TreeDecoder
 
+    trees = [TreeSpec.parse(t, "--trees") for t in a.trees]
     target = load_target(TargetConfig(name=a.target))
     dev = target.device
     drafter = bench_drafter(a.draft, target)
     prompt = prompt_ids(target.tokenizer, [{"role": "user", "content": "Write a long story about a lighthouse "
                                                                        "keeper who finds a map in a bottle."}])
-    max_len = len(prompt) + max(a.tokens, 32) + 16  # the warm-up generates 32; K + 1 more at most
+    # the warm-up generates 32; a round writes K + 1 slots past them at most (a tree's span)
+    max_len = len(prompt) + max(a.tokens, 32) + max([16] + [max(t.tokens, t.depth + 1) + 1 for t in trees])
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "prompt_tokens": len(prompt), "new_tokens": a.tokens, "draft": a.draft or "untrained"}
 
@@ -238,6 +250,32 @@ def main():
                             res["verify_k3_eager"] = kernels(
                                 lambda: dec._target_fwd(ids, pos + torch.arange(k + 1, device=dev), upto), dev)
                 dec.close()
+        for tree in trees:
+            dec = TreeDecoder(target, drafter, tree, max_len=max_len, compile=dev.type == "cuda")
+            dec.warm_up(plain=False)
+            dec.generate(prompt, 32, ())
+            g = dec.generate(prompt, a.tokens, ())
+            name = f"round_tree_{tree.topk}_{tree.depth}_{tree.tokens}"
+            res[name + "_wall_ms"] = round(1e3 * (g.seconds - g.prefill_seconds) / max(1, len(g.accepted)), 4)
+            res[name + "_tau"] = round(g.acceptance_length, 3)
+            print(f"{name}: {res[name + '_wall_ms']:.3f} ms per round by the wall clock (tau "
+                  f"{g.acceptance_length:.2f}, {res[name + '_wall_ms'] / res['plain_step_wall_ms']:.2f} plain steps, "
+                  f"graphs {'on' if dec.graphs.enabled else 'off'})", flush=True)
+            if a.parts and dec.temperature == 0:
+                pos = torch.tensor([len(prompt) + 8], device=dev)
+                upto = dec._upto(int(pos) + dec.span)
+                last = torch.zeros(1, dtype=torch.long, device=dev)
+                h = torch.zeros(1, 1, drafter.config.hidden_size, device=dev, dtype=target.dtype)
+                lg = torch.randn(1, drafter.config.draft_vocab_size, device=dev, dtype=target.dtype)
+                sfx = f"tree_{tree.topk}_{tree.depth}_{tree.tokens}"
+                with torch.no_grad():
+                    grown = dec.grow(last, h, lg, pos, upto)  # a tree to verify, made once
+                    parts = res["parts_ms"]
+                    parts[f"grow_{sfx}"] = graph_ms(lambda: dec.grow(last, h, lg, pos, upto), dev)
+                    parts[f"verify_{sfx}"] = graph_ms(lambda: dec._verify_tree(grown, pos, upto), dev)
+                    parts[f"round_{sfx}"] = graph_ms(lambda: dec._tree_round_fwd(last, h, lg, pos, upto), dev)
+                print(f"parts {sfx}: { {k: v for k, v in parts.items() if sfx in k} }", flush=True)
+            dec.close()
         if "plain_step_eager" in res and "verify_k3_eager" in res:
             res["verify_k3_vs_step_ops"] = op_diff(res["plain_step_eager"]["by_op"], res["verify_k3_eager"]["by_op"])
             print("aten ops of the 4-token verify against the one-token step [op, calls, calls, device ms, device ms]:")

@@ -64,3 +64,36 @@ def test_step_profile_of_a_real_cpu_profile():
     host = {r[0]: r for r in out["host_by_op"]}
     assert host["aten::mm"][1] == 1.0 and host["aten::mm"][2] > 0 and not any(k.startswith("ProfilerStep") for k in host)
     assert out["host_ms_per_step"] >= host["aten::mm"][2] + host["aten::tanh"][2]
+
+
+def test_profile_round_times_trees_beside_chains(tmp_path):
+    """profile_round.py --trees: each tree's round by the wall clock, and with --parts its growth, verify and whole
+    round captured alone, beside the chains' (the tiny target on the CPU: eager calls)."""
+    import json
+
+    out = tmp_path / "round.json"
+    pr.main(["--target", "tiny", "--tokens", "8", "--replays", "1", "--trees", "2,2,4", "--gqa", "1", "--norm", "2",
+             "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["round_tree_2_2_4_wall_ms"] > 0 and res["round_tree_2_2_4_tau"] >= 1
+    assert {"grow_tree_2_2_4", "verify_tree_2_2_4", "round_tree_2_2_4", "verify_k3", "round_k7"} <= set(res["parts_ms"])
+
+
+def test_verify_rounding_compares_verifies_with_steps(tmp_path):
+    """verify_rounding.py on the tiny target in fp32: every backend that runs gives a T-token forward within fp32
+    rounding of T one-token steps, and the tree path over a chain's mask the plain forward bit for bit; each
+    projection is checked row by row."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("verify_rounding", ROOT / "bench" / "verify_rounding.py")
+    vr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vr)
+    out = tmp_path / "rounding.json"
+    vr.main(["--target", "tiny", "--dtype", "float32", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert set(res["linear_rows"]) == {"q", "k", "o", "gate", "down", "lm_head"}
+    ran = {k: v for k, v in res["forwards"].items() if "error" not in v}
+    assert {"default_gqa16", "default_gqa1", "default_rowwise", "math_rowwise"} <= set(ran)
+    for key, by_t in ran.items():
+        for T, r in by_t.items():
+            assert r["tree_equals_forward"] and r["max_diff"] < 1e-3 and r["argmax_equal"] == 1.0, (key, T, r)

@@ -90,11 +90,16 @@ def _qwen3():
 
 
 @pytest.mark.parametrize("family", ["tiny", "qwen3"])
-@pytest.mark.parametrize("engine", ["fast", "hf"])
-def test_tree_verify_equals_each_branch_forward(tiny, family, engine):
+@pytest.mark.parametrize("engine", ["fast", "hf", "fast-rowwise"])
+def test_tree_verify_equals_each_branch_forward(tiny, family, engine, monkeypatch):
     """A hand-made tree of 7 nodes after a 9-token prefix: each node's logits and aux states from the one tree
     forward equal those of a forward over its own branch (prefix, root, ancestors, node, at consecutive positions);
-    moving a path's cache entries to consecutive slots leaves the cache of that branch's forward."""
+    moving a path's cache entries to consecutive slots leaves the cache of that branch's forward. fast-rowwise: the
+    fast engine attending token by token (FastLM.rowwise_verify), in the tree verify and the branches' forwards."""
+    from eyas.engine.fastlm import FastLM
+
+    monkeypatch.setattr(FastLM, "rowwise_verify", engine == "fast-rowwise")
+    engine = engine.split("-")[0]
     target = tiny if family == "tiny" else _qwen3()
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(1, 500, (1, 9), generator=g)

@@ -259,6 +259,11 @@ class FastLM:
     # docstring); False folds every call (bench/bench_decode.py --gqa 0 times it)
     gqa_steps = True
     GQA_MAX_T = 16
+    # multi-token calls (verifies; not prefills) attend token by token: each token's attention is a batch row of its
+    # own, shaped as a one-token step's (its query heads folded, the same cache slots), so it rounds as that step
+    # does and a verify's logits equal plain decoding's where an attention kernel's rounding depends on the query
+    # length (bf16: the CPU's kernels, and the GPU's beyond a few tokens)
+    rowwise_verify = False
     # calls other than one-off prefills run rope, each residual add with the norm after it, and the MLP's
     # silu-and-multiply as torch.compile'd kernels (`compiled`): about 7 kernels fewer a layer. Off by default here
     # and per instance (the decoder sets it from Decoder.compile_elementwise, on by default on a GPU); each new call
@@ -437,12 +442,16 @@ class FastLM:
                 masks[w].append(m[:, None])
         return masks
 
-    def _sdpa(self, q, kc, vc, rows, idx, parts, masks, gqa: bool):
+    def _sdpa(self, q, kc, vc, rows, idx, parts, masks, gqa: bool, rowwise: bool = False):
         """SDPA of q [b, H, T, D] over one layer's cache kc, vc, part by part under its mask -> [b, H, T, D].
-        Without `gqa` the query heads of one KV head are folded into the query length (q [b, Hkv, rep*T, D])."""
+        Without `gqa` the query heads of one KV head are folded into the query length (q [b, Hkv, rep*T, D]);
+        `rowwise` (rowwise_verify): each token's folded query a batch row of its own, over the same keys."""
         b, _, T, D = q.shape
-        if not gqa:
-            q = q.reshape(b, self.n_kv, self.n_heads // self.n_kv * T, D)
+        rep = self.n_heads // self.n_kv
+        if rowwise:
+            q = q.view(b, self.n_kv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(b * T, self.n_kv, rep, D)
+        elif not gqa:
+            q = q.reshape(b, self.n_kv, rep * T, D)
         outs = []
         for (a, z, u), m in zip(parts, masks):
             if rows is None or isinstance(rows, slice):  # a view, no copy
@@ -450,9 +459,17 @@ class FastLM:
                 ks, vs = kc[sel, :, :u], vc[sel, :, :u]
             else:
                 ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
+            if rowwise:  # row r's keys for each of its T tokens (one row: a stride-0 view), its mask token by token
+                n = z - a
+                ks, vs = (x[:, None].expand(n, T, *x.shape[1:]).reshape(n * T, *x.shape[1:]) for x in (ks, vs))
+                m = m.view(n, 1, rep, T, u).permute(0, 3, 1, 2, 4).reshape(n * T, 1, rep, u)
+                outs.append(F.scaled_dot_product_attention(q[a * T:z * T], ks, vs, attn_mask=m, scale=self.scaling))
+                continue
             outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
                                                        **({"enable_gqa": True} if gqa else {})))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+        if rowwise:  # [b*T, Hkv, rep, D] -> [b, H, T, D] (a view; the caller's transpose back to [b, T, H, D] is free)
+            return o.view(b, T, self.n_heads, D).transpose(1, 2)
         return o if gqa else o.reshape(b, self.n_heads, T, self.head_dim)
 
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False, tree=None):
@@ -470,7 +487,8 @@ class FastLM:
             fmask, fattn = self._flex_mask(qpos[:, 0]), self._flex_attention()
         # query heads folded into the query length (no repeated keys/values), or, for short multi-token calls,
         # enable_gqa (see the module docstring); one additive mask per row group (a, z, upto) and window
-        gqa = self._use_gqa(T, one_off)
+        rowwise = self.rowwise_verify and T > 1 and not one_off
+        gqa = self._use_gqa(T, one_off) and not rowwise
         parts = self._parts(b, rows, upto)
         masks = {} if flex else self._masks(qpos, parts, 1 if gqa else self.n_heads // self.n_kv, tree, wpos)
         h = self.base.embed_tokens(ids)
@@ -533,7 +551,7 @@ class FastLM:
                 sel = slice(None) if rows is None else rows
                 o = fattn(q, kc[sel], vc[sel], block_mask=fmask, scale=self.scaling, enable_gqa=nh != nkv)
             else:
-                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa)
+                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa, rowwise)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
             if self.gate_up[i] is not None:

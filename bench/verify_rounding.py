@@ -1,0 +1,126 @@
+"""Whether a verify pass rounds as one-token steps do: greedy speculative decoding reproduces plain decoding token for
+token only where the target's forward over T tokens gives, at each of them, the logits a one-token step gives. In
+bf16 that holds for some T and not others (a chain's verify of 4 or 8 tokens matched plain decoding on the GPU; trees
+of 16 and 32 nodes did not), so this measures, on one device:
+
+- the projections alone: whether `F.linear` of M rows gives each row bit for bit as a product of that row alone
+  does, with the target's weights (q, k, o, gate, down of its first layer, lm_head), for M up to 64;
+- the target's forward (eyas' FastLM, batch 1): a forward of T tokens after a 100-token prefill against T one-token
+  steps over the same tokens, bit for bit and in its largest difference, and a tree verify whose ancestor mask is
+  the chain's (the tree path over the same tokens) against the plain T-token forward; for each SDPA backend that
+  runs (the default choice, math, efficient, cuDNN, flash), with the query heads folded (FastLM.GQA_MAX_T = 1), through
+  enable_gqa, and token by token (FastLM.rowwise_verify).
+
+    PYTHONPATH=. python3 bench/verify_rounding.py [--target smollm2 | --random smollm2] [--out rounding.json]
+
+--random SHAPE builds a random model of bench_decode.py's --random-target shapes (weights do not change which
+kernels run, and near-ties are what flips a greedy pick, so random weights answer the rounding question).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("default", "math", "efficient", "cudnn", "flash")
+LENGTHS = (2, 4, 8, 9, 12, 16, 24, 32)
+
+
+def linear_rows(model, dev, rows=(1, 2, 4, 5, 8, 9, 12, 16, 24, 32, 64)) -> dict:
+    """For each of the target's projections (its own weights; the first layer's): the row counts M whose product
+    gives every row bit for bit as that row's 1-row product does (a kernel may tile the rows, and round the rows of
+    a last, partial tile otherwise)."""
+    layer = model.get_decoder().layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "o": attn.o_proj.weight, "gate": mlp.gate_proj.weight,
+               "down": mlp.down_proj.weight, "lm_head": model.get_output_embeddings().weight}
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = {}
+    for name, w in weights.items():
+        x = torch.randn(max(rows), w.shape[1], device=dev, dtype=w.dtype, generator=g)
+        ones = torch.cat([F.linear(x[i:i + 1], w) for i in range(max(rows))])
+        out[name] = {m: bool(torch.equal(F.linear(x[:m], w), ones[:m])) for m in rows}
+    return out
+
+
+def backend(name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if name == "default":
+        return contextlib.nullcontext()
+    return sdpa_kernel([{"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]])
+
+
+@torch.no_grad()
+def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS) -> dict:
+    """FastLM forwards of T tokens against T one-token steps (see the module docstring), under one SDPA backend."""
+    from eyas.engine.fastlm import FastLM
+
+    lm = FastLM(model, 1, 512)
+    lm.GQA_MAX_T, lm.rowwise_verify = gqa_max_t, rowwise
+    g = torch.Generator(device=dev).manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (1, 100 + max(lengths)), device=dev, generator=g)
+    res = {}
+    with backend(name):
+        lm.forward(ids[:, :100], torch.zeros(1, dtype=torch.long, device=dev))
+        steps = torch.stack([lm.forward(ids[:, 100 + i:101 + i], torch.tensor([100 + i], device=dev),
+                                        last_only=True)[0][0, -1] for i in range(max(lengths))]).float()
+        for T in lengths:
+            pos = torch.tensor([100], device=dev)
+            many = lm.forward(ids[:, 100:100 + T], pos)[0][0].float()
+            chain = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+            tree = lm.forward(ids[:, 100:100 + T], pos, tree=(torch.arange(100, 100 + T, device=dev), chain))[0][0]
+            res[T] = {"equal": bool(torch.equal(many, steps[:T])),
+                      "max_diff": float((many - steps[:T]).abs().max()),
+                      "argmax_equal": float((many.argmax(-1) == steps[:T].argmax(-1)).float().mean()),
+                      "tree_equals_forward": bool(torch.equal(tree.float(), many))}
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2", help="a preset, an HF folder or a .gguf file")
+    ap.add_argument("--random", default="", help="a random target of this bench_decode.py --random-target shape "
+                                                 "instead (e.g. smollm2, qwen3), with --target's tokenizer")
+    ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: bf16 on a GPU, fp32 on a CPU)")
+    ap.add_argument("--out", default="rounding.json")
+    a = ap.parse_args(argv)
+
+    from eyas.config import TargetConfig
+    from eyas.target import load_target
+
+    if a.random:
+        from bench_decode import random_target
+
+        target = random_target(a.random, a.target, a.dtype)
+    else:
+        target = load_target(TargetConfig(name=a.target, dtype=a.dtype))
+    model, dev = target.model, target.device
+    res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "target": a.random or a.target, "dtype": str(model.dtype), "linear_rows": linear_rows(model, dev),
+           "forwards": {}}
+    for name, eq in res["linear_rows"].items():
+        print(f"linear {name}: rows equal to a 1-row product: {[m for m, ok in eq.items() if ok]}; not: "
+              f"{[m for m, ok in eq.items() if not ok]}", flush=True)
+    for gqa, rowwise in ((16, False), (1, False), (16, True)):
+        for name in BACKENDS:
+            key = f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}")
+            try:
+                r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise)
+            except RuntimeError as e:  # a backend this device, dtype or mask cannot run
+                res["forwards"][key] = {"error": str(e).splitlines()[0][:200]}
+                print(f"{key}: {res['forwards'][key]['error']}", flush=True)
+                continue
+            print(f"{key}: " + " ".join(f"T{T}:{'=' if v['equal'] else 'D%.3g' % v['max_diff']}"
+                                        f"{'' if v['tree_equals_forward'] else '/tree-differs'}"
+                                        for T, v in r.items()), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
