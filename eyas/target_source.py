@@ -103,7 +103,34 @@ def gguf_to_hf(gguf: Path, cfg: TargetConfig | None = None) -> tuple[Path, str]:
     with file_lock(out.with_name(out.name + ".lock")):
         if not (out / "done.json").exists():
             _dequantize_into(gguf, out, digest)
+        elif json.loads((out / "done.json").read_text()).get("tokenizer") != TOKENIZER_VERSION:
+            _refresh_tokenizer(gguf, out)
     return out, digest
+
+
+# done.json's "tokenizer": the cached tokenizer carries the GGUF's own special tokens (eyas.gguf_tokenizer); a cache
+# made before it gets them once, without dequantizing again
+TOKENIZER_VERSION = 1
+
+
+def _refresh_tokenizer(gguf: Path, out: Path) -> None:
+    """The cached folder's tokenizer with the GGUF's special tokens, its files replaced one by one (done.json is
+    rewritten last, so a run killed between them redoes this)."""
+    from transformers import AutoTokenizer
+
+    from .gguf_tokenizer import fix_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    fixed = fix_tokenizer(tok, gguf)
+    if fixed is not tok:
+        log(f"{gguf.name}: its tokenizer in {out} now has the GGUF's own special tokens")
+        tmp = out / f".tokenizer.{os.getpid()}.tmp"
+        fixed.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+        tmp.rmdir()
+    done = json.loads((out / "done.json").read_text())
+    atomic_write_json(out / "done.json", {**done, "tokenizer": TOKENIZER_VERSION})
 
 
 def gguf_cache_dir(digest: str, cfg: TargetConfig | None = None) -> Path:
@@ -152,8 +179,10 @@ def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise EyasError("reading a GGUF target needs the 'gguf' package: pip install gguf")
     log(f"dequantizing {gguf.name} once into {out} (later loads use this cache)")
+    from .gguf_tokenizer import fix_tokenizer
+
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = fix_tokenizer(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name), gguf)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
         raise EyasError(f"could not read the GGUF file {gguf}: {_why(e)}; a file cut short (a download that stopped "
@@ -169,7 +198,7 @@ def _dequantize_into(gguf: Path, out: Path, digest: str) -> None:
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     clean.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    atomic_write_json(tmp / "done.json", {"gguf": str(gguf), "sha256": digest})
+    atomic_write_json(tmp / "done.json", {"gguf": str(gguf), "sha256": digest, "tokenizer": TOKENIZER_VERSION})
     _replace_dir(tmp, out)
 
 
