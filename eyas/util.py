@@ -494,11 +494,13 @@ def cgroup_room(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "
     return None
 
 
-def compile_failure(e: BaseException) -> str:
-    """A compiler or graph-capture failure in one line: the exception's type, the first line of its message (at
-    most 200 characters) and the innermost eyas line it passed through (where to look), for the logs and states
-    of the compiled and graphed paths that fall back to eager."""
+def compile_failure(e: BaseException, where: bool = False) -> str:
+    """A compiler or graph-capture failure in one line: the exception's type and the first line of its message (at
+    most 200 characters), for the logs and states of the compiled and graphed paths that fall back to eager; with
+    `where`, also the innermost eyas line it passed through (a graph capture's: the eyas code being captured)."""
     msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+    if not where:
+        return msg
     here, tb, package = None, e.__traceback__, str(Path(__file__).parent) + os.sep
     while tb is not None:
         f = tb.tb_frame.f_code.co_filename

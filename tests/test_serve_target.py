@@ -37,9 +37,9 @@ def test_smollm2_folder_serves_the_weights_eyas_trained_on(smol, tmp_path):
     text = smol.tokenizer.apply_chat_template(CHAT, tokenize=False)
     assert tok(text).input_ids == smol.tokenizer(text).input_ids
     assert tok.decode(ids[0]) == smol.tokenizer.decode(ids[0])
-    # the engines stop where eyas ends a turn: SmolLM2's GGUF tokenizer names <|im_start|> as its EOS
+    # the engines stop where eyas ends a turn: at SmolLM2's EOS as its GGUF names it (eyas.gguf_tokenizer)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    assert smol.tokenizer.eos_token == "<|im_start|>" and smol.eot_token_ids == [im_end]
+    assert smol.tokenizer.eos_token == "<|im_end|>" and smol.eot_token_ids == [im_end]
     assert tok.eos_token == "<|im_end|>"
     assert GenerationConfig.from_pretrained(str(out)).eos_token_id == smol.eot_token_ids[0]
     marker = json.loads((out / MARKER).read_text())

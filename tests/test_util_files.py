@@ -146,7 +146,8 @@ def test_disk_full_while_saving_a_drafter_or_an_export_keeps_the_old_one(tiny, t
 
 def test_a_fallback_names_the_eyas_line_it_failed_at():
     """compile_failure, the one line the graphed and compiled paths log when they fall back to eager: the
-    exception, its first line, and the innermost eyas line the error passed through, so a GPU log says where."""
+    exception, its first line, and for a graph capture the innermost eyas line the error passed through, so a GPU
+    log says where."""
     import torch
 
     from eyas.engine.fastlm import FastLM
@@ -155,10 +156,11 @@ def test_a_fallback_names_the_eyas_line_it_failed_at():
     try:
         FastLM.forward(None, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1))
     except Exception as e:  # noqa: BLE001
-        line = compile_failure(e)
+        line = compile_failure(e, where=True)
+        assert compile_failure(e) == line.rsplit(" (at ", 1)[0]  # the compiled paths' log: no location
     assert line.startswith("AttributeError: ") and "\n" not in line
     assert line.endswith(")") and "(at fastlm.py:" in line and " in " in line.rsplit("(at ", 1)[1]
     try:
         raise ValueError("first\nsecond")
     except ValueError as e:  # raised here, in the tests: no eyas frame, no location
-        assert compile_failure(e) == "ValueError: first"
+        assert compile_failure(e, where=True) == "ValueError: first"

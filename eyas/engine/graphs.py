@@ -81,7 +81,7 @@ class DecodeGraph:
                 g, _ = capture_cuda_graph(lambda: self._step(slots), self.lm.device, self.warmup, self.pool)
                 self.graphs[slots] = g
             except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
-                log(f"CUDA graph capture of the decode step failed ({compile_failure(e)}); decoding eagerly")
+                log(f"CUDA graph capture of the decode step failed ({compile_failure(e, where=True)}); decoding eagerly")
                 self.use_graphs = False
                 self.graphs.clear()
                 g = None
@@ -150,7 +150,7 @@ class StepGraphs:
             self.replays += 1
             res = tuple(o.clone() for o in out)
         except Exception as e:  # noqa: BLE001 - depends on the GPU stack; eager is always correct
-            self.off(f"{name}: {compile_failure(e)}")
+            self.off(f"{name}: {compile_failure(e, where=True)}")
             return fn(*args)
         if checked < self.check:
             entry[3] += 1
