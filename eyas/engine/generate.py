@@ -184,6 +184,9 @@ class GenerateEngine(EmbeddedEngine):
         self.cost = ForwardCost.from_config(target.config, target.dtype.itemsize, eager=eager,
                                             cpu=target.device.type == "cpu")
         self.all_logits = all_logits(target.model)
+        # the devices the target runs on and the share of its layers' KV cache each keeps (one, all of it, unless
+        # target.device_map split it)
+        self.shares = layer_shares(target.model) or {target.device: 1.0}
         self.scale = 1  # the estimate's multiplier: doubled at each out-of-memory error
         torch.manual_seed(rc.seed)
         self._log_plan()
@@ -213,9 +216,8 @@ class GenerateEngine(EmbeddedEngine):
 
     def _devices(self) -> list[tuple[torch.device, int, ForwardCost]]:
         """(device, its free bytes, the forward's cost there) for each device the target runs on."""
-        shares = layer_shares(self.t.model) or {self.t.device: 1.0}
         return [(dev, free_bytes(dev), dataclasses.replace(self.cost, kv_token=math.ceil(self.cost.kv_token * share)))
-                for dev, share in shares.items()]
+                for dev, share in self.shares.items()]
 
     def _log_plan(self) -> None:
         """One line: the batch prompts at the context limit get, and what bounds it."""
@@ -223,9 +225,8 @@ class GenerateEngine(EmbeddedEngine):
         new = max(1, min(self.rc.max_new_tokens, self.model_max - width))
         plan = self._plan([("", [0] * width, new, 0)] * self.batch)
         dev, free = self.bound
-        split = len(layer_shares(self.t.model))
-        where = (f"{human_bytes(free)} free on {dev}, the tightest of the {split} devices the target is split over"
-                 if split else f"{human_bytes(free)} free on the {dev.type} device")
+        where = (f"{human_bytes(free)} free on {dev}, the tightest of the {len(self.shares)} devices the target is "
+                 f"split over" if len(self.shares) > 1 else f"{human_bytes(free)} free on the {dev.type} device")
         if plan is None:
             log(f"regen: generate engine: by its memory estimate not even one prompt of {width:,} tokens fits the "
                 f"{where}; it tries one at a time, prefilled in chunks of {MIN_CHUNK} tokens")
