@@ -49,22 +49,20 @@ def fix_tokenizer(tok, gguf: Path):
         return tok
     tokens, types = vocab["tokens"], vocab["types"]
     data = json.loads(tok.backend_tokenizer.to_str())
-    added = {a["id"]: a for a in data["added_tokens"]}
     wanted = {i: types[i] == CONTROL for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)}
     names = {k: tokens[vocab[k]] for k in SPECIAL_IDS if 0 <= vocab.get(k, -1) < len(tokens)}
-    have = {"bos": tok.bos_token, "eos": tok.eos_token, "padding": tok.pad_token}
-    agrees = (all(i in added and added[i]["content"] == tokens[i] and added[i]["special"] == special
-                  for i, special in wanted.items())
-              and all(i < len(tokens) and tokens[i] == a["content"] for i, a in added.items())
-              and all(have[k] == name for k, name in names.items()))
-    if agrees:
-        return tok
-    keep = [a for i, a in added.items() if i < len(tokens) and tokens[i] == a["content"]]
-    for a in keep:
-        a["special"] = wanted.get(a["id"], a["special"])
+    # the added tokens the file holds, each special as its type says; then those of its control and user-defined
+    # tokens that are missing
+    keep = [{**a, "special": wanted.get(a["id"], a["special"])} for a in data["added_tokens"]
+            if a["id"] < len(tokens) and tokens[a["id"]] == a["content"]]
+    kept = {a["id"] for a in keep}
     keep += [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": special} for i, special in wanted.items() if i not in added]
-    data["added_tokens"] = sorted(keep, key=lambda a: a["id"])
+              "normalized": False, "special": special} for i, special in wanted.items() if i not in kept]
+    keep.sort(key=lambda a: a["id"])
+    have = {"bos": tok.bos_token, "eos": tok.eos_token, "padding": tok.pad_token}
+    if keep == sorted(data["added_tokens"], key=lambda a: a["id"]) and all(have[k] == n for k, n in names.items()):
+        return tok
+    data["added_tokens"] = keep
     fixed = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)),
                                     bos_token=names.get("bos"), eos_token=names.get("eos"),
                                     pad_token=names.get("padding"))
