@@ -221,7 +221,9 @@ def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
     smol_dir, _ = gguf_to_hf(find_preset_gguf("smollm2", None if cfg.gguf_file else cfg), cfg)
     out = cache_root(cfg) / "hf" / "tiny-llama-v1"
     with file_lock(out.with_name(out.name + ".lock")):
-        if not (out / "done.json").exists():
+        done = out / "done.json"
+        # made again (the same seed, the same weights) where its copy of SmolLM2's tokenizer predates the repair
+        if not done.exists() or json.loads(done.read_text()).get("tokenizer") != TOKENIZER_VERSION:
             tok = AutoTokenizer.from_pretrained(str(smol_dir))
             conf = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=2, pad_token_id=2,
                                **TINY_CONFIG)
@@ -230,7 +232,7 @@ def _tiny_model(cfg: TargetConfig) -> tuple[Path, str]:
             tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
-            atomic_write_json(tmp / "done.json", {"tiny": TINY_CONFIG})
+            atomic_write_json(tmp / "done.json", {"tiny": TINY_CONFIG, "tokenizer": TOKENIZER_VERSION})
             _replace_dir(tmp, out)
     return out, "tiny-llama-v1"
 

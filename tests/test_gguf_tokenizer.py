@@ -132,9 +132,11 @@ def test_a_cache_made_before_the_repair_is_repaired_once(r1, capsys):
 
 def test_the_smollm2_preset_ends_turns_with_its_ggufs_eos():
     """SmolLM2's GGUF names <|im_end|> (2) as EOS and padding, as its own tokenizer_config does; transformers' GGUF
-    converter names <|im_start|>."""
+    converter names <|im_start|>. The tiny preset's copy of that tokenizer says the same, on a machine whose tiny
+    cache predates the repair too."""
     from eyas.target import load_tokenizer
 
-    tok = load_tokenizer(TargetConfig(name="smollm2"))
-    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", 2, 2)
-    assert tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)[0] == 1
+    for name in ("smollm2", "tiny"):
+        tok = load_tokenizer(TargetConfig(name=name))
+        assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", 2, 2), name
+        assert tok.encode("<|im_start|>user\nhi<|im_end|>", add_special_tokens=False)[0] == 1
