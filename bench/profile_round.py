@@ -261,7 +261,7 @@ def main(argv=None):
             print(f"{name}: {res[name + '_wall_ms']:.3f} ms per round by the wall clock (tau "
                   f"{g.acceptance_length:.2f}, {res[name + '_wall_ms'] / res['plain_step_wall_ms']:.2f} plain steps, "
                   f"graphs {'on' if dec.graphs.enabled else 'off'})", flush=True)
-            if a.parts and dec.temperature == 0:
+            if a.parts:
                 pos = torch.tensor([len(prompt) + 8], device=dev)
                 upto = dec._upto(int(pos) + dec.span)
                 last = torch.zeros(1, dtype=torch.long, device=dev)
