@@ -31,7 +31,6 @@ Needs pip >= 25.1 for `--uploaded-prior-to`: the script makes a throwaway virtua
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from stage_wheels import (IMAGE, closure, describe, image_conflicts, pack, pip_download, pip_tools, report,
-                          requirements, slim)
+                          requirements, slim, stage_parser)
 
 # Packages SGLang imports only on paths a dense model's EAGLE-3 serving on Hopper does not take (see above).
 OPTIONAL = {"nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-cu13", "flash-attn-4",
@@ -65,19 +64,9 @@ def sglang_drop(name: str) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", default="0.5.17", help="the SGLang release (default 0.5.17, the newest that pins "
-                    "torch 2.11.0)")
-    ap.add_argument("--prior-to", default="2026-08-09T00:00:00Z", help="take dependencies as PyPI held them "
-                    "before this time (ISO 8601; default: the day after SGLang 0.5.17's release; '' for today)")
-    ap.add_argument("--out", default=".stage-sglang", help="folder of the pieces (default .stage-sglang, which "
-                    ".gitignore lists)")
-    ap.add_argument("--chunk-mib", type=int, default=60, help="largest piece in MiB (default 60: one upload "
-                    "carries 64 MiB with the working tree)")
+    ap = stage_parser(__doc__, "SGLang", "0.5.17", "2026-08-09T00:00:00Z")
     ap.add_argument("--fa3", action="store_true", help="keep sglang-kernel's FlashAttention-3 kernels (about 330 "
                     "MiB more, six more pieces) so that SGLang serves with its Hopper default instead of Triton")
-    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "eyas-stage-sglang"),
-                    help="download cache (default ~/.cache/eyas-stage-sglang)")
     args = ap.parse_args()
 
     cache = Path(args.cache) / args.version

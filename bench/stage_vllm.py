@@ -21,14 +21,13 @@ pieces can go into the same stage folder; bench/stage_wheels.py holds what this 
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from stage_wheels import IMAGE, pack, pip_download, pip_tools, report, requirements, slim
+from stage_wheels import IMAGE, pack, pip_download, pip_tools, report, requirements, slim, stage_parser
 
 # Kernel, tracing and tool-server packages vLLM imports only on paths a dense model's EAGLE-3 serving does not take.
 OPTIONAL = {"flashinfer-cubin", "tilelang", "nvidia-cutlass-dsl", "quack-kernels", "tokenspeed-mla",
@@ -47,17 +46,7 @@ def drop(name: str) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", default="0.26.0", help="the vLLM release (default 0.26.0, the newest that pins "
-                    "torch 2.11.0)")
-    ap.add_argument("--prior-to", default="2026-07-26T00:00:00Z", help="take dependencies as PyPI held them "
-                    "before this time (ISO 8601; default: the day after vLLM 0.26.0's release; '' for today)")
-    ap.add_argument("--out", default=".stage-vllm", help="folder of the pieces (default .stage-vllm; add it to "
-                    ".git/info/exclude)")
-    ap.add_argument("--chunk-mib", type=int, default=60, help="largest piece in MiB (default 60: one upload "
-                    "carries 64 MiB with the working tree)")
-    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "eyas-stage-vllm"),
-                    help="download cache (default ~/.cache/eyas-stage-vllm)")
+    ap = stage_parser(__doc__, "vLLM", "0.26.0", "2026-07-26T00:00:00Z")
     args = ap.parse_args()
 
     cache = Path(args.cache) / args.version

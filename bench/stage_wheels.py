@@ -4,6 +4,7 @@ packing files into upload-sized pieces (the format of ../shared/tools/stage.py: 
 """
 from __future__ import annotations
 
+import argparse
 import email.parser
 import hashlib
 import json
@@ -52,6 +53,25 @@ ENVIRONMENT = {"python_version": "3.12", "python_full_version": "3.12.3", "platf
 PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in (39, 35, 34, 31, 28, 27, 26, 24, 17, 5)] + [
     "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64", "any"]
 UNPACK = Path(__file__).with_name("stage_unpack.sh")
+
+
+def stage_parser(doc: str, engine: str, version: str, prior_to: str) -> argparse.ArgumentParser:
+    """The options every engine's stager takes: the release (default `version`, the newest whose torch pin the GPU
+    image meets), the PyPI date its dependencies are taken as of (default `prior_to`, the day after that release),
+    the pieces' folder and size, and the download cache; the stager adds its own."""
+    key = engine.lower()
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", default=version, help=f"the {engine} release (default {version}, the newest that "
+                    f"pins torch 2.11.0)")
+    ap.add_argument("--prior-to", default=prior_to, help="take dependencies as PyPI held them before this time (ISO "
+                    f"8601; default: the day after {engine} {version}'s release; '' for today)")
+    ap.add_argument("--out", default=f".stage-{key}", help=f"folder of the pieces (default .stage-{key}, which "
+                    ".gitignore lists)")
+    ap.add_argument("--chunk-mib", type=int, default=60, help="largest piece in MiB (default 60: one upload "
+                    "carries 64 MiB with the working tree)")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / f"eyas-stage-{key}"),
+                    help=f"download cache (default ~/.cache/eyas-stage-{key})")
+    return ap
 
 
 def pip_tools() -> tuple[list[str], Path]:
