@@ -9,7 +9,8 @@ of 16 and 32 nodes did not), so this measures, on one device:
   steps over the same tokens, bit for bit and in its largest difference, and a tree verify whose ancestor mask is
   the chain's (the tree path over the same tokens) against the plain T-token forward; for each SDPA backend that
   runs (the default choice, math, efficient, cuDNN, flash), with the query heads folded (FastLM.GQA_MAX_T = 1), through
-  enable_gqa, and token by token (FastLM.rowwise_verify).
+  enable_gqa, and token by token (FastLM.rowwise_verify); and, under the default backend, token by token with the
+  projections on a few tokens a call (FastLM.verify_rows) and with the decoder's compiled elementwise kernels.
 
     PYTHONPATH=. python3 bench/verify_rounding.py [--target smollm2 | --random smollm2] [--out rounding.json]
 
@@ -56,12 +57,14 @@ def backend(name: str):
 
 
 @torch.no_grad()
-def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS) -> dict:
-    """FastLM forwards of T tokens against T one-token steps (see the module docstring), under one SDPA backend."""
+def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS, rows: int = 0,
+             ew: bool = False) -> dict:
+    """FastLM forwards of T tokens against T one-token steps (see the module docstring), under one SDPA backend;
+    `rows` is FastLM.verify_rows, `ew` FastLM.compile_elementwise (as the decoder runs on a GPU)."""
     from eyas.engine.fastlm import FastLM
 
     lm = FastLM(model, 1, 512)
-    lm.GQA_MAX_T, lm.rowwise_verify = gqa_max_t, rowwise
+    lm.GQA_MAX_T, lm.rowwise_verify, lm.verify_rows, lm.compile_elementwise = gqa_max_t, rowwise, rows, ew
     g = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, 100 + max(lengths)), device=dev, generator=g)
     res = {}
@@ -106,11 +109,22 @@ def main(argv=None):
     for name, eq in res["linear_rows"].items():
         print(f"linear {name}: rows equal to a 1-row product: {[m for m, ok in eq.items() if ok]}; not: "
               f"{[m for m, ok in eq.items() if not ok]}", flush=True)
-    for gqa, rowwise in ((16, False), (1, False), (16, True)):
-        for name in BACKENDS:
-            key = f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}")
+    # (enable_gqa bound, token by token, verify_rows, compiled elementwise kernels, the backends): every backend for
+    # the attention paths; the default one for projections a few rows a call and for the decoder's compiled kernels
+    # (static shapes: one compile per length, so fewer lengths)
+    from torch import _dynamo
+
+    _dynamo.config.recompile_limit = 64
+    combos = [(16, False, 0, False, BACKENDS), (1, False, 0, False, BACKENDS), (16, True, 0, False, BACKENDS),
+              (16, True, 8, False, ("default",)), (16, True, 4, False, ("default",)),
+              (16, False, 0, True, ("default",)), (16, True, 8, True, ("default",))]
+    for gqa, rowwise, rows, ew, backends in combos:
+        for name in backends:
+            key = (f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}") + (f"_rows{rows}" if rows else "")
+                   + ("_ew" if ew else ""))
+            lengths = (4, 8, 9, 16, 32) if ew else LENGTHS
             try:
-                r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise)
+                r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise, lengths, rows, ew)
             except RuntimeError as e:  # a backend this device, dtype or mask cannot run
                 res["forwards"][key] = {"error": str(e).splitlines()[0][:200]}
                 print(f"{key}: {res['forwards'][key]['error']}", flush=True)
