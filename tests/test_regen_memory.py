@@ -215,6 +215,14 @@ def test_a_regen_out_of_memory_halves_its_batch_and_matches_an_unconstrained_run
     assert "out of memory generating 8 prompts" in err and "retrying 4 of them, and later batches take at most 4" in err
 
 
+def test_the_report_gives_the_largest_batch_that_ran_not_the_cap(tmp_path, moe_target, capsys):
+    """regen.batch_size is the generate engine's cap; each batch is sized to the memory and to what waits, so the
+    report and the log give the most prompts one call generated (8 conversations here, under a cap of 64)."""
+    _regen(tmp_path, moe_target, "capped", batch_size=64)
+    rows = json.loads((regen_dir(str(tmp_path / "capped")) / "report.json").read_text())["this_call"]["rows"]
+    assert 1 <= rows <= 8 and f"up to {rows} rows at a time" in capsys.readouterr().err
+
+
 def test_a_single_prompt_out_of_memory_is_prefilled_in_chunks_then_refused_in_one_line(tmp_path, moe_target,
                                                                                         monkeypatch, capsys):
     ref = _regen(tmp_path, moe_target, "ref", batch_size=1)

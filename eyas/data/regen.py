@@ -77,11 +77,12 @@ class _Deferred:
 
 
 def engine_rows(backend) -> int | None:
-    """The sequences an embedded engine decodes together (regen.batch_size, or the engine's own choice at 0: 512
-    rows on a GPU with the static engine, fewer where its cache would not fit), once it was built; None for a
-    server (it batches as it likes) or an engine never built (every shard already on disk)."""
+    """The most sequences an embedded engine decoded together (regen.batch_size, or the engine's own choice at 0:
+    512 rows on a GPU with the static engine, fewer where its cache would not fit; the generate engine's largest
+    batch, each sized to the free memory), once it was built; None for a server (it batches as it likes) or an
+    engine never built (every shard already on disk)."""
     engine = backend._engine if isinstance(backend, _Deferred) else backend
-    rows = getattr(engine, "batch", None) if isinstance(engine, EmbeddedEngine) else None
+    rows = engine.rows_together() if isinstance(engine, EmbeddedEngine) else None
     return rows if isinstance(rows, int) else None
 
 
@@ -213,7 +214,7 @@ def _finish(d: Path, backend, ident: dict, tokens: int, seconds: float, rank: in
             report["this_call"]["rows"] = rows
         report["tokens_per_s"] = report["this_call"]["tokens_per_s"]
         made_words = (f"; this call generated {tokens:,} answer tokens in {seconds:.1f} s "
-                      f"({report['tokens_per_s']:,.0f} tok/s" + (f", {rows} rows at a time" if rows else "") + ")")
+                      f"({report['tokens_per_s']:,.0f} tok/s" + (f", up to {rows} rows at a time" if rows else "") + ")")
     atomic_write_json(d / "report.json", report)
     left = f"{report['errors_total']} left out ({left_out_words(report['errors'])}), " if report["errors"] else ""
     log(f"regen: {report['records']} conversations in {d} ({left}"

@@ -66,6 +66,10 @@ class EmbeddedEngine:
     def window(self) -> int:
         return 2 * self.batch
 
+    def rows_together(self) -> int:
+        """The most sequences this engine decoded together (its batch; the generate engine's largest batch)."""
+        return self.batch
+
     def prepare(self, rid: str, messages: list[dict]) -> tuple[list[int], int] | None:
         ids = _render_prompt(self.tok, messages, self.reasoning)
         if len(ids) >= self.ctx_limit:
@@ -188,6 +192,7 @@ class GenerateEngine(EmbeddedEngine):
         # target.device_map split it)
         self.shares = layer_shares(target.model) or {target.device: 1.0}
         self.scale = 1  # the estimate's multiplier: doubled at each out-of-memory error
+        self.most_rows = 0  # the largest batch generated so far (each sized to the memory, up to `batch`)
         torch.manual_seed(rc.seed)
         self._log_plan()
 
@@ -260,6 +265,9 @@ class GenerateEngine(EmbeddedEngine):
                 pass  # retried outside the handler, whose traceback holds the failed call's tensors
             batch, chunk = self._smaller(batch, chunk)
 
+    def rows_together(self) -> int:
+        return self.most_rows or self.batch
+
     def _smaller(self, batch: list, chunk: int | None) -> tuple[list, int | None]:
         """After an out-of-memory error: half the rows (the rest wait for a later batch), or with one row left half the
         prefill chunk; refused in one line where no smaller call is left. Later batches take at most as many rows
@@ -300,6 +308,7 @@ class GenerateEngine(EmbeddedEngine):
         gen.prefill_chunk_size = chunk if chunk and chunk < width else None
         with torch.no_grad():
             res = self.t.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, **kw)
+        self.most_rows = max(self.most_rows, len(batch))
         return [self.result(rid, len(p), row[:max_new])
                 for row, (rid, p, max_new, _) in zip(res[:, width:].tolist(), batch)]
 
