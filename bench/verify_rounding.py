@@ -7,7 +7,9 @@ of 16 and 32 nodes did not), so this measures, on one device:
   does, with the target's weights (q, k, o, gate, down of its first layer, lm_head), for M up to 64;
 - the target's forward (eyas' FastLM, batch 1): a forward of T tokens after a 100-token prefill against T one-token
   steps over the same tokens, bit for bit and in its largest difference, and a tree verify whose ancestor mask is
-  the chain's (the tree path over the same tokens) against the plain T-token forward; for each SDPA backend that
+  the chain's (the tree path over the same tokens) against the plain T-token forward, and a branching tree's verify
+  against one-token steps over each node's own path (equal only where a node's attention over its ancestors at
+  scattered slots rounds as over the consecutive slots plain decoding gives them); for each SDPA backend that
   runs (the default choice, math, efficient, cuDNN, flash), with the query heads folded (FastLM.GQA_MAX_T = 1), through
   enable_gqa, and token by token (FastLM.rowwise_verify); and, under the default backend, token by token with the
   projections on a few tokens a call (FastLM.verify_rows) and with the decoder's compiled elementwise kernels.
@@ -80,8 +82,33 @@ def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengt
             res[T] = {"equal": bool(torch.equal(many, steps[:T])),
                       "max_diff": float((many - steps[:T]).abs().max()),
                       "argmax_equal": float((many.argmax(-1) == steps[:T].argmax(-1)).float().mean()),
-                      "tree_equals_forward": bool(torch.equal(tree.float(), many))}
+                      "tree_equals_forward": bool(torch.equal(tree.float(), many)),
+                      **branching(lm, ids, T, dev)}
     return res
+
+
+def branching(lm, ids, T: int, dev) -> dict:
+    """A branching tree's verify of T nodes (a binary tree in breadth-first order, node i's parent (i-1)//2, so a
+    node's ancestors sit at scattered slots among its cousins) after the same 100-token prefill, against one-token
+    steps over each node's own path (the slots plain decoding would give it): the share of nodes whose logits are
+    equal bit for bit, and whose argmax is."""
+    par = [0] + [(i - 1) // 2 for i in range(1, T)]
+    paths = [[0]]
+    for i in range(1, T):
+        paths.append(paths[par[i]] + [i])
+    anc = torch.zeros(T, T, dtype=torch.bool, device=dev)
+    for i, p in enumerate(paths):
+        anc[i, p] = True
+    depth = torch.tensor([len(p) - 1 for p in paths], device=dev)
+    toks = ids[:, 100:100 + T]
+    tree = lm.forward(toks, torch.tensor([100], device=dev), tree=(100 + depth, anc))[0][0].float()
+    equal = argmax = 0
+    for i, p in enumerate(paths):
+        for j, node in enumerate(p):  # plain decoding of the path, a token a step
+            out = lm.forward(toks[:, node:node + 1], torch.tensor([100 + j], device=dev), last_only=True)[0][0, -1]
+        equal += bool(torch.equal(tree[i], out.float()))
+        argmax += int(tree[i].argmax() == out.argmax())
+    return {"branching_equal": equal / T, "branching_argmax_equal": argmax / T}
 
 
 def main(argv=None):
@@ -131,6 +158,7 @@ def main(argv=None):
                 continue
             print(f"{key}: " + " ".join(f"T{T}:{'=' if v['equal'] else 'D%.3g' % v['max_diff']}"
                                         f"{'' if v['tree_equals_forward'] else '/tree-differs'}"
+                                        f"/branching:{v['branching_equal']:.0%}"
                                         for T, v in r.items()), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -497,17 +497,18 @@ def cgroup_room(root: str | Path = "/sys/fs/cgroup", proc_cgroup: str | Path = "
 def compile_failure(e: BaseException, where: bool = False) -> str:
     """A compiler or graph-capture failure in one line: the exception's type and the first line of its message (at
     most 200 characters), for the logs and states of the compiled and graphed paths that fall back to eager; with
-    `where`, also the innermost eyas line it passed through (a graph capture's: the eyas code being captured)."""
+    `where`, also the innermost eyas line it passed through (a graph capture's: the eyas code being captured) and the
+    eyas line that called it, as a small helper (FastLM's by_rows) hides which call failed."""
     msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     if not where:
         return msg
-    here, tb, package = None, e.__traceback__, str(Path(__file__).parent) + os.sep
+    lines, tb, package = [], e.__traceback__, str(Path(__file__).parent) + os.sep
     while tb is not None:
         f = tb.tb_frame.f_code.co_filename
         if f.startswith(package):
-            here = f"{Path(f).name}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+            lines.append(f"{Path(f).name}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}")
         tb = tb.tb_next
-    return f"{msg} (at {here})" if here else msg
+    return f"{msg} (at {', from '.join(lines[:-3:-1])})" if lines else msg
 
 
 class PhaseClock:

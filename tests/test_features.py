@@ -231,14 +231,17 @@ def test_feature_cache_budget_leaves_room_for_training():
 @pytest.mark.gpu
 def test_feature_cache_budget_counts_what_the_allocator_holds_unused():
     """A stage before training (regen's KV cache) frees its tensors, but torch's allocator keeps their memory,
-    which the driver reports as used: the auto budget must count it as free."""
+    which the driver reports as used: the auto budget must count it as free, so it gives the allocator's unused
+    blocks back before it reads the driver's free memory. (The driver's figure itself moves with whatever else
+    the process or the machine allocates meanwhile, so it is not compared.)"""
     from eyas.features import feature_cache_budget
 
-    before = feature_cache_budget(-1, "cuda")
     held = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    del held  # 4 GiB now free for torch, used for the driver (unless torch took it from a segment it already held)
-    assert torch.cuda.memory_reserved() >= 4 << 30
-    assert feature_cache_budget(-1, "cuda") >= before - (256 << 20)
+    del held  # 4 GiB now free for torch, used for the driver
+    reserved = torch.cuda.memory_reserved()
+    assert reserved >= 4 << 30
+    assert feature_cache_budget(-1, "cuda") > 0
+    assert torch.cuda.memory_reserved() <= reserved - (4 << 30)
 
 
 def test_fp8_round_trip_bound():

@@ -164,3 +164,24 @@ def test_a_fallback_names_the_eyas_line_it_failed_at():
         raise ValueError("first\nsecond")
     except ValueError as e:  # raised here, in the tests: no eyas frame, no location
         assert compile_failure(e, where=True) == "ValueError: first"
+
+
+def test_a_fallback_names_the_eyas_line_that_called_the_failing_one(tiny, monkeypatch):
+    """A failure inside a small eyas helper (FastLM's by_rows, which runs every projection) names the helper's line
+    and the line that called it: which projection failed."""
+    import torch
+
+    from eyas.engine.fastlm import FastLM
+    from eyas.util import compile_failure
+
+    lm = FastLM(tiny.model, 1, 16)
+
+    def fail(x):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(tiny.model.model.layers[0].mlp.down_proj, "forward", fail)
+    try:
+        lm.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    except RuntimeError as e:
+        line = compile_failure(e, where=True)
+    assert " in by_rows, from fastlm.py:" in line and line.endswith(" in _forward)"), line
