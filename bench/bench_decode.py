@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 import time
 
@@ -197,6 +198,30 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
     return res
 
 
+def divergences(model, prompts, outputs, reference) -> dict:
+    """Where a speculative method's tokens leave plain decoding's: for each prompt that differs, the first differing
+    position and, from an independent forward of the target (transformers' own, over the prompt and plain decoding's
+    tokens before it), the logit gap between plain decoding's token and the method's there, also in units of the
+    dtype's spacing at that logit. A gap of a spacing or two is a near-tie that rounding decides; a large gap would
+    be a method that does not give the target's greedy choice."""
+    import torch
+
+    rows = []
+    dev = next(model.parameters()).device
+    for i, (ids, out, ref) in enumerate(zip(prompts, outputs, reference)):
+        at = next((j for j, (o, r) in enumerate(zip(out, ref)) if o != r), None)
+        if at is None:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([list(ids) + ref[:at]], device=dev)).logits[0, -1]
+        top, want, got = float(logits.max()), float(logits[ref[at]]), float(logits[out[at]])
+        spacing = float(torch.finfo(logits.dtype).eps) * 2.0 ** math.floor(math.log2(max(abs(top), 1e-30)))
+        rows.append({"prompt": i, "at": at, "plain": ref[at], "method": out[at], "top": round(top, 4),
+                     "gap": round(want - got, 4), "gap_spacings": round((want - got) / spacing, 2)})
+    gaps = [r["gap_spacings"] for r in rows]
+    return {"divergences": rows, "divergence_gap_spacings_max": max(gaps, key=abs) if gaps else None}
+
+
 def same_prompts_speedup(spec: dict, plain: dict) -> float | None:
     """plain's seconds over spec's on the prompts both finished (each method's time box can end after a different
     number of prompts, and a prompt's cost per token grows with its context, so tok/s over different prompts is
@@ -371,6 +396,8 @@ def main(argv=None) -> int:
               + (f", tau {res['acceptance_length']:.2f}" if "acceptance_length" in res else "")
               + (f", SM {g['sm_mhz_median']:.0f} MHz, {g.get('temp_c_max', 0):.0f} C" if "sm_mhz_median" in g else "")
               + (f", same as plain {res['same_as_plain']}" if "same_as_plain" in res else "")
+              + (f", largest gap where it differs {res['divergence_gap_spacings_max']} spacings"
+                 if res.get("divergence_gap_spacings_max") is not None else "")
               + (f", same as {engines[0]} {res['same_as_first_engine']}" if "same_as_first_engine" in res else "")
               + ")", flush=True)
         atomic_write_json(a.out, results)
@@ -434,7 +461,7 @@ def main(argv=None) -> int:
                     warm_s = warm_up(dec, True)
                     run_engine(dec, warm, 32, stop, True, 1e9)
                     res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
-                    res.pop("outputs")
+                    res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
@@ -443,7 +470,7 @@ def main(argv=None) -> int:
             warm_s = warm_up(dec, True)
             run_engine(dec, warm, 32, stop, True, 1e9)
             res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
-            res.pop("outputs")
+            res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
             # per_position_acceptance is per level of the tree
             record(f"eyas_tree_{tree.topk}_{tree.depth}_{tree.tokens}" + sfx,
                    {**res, **engine_facts(dec), "tree": tree.as_dict(), "variant": sfx, "warm_up_s": warm_s})

@@ -1,7 +1,7 @@
 """Whether a verify pass rounds as one-token steps do: greedy speculative decoding reproduces plain decoding token for
-token only where the target's forward over T tokens gives, at each of them, the logits a one-token step gives. In
-bf16 that holds for some T and not others (a chain's verify of 4 or 8 tokens matched plain decoding on the GPU; trees
-of 16 and 32 nodes did not), so this measures, on one device:
+token only where the target's forward over T tokens gives, at each of them, the logits a one-token step gives (and a
+tree's verify, at each node, what steps over the node's own path give). In bf16 that depends on the kernels, so this
+measures, on one device:
 
 - the projections alone: whether `F.linear` of M rows gives each row bit for bit as a product of that row alone
   does, with the target's weights (q, k, o, gate, down of its first layer, lm_head), for M up to 64;
@@ -103,11 +103,14 @@ def branching(lm, ids, T: int, dev) -> dict:
     toks = ids[:, 100:100 + T]
     tree = lm.forward(toks, torch.tensor([100], device=dev), tree=(100 + depth, anc))[0][0].float()
     equal = argmax = 0
-    for i, p in enumerate(paths):
-        for j, node in enumerate(p):  # plain decoding of the path, a token a step
-            out = lm.forward(toks[:, node:node + 1], torch.tensor([100 + j], device=dev), last_only=True)[0][0, -1]
-        equal += bool(torch.equal(tree[i], out.float()))
+    stack = [0]
+    while stack:  # depth first: a node's step finds its ancestors' steps in the slots before its own
+        i = stack.pop()
+        d = len(paths[i]) - 1
+        out = lm.forward(toks[:, i:i + 1], torch.tensor([100 + d], device=dev), last_only=True)[0][0, -1].float()
+        equal += bool(torch.equal(tree[i], out))
         argmax += int(tree[i].argmax() == out.argmax())
+        stack += [c for c in range(T - 1, 0, -1) if par[c] == i]
     return {"branching_equal": equal / T, "branching_argmax_equal": argmax / T}
 
 

@@ -49,3 +49,25 @@ def test_run_engine_gives_tau_an_interval_over_the_prompts():
     lo, hi = res["acceptance_length_ci95"]
     assert 1.0 <= lo < res["acceptance_length"] < hi <= 4.0
 
+
+
+def test_divergences_give_the_targets_logit_gap_where_a_method_leaves_plain_decoding(smol):
+    """Where a method's tokens leave plain decoding's, the report gives the first such position and the target's own
+    logit gap there between the two tokens (a near-tie that rounding decides is a spacing or two of the dtype);
+    prompts that agree give nothing. Here the method takes the target's second choice at position 3."""
+    import torch
+
+    model = smol.model
+    prompt = smol.tokenizer("The capital of France is", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        plain = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        logits = model(torch.tensor([prompt + plain[:3]])).logits[0, -1]
+    second = int(logits.topk(2).indices[1])
+    method = plain[:3] + [second] + plain[4:]
+    got = bd.divergences(model, [prompt, prompt], [method, plain], [plain, plain])
+    (row,) = got["divergences"]
+    assert (row["prompt"], row["at"], row["plain"], row["method"]) == (0, 3, plain[3], second)
+    assert row["gap"] == round(float(logits[plain[3]] - logits[second]), 4) > 0
+    assert got["divergence_gap_spacings_max"] == row["gap_spacings"] > 0
+    assert bd.divergences(model, [prompt], [plain], [plain]) == {"divergences": [],
+                                                                  "divergence_gap_spacings_max": None}
