@@ -430,6 +430,11 @@ class Decoder:
         nxt = self._pick(logits[:, -1]).view(1)
         return (nxt, p + 1), nxt
 
+    @property
+    def round_slots(self) -> int:
+        """Cache slots past the committed length a round may write (the fit check of generate and _pipelined)."""
+        return self.k + 1
+
     def _to_host(self, t: torch.Tensor):
         """Start copying t to the host without waiting: (host tensor, event to wait on, or None on a CPU)."""
         if self.device.type != "cuda":
@@ -448,7 +453,7 @@ class Decoder:
         (a step launched past the end is computed and dropped: it writes cache slots past the committed
         length, which are masked by position and overwritten before anything attends to them)."""
         ahead = self.overlapped
-        grow = self.k + 1 if speculative else 1  # most tokens one launch can commit
+        grow = self.k + 1 if speculative else 1  # most tokens one launch can commit (a tree's k is its depth)
         pending = deque()
         # one verify span for the whole loop when overlapping: a launch's own span would also hold the wait for
         # the step queued before it
@@ -457,7 +462,7 @@ class Decoder:
             # launch until one step is queued beyond the one to read next (ahead), while the queued ones
             # might still leave tokens to make and the cache has room for the furthest they could reach
             while (not pending or ahead and len(pending) < 2 and len(out) + len(pending) < max_new
-                   and L + grow * len(pending) + self.k + 1 <= self.max_len):
+                   and L + grow * len(pending) + self.round_slots <= self.max_len):
                 t0 = None if ahead else clock.start()
                 state, res = self._launch(state, speculative, L + grow * len(pending))
                 if t0 is not None:
@@ -573,7 +578,7 @@ class Decoder:
         """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any
         token in `stop_ids`. speculative=False: plain decoding, one target forward per token."""
         run, first, h_last, logits_last = self._begin(prompt_ids, max_new_tokens, stop_ids, speculative,
-                                                      self.k + 1)
+                                                      self.round_slots if speculative else self.k + 1)
         gen, out, stop, clock = run.gen, run.gen.tokens, run.stop, run.clock
         L = gen.prompt_tokens + 1
         last_dev = first.view(1)

@@ -129,6 +129,18 @@ class TreeDecoder(Decoder):
         """Cache slots a round writes from the root's, L-1: the verified nodes, and the drafter's rerun."""
         return max(self.tree.tokens, self.tree.depth + 1)
 
+    @property
+    def round_slots(self) -> int:
+        return self.span + 1
+
+    def _launch(self, state, speculative: bool, bound: int):
+        """Decoder._launch, with a greedy tree round for the speculative launches (Decoder._pipelined queues the
+        next round before the host reads the last one, as for the chain's fused rounds)."""
+        if not speculative:
+            return super()._launch(state, speculative, bound)
+        packed, h, lg, pos = self._call("tree", *state, upto=self._upto(bound - 1 + self.span))
+        return (packed[-1:], h, lg, pos), packed
+
     def step_calls(self, plain: bool = True, speculative: bool = True) -> list[tuple]:
         """Decoder.step_calls' plain steps and prefills, and (greedy, eyas' forward) the tree round of every span."""
         calls = super().step_calls(plain, False)  # no chain rounds, but the speculative prefills
@@ -228,19 +240,17 @@ class TreeDecoder(Decoder):
         """As Decoder.generate, with tree rounds when `speculative`."""
         if not speculative:
             return super().generate(prompt_ids, max_new_tokens, stop_ids, speculative=False)
-        run, first, h_last, logits_last = self._begin(prompt_ids, max_new_tokens, stop_ids, True, self.span + 1,
+        run, first, h_last, logits_last = self._begin(prompt_ids, max_new_tokens, stop_ids, True, self.round_slots,
                                                       f" + a tree of {self.tree.tokens}")
         gen, out, stop, clock = run.gen, run.gen.tokens, run.stop, run.clock
         L = gen.prompt_tokens + 1
         state = (first.view(1), h_last, logits_last, self._pos(L - 1, 1))
+        if self.temperature == 0:  # greedy: each round launched from the last one's device outputs
+            if len(out) < max_new_tokens and out[-1] not in stop:
+                self._pipelined(gen, out, L, state, True, max_new_tokens, stop, clock)
+            return self._finish(run)
         while len(out) < max_new_tokens and out[-1] not in stop:
-            upto = self._upto(L - 1 + self.span)
-            if self.temperature == 0:
-                t0 = clock.start()
-                res = self._call("tree", *state, upto=upto)
-                clock.stop("verify", t0)  # the whole round, as a chain's fused round
-            else:
-                res = self._sampled_round(*state, upto=upto, clock=clock)
+            res = self._sampled_round(*state, upto=self._upto(L - 1 + self.span), clock=clock)
             packed, h_last, logits_last, pos0 = res
             a, new = _emitted(packed.tolist())  # the round's one host sync
             gen.accepted.append(a)

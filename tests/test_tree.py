@@ -159,6 +159,31 @@ def test_greedy_tree_decoding_equals_plain(smol, prompt_set, plain_outputs, trai
     assert sum(acc) > 0, acc
 
 
+def test_overlapped_tree_rounds_decode_losslessly(smol, prompt_set, plain_outputs, trained, monkeypatch):
+    """With Decoder.overlap (the GPU default) the next greedy tree round is queued before the host reads the last
+    one, fed its device outputs: forced on here, on the CPU, the tokens are still plain greedy decoding's, at most
+    one round is launched past the end of each generation, and at least one was launched ahead."""
+    from eyas.decode import Decoder
+
+    monkeypatch.setattr(Decoder, "overlap", True)
+    launched, real = [], TreeDecoder._launch
+
+    def counting(self, *a, **kw):
+        launched[-1] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(TreeDecoder, "_launch", counting)
+    extra = []
+    for shape in ("4,4,16", "2,3,6"):
+        dec = TreeDecoder(smol, trained, TreeSpec.parse(shape), max_len=256)
+        for ids, ref in list(zip(prompt_set, plain_outputs))[:2]:
+            launched.append(0)
+            g = dec.generate(ids, NEW, smol.eot_token_ids)
+            assert g.tokens == ref[:NEW], (shape, smol.tokenizer.decode(ids[-12:]))
+            extra.append(launched[-1] - g.target_forwards)
+    assert set(extra) <= {0, 1} and 1 in extra, extra
+
+
 def test_transformers_engine_decodes_trees_losslessly(smol, prompt_set, plain_outputs, trained):
     dec = TreeDecoder(smol, trained, TreeSpec(4, 4, 16), max_len=256, engine="hf")
     assert dec.engine == "hf"
