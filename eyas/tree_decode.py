@@ -80,10 +80,11 @@ def _target_tree_forward(runner, ids, positions, slot0: torch.Tensor, anc, upto:
 
 def _keep_path(runner, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Move the target's cache entries at slots src [n] to slots dst [n] in every layer (read before written)."""
-    if isinstance(runner, FastTargetRunner):
-        pairs = list(zip(runner.lm.k, runner.lm.v))
-    else:
-        pairs = [(layer.keys, layer.values) for layer in runner.cache.layers if getattr(layer, "is_initialized", 0)]
+    if isinstance(runner, FastTargetRunner):  # [2, layers, B, Hkv, slots, D]: every layer at once
+        kv = runner.lm.kv
+        kv.index_copy_(4, dst, kv.index_select(4, src))
+        return
+    pairs = [(layer.keys, layer.values) for layer in runner.cache.layers if getattr(layer, "is_initialized", 0)]
     for k, v in pairs:
         for c in (k, v):
             c.index_copy_(2, dst, c.index_select(2, src))

@@ -307,8 +307,10 @@ class FastLM:
         if any(not 0 <= a <= n for a in self.aux_layers):
             raise EyasError(f"aux layers {self.aux_layers} out of range for a target with {n} layers (0..{n})")
         shape = (batch_size, self.n_kv, max_len, self.head_dim)
-        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
-        self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(n)]
+        # one storage for every layer's keys and values (each layer's a view), so a draft tree's accepted path moves
+        # to its slots in all layers with one gather and one scatter (eyas.tree_decode._keep_path)
+        self.kv = torch.zeros((2, n) + shape, device=self.device, dtype=self.dtype)
+        self.k, self.v = list(self.kv[0]), list(self.kv[1])
         self.slots = torch.arange(max_len, device=self.device)
         # q/k/v and gate/up as one matrix product each (fewer kernels per layer; the model's own modules
         # become views of the fused weights, so nothing is copied); None where they cannot be fused
