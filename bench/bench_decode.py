@@ -36,7 +36,6 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
         ("gqa", lambda v: {(FastLM, "gqa_steps"): bool(v), (FastLM, "GQA_MAX_T"): v if v > 1 else FastLM.GQA_MAX_T},
          lambda v: "" if v == 1 else f"_gqa{v}"),
         ("rowwise", lambda v: {(FastLM, "rowwise_verify"): bool(v)}, lambda v: "_rw1" if v else ""),
-        ("rows", lambda v: {(FastLM, "verify_rows"): v}, lambda v: f"_rows{v}" if v else ""),
         ("overlap", lambda v: {(Decoder, "overlap"): bool(v)}, lambda v: "" if v else "_ovl0"),
         ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
         # 1: where CUDA graphs are on (the default), 0: never
@@ -312,10 +311,6 @@ def main(argv=None) -> int:
                     help="FastLM.rowwise_verify: 0 (the default: a verify's tokens attend together), 1 (token by token, "
                          "each shaped as a one-token step, so the attention rounds as plain decoding's), or 0,1 to "
                          "time both (the 1 methods get the suffix _rw1)")
-    ap.add_argument("--rows", default="0",
-                    help="FastLM.verify_rows: 0 (the default: a verify's projections on all its tokens at once), R (on "
-                         "at most R tokens a call, so their GEMMs round as the few-row ones of plain decoding), or a "
-                         "comma list to time each (methods of R > 0 get the suffix _rowsR)")
     ap.add_argument("--overlap", default="1",
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))

@@ -11,8 +11,8 @@ measures, on one device:
   against one-token steps over each node's own path (equal only where a node's attention over its ancestors at
   scattered slots rounds as over the consecutive slots plain decoding gives them); for each SDPA backend that
   runs (the default choice, math, efficient, cuDNN, flash), with the query heads folded (FastLM.GQA_MAX_T = 1), through
-  enable_gqa, and token by token (FastLM.rowwise_verify); and, under the default backend, token by token with the
-  projections on a few tokens a call (FastLM.verify_rows) and with the decoder's compiled elementwise kernels.
+  enable_gqa, and token by token (FastLM.rowwise_verify); and, under the default backend, with the decoder's compiled
+  elementwise kernels.
 
     PYTHONPATH=. python3 bench/verify_rounding.py [--target smollm2 | --random smollm2] [--out rounding.json]
 
@@ -59,14 +59,13 @@ def backend(name: str):
 
 
 @torch.no_grad()
-def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS, rows: int = 0,
-             ew: bool = False) -> dict:
+def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS, ew: bool = False) -> dict:
     """FastLM forwards of T tokens against T one-token steps (see the module docstring), under one SDPA backend;
-    `rows` is FastLM.verify_rows, `ew` FastLM.compile_elementwise (as the decoder runs on a GPU)."""
+    `ew` is FastLM.compile_elementwise (as the decoder runs on a GPU)."""
     from eyas.engine.fastlm import FastLM
 
     lm = FastLM(model, 1, 512)
-    lm.GQA_MAX_T, lm.rowwise_verify, lm.verify_rows, lm.compile_elementwise = gqa_max_t, rowwise, rows, ew
+    lm.GQA_MAX_T, lm.rowwise_verify, lm.compile_elementwise = gqa_max_t, rowwise, ew
     g = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, 100 + max(lengths)), device=dev, generator=g)
     res = {}
@@ -139,22 +138,19 @@ def main(argv=None):
     for name, eq in res["linear_rows"].items():
         print(f"linear {name}: rows equal to a 1-row product: {[m for m, ok in eq.items() if ok]}; not: "
               f"{[m for m, ok in eq.items() if not ok]}", flush=True)
-    # (enable_gqa bound, token by token, verify_rows, compiled elementwise kernels, the backends): every backend for
-    # the attention paths; the default one for projections a few rows a call and for the decoder's compiled kernels
-    # (static shapes: one compile per length, so fewer lengths)
+    # (enable_gqa bound, token by token, compiled elementwise kernels, the backends): every backend for the attention
+    # paths; the default one for the decoder's compiled kernels (static shapes: one compile per length, so fewer)
     from torch import _dynamo
 
     _dynamo.config.recompile_limit = 64
-    combos = [(16, False, 0, False, BACKENDS), (1, False, 0, False, BACKENDS), (16, True, 0, False, BACKENDS),
-              (16, True, 8, False, ("default",)), (16, True, 4, False, ("default",)),
-              (16, False, 0, True, ("default",)), (16, True, 8, True, ("default",))]
-    for gqa, rowwise, rows, ew, backends in combos:
+    combos = [(16, False, False, BACKENDS), (1, False, False, BACKENDS), (16, True, False, BACKENDS),
+              (16, False, True, ("default",)), (16, True, True, ("default",))]
+    for gqa, rowwise, ew, backends in combos:
         for name in backends:
-            key = (f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}") + (f"_rows{rows}" if rows else "")
-                   + ("_ew" if ew else ""))
+            key = f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}") + ("_ew" if ew else "")
             lengths = (4, 8, 9, 16, 32) if ew else LENGTHS
             try:
-                r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise, lengths, rows, ew)
+                r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise, lengths, ew)
             except RuntimeError as e:  # a backend this device, dtype or mask cannot run
                 res["forwards"][key] = {"error": str(e).splitlines()[0][:200]}
                 print(f"{key}: {res['forwards'][key]['error']}", flush=True)

@@ -498,7 +498,7 @@ def compile_failure(e: BaseException, where: bool = False) -> str:
     """A compiler or graph-capture failure in one line: the exception's type and the first line of its message (at
     most 200 characters), for the logs and states of the compiled and graphed paths that fall back to eager; with
     `where`, also the innermost eyas line it passed through (a graph capture's: the eyas code being captured) and the
-    eyas line that called it, as a small helper (FastLM's by_rows) hides which call failed."""
+    eyas line that called it, as a small helper (FastLM's _norm) hides which call failed."""
     msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     if not where:
         return msg

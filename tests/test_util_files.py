@@ -167,21 +167,22 @@ def test_a_fallback_names_the_eyas_line_it_failed_at():
 
 
 def test_a_fallback_names_the_eyas_line_that_called_the_failing_one(tiny, monkeypatch):
-    """A failure inside a small eyas helper (FastLM's by_rows, which runs every projection) names the helper's line
-    and the line that called it: which projection failed."""
+    """A failure inside a small eyas helper (FastLM's _norm, which runs every norm) names the helper's line and the
+    line that called it: which norm failed."""
     import torch
 
+    import eyas.engine.fastlm
     from eyas.engine.fastlm import FastLM
     from eyas.util import compile_failure
 
     lm = FastLM(tiny.model, 1, 16)
 
-    def fail(x):
+    def fail(*a, **kw):
         raise RuntimeError("capture refused")
 
-    monkeypatch.setattr(tiny.model.model.layers[0].mlp.down_proj, "forward", fail)
+    monkeypatch.setattr(eyas.engine.fastlm, "llama_rms_norm", fail)
     try:
         lm.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     except RuntimeError as e:
         line = compile_failure(e, where=True)
-    assert " in by_rows, from fastlm.py:" in line and line.endswith(" in _forward)"), line
+    assert " in _norm, from fastlm.py:" in line and line.endswith(" in _forward)"), line

@@ -264,11 +264,6 @@ class FastLM:
     # does and a verify's logits equal plain decoding's where an attention kernel's rounding depends on the query
     # length (bf16: the CPU's kernels, and the GPU's beyond a few tokens)
     rowwise_verify = False
-    # multi-token calls (verifies; not prefills) run each projection and the lm_head on at most verify_rows tokens a
-    # call (0: all at once). A GEMM kernel is chosen by its row count, and a kernel chosen for many rows may round
-    # each row otherwise than the one a few rows get; with verify_rows at a count whose kernels round every row as a
-    # one-row product does (bench/verify_rounding.py finds them), a verify's projections equal plain decoding's
-    verify_rows = 0
     # calls other than one-off prefills run rope, each residual add with the norm after it, and the MLP's
     # silu-and-multiply as torch.compile'd kernels (`compiled`): about 7 kernels fewer a layer. Off by default here
     # and per instance (the decoder sets it from Decoder.compile_elementwise, on by default on a GPU); each new call
@@ -495,14 +490,6 @@ class FastLM:
         # query heads folded into the query length (no repeated keys/values), or, for short multi-token calls,
         # enable_gqa (see the module docstring); one additive mask per row group (a, z, upto) and window
         rowwise = self.rowwise_verify and T > 1 and not one_off
-        chunk = self.verify_rows if T > max(self.verify_rows, 1) and not one_off else 0
-
-        def by_rows(fn, x):
-            """fn(x); with `chunk` set, fn runs on `chunk` tokens of each row at a time (verify_rows)."""
-            if not chunk:
-                return fn(x)
-            return torch.cat([fn(p) for p in x.split(chunk, dim=1)], dim=1)
-
         gqa = self._use_gqa(T, one_off) and not rowwise
         parts = self._parts(b, rows, upto)
         masks = {} if flex else self._masks(qpos, parts, 1 if gqa else self.n_heads // self.n_kv, tree, wpos)
@@ -546,14 +533,14 @@ class FastLM:
                 grab[i] = h
             attn = layer.self_attn
             if self.qkv[i] is not None:
-                qkv = by_rows(lambda p: F.linear(p, *self.qkv[i]), x).view(b, T, nh + 2 * nkv, D)
+                qkv = F.linear(x, *self.qkv[i]).view(b, T, nh + 2 * nkv, D)
                 q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + nkv], qkv[:, :, nh + nkv:]
                 if not self.qk_norm:
                     qk = rotate(qkv[:, :, :nh + nkv], cos, sin)  # rope on q and k at once
                     q, k = qk[:, :, :nh], qk[:, :, nh:]
             else:
-                q, k = by_rows(attn.q_proj, x).view(b, T, nh, D), by_rows(attn.k_proj, x).view(b, T, nkv, D)
-                v = by_rows(attn.v_proj, x).view(b, T, nkv, D)
+                q, k = attn.q_proj(x).view(b, T, nh, D), attn.k_proj(x).view(b, T, nkv, D)
+                v = attn.v_proj(x).view(b, T, nkv, D)
                 if not self.qk_norm:
                     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             if self.qk_norm:
@@ -568,14 +555,13 @@ class FastLM:
             else:
                 o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa, rowwise)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
-            h, x = add_norm(h, by_rows(attn.o_proj, o), layer.post_attention_layernorm)
+            h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
             if self.gate_up[i] is not None:
-                gate, up = by_rows(lambda p: F.linear(p, *self.gate_up[i]), x).chunk(2, dim=-1)
+                gate, up = F.linear(x, *self.gate_up[i]).chunk(2, dim=-1)
                 silu = ew and type(layer.mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
-                act = compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up
-                pend = by_rows(layer.mlp.down_proj, act)
+                pend = layer.mlp.down_proj(compiled(_silu_mul)(gate, up) if silu else layer.mlp.act_fn(gate) * up)
             else:
-                pend = by_rows(layer.mlp, x)
+                pend = layer.mlp(x)
         h, final = add_norm(h, pend, self.base.norm)
         if want_aux and n in self.aux_layers:
             grab[n] = h
@@ -583,6 +569,6 @@ class FastLM:
             final = final.gather(1, last_idx.to(self.device, torch.long).view(b, 1, 1).expand(b, 1, final.shape[-1]))
         elif last_only:
             final = final[:, -1:]
-        logits = by_rows(self.model.lm_head, final)
+        logits = self.model.lm_head(final)
         aux = torch.cat([grab[a] for a in self.aux_layers], dim=-1) if want_aux else None
         return logits, aux
