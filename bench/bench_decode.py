@@ -197,6 +197,15 @@ def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None)
     return res
 
 
+def sweep_compile_limit(limit: int = 64) -> None:
+    """Let torch compile each function for more shapes than its default 8: one process here times many chains and
+    trees, each with drafter calls of its own shapes, where an eval decodes with one; past the limit the compiled
+    drafter would fall back to eager for the methods timed last."""
+    from torch import _dynamo
+
+    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, limit)
+
+
 def divergences(model, prompts, outputs, reference) -> dict:
     """Where a speculative method's tokens leave plain decoding's: for each prompt that differs, the first differing
     position and, from an independent forward of the target (transformers' own, over the prompt and plain decoding's
@@ -350,6 +359,8 @@ def main(argv=None) -> int:
     from eyas.decode import Decoder
     from eyas.evaluate import _device_name
     from eyas.tree_decode import TreeDecoder
+
+    sweep_compile_limit()
     from eyas.util import atomic_write_json
     from gpu_watch import GpuWatch
 

@@ -161,7 +161,7 @@ def main(argv=None):
     REPLAYS = a.replays
 
     from eyas.config import TargetConfig
-    from bench_decode import bench_drafter
+    from bench_decode import bench_drafter, sweep_compile_limit
     from eyas.decode import Decoder
     from eyas.evaluate import prompt_ids
     from eyas.target import load_target
@@ -169,6 +169,7 @@ def main(argv=None):
     from eyas.tree_decode import TreeDecoder
 
     trees = [TreeSpec.parse(t, "--trees") for t in a.trees]
+    sweep_compile_limit()
     target = load_target(TargetConfig(name=a.target))
     dev = target.device
     drafter = bench_drafter(a.draft, target)

@@ -71,3 +71,21 @@ def test_divergences_give_the_targets_logit_gap_where_a_method_leaves_plain_deco
     assert got["divergence_gap_spacings_max"] == row["gap_spacings"] > 0
     assert bd.divergences(model, [prompt], [plain], [plain]) == {"divergences": [],
                                                                   "divergence_gap_spacings_max": None}
+
+
+def test_a_sweep_lets_torch_compile_more_shapes():
+    """bench_decode and profile_round time many chains and trees in one process, each with drafter calls of its own
+    shapes: the sweep raises torch's recompile limit (8 by default) so the methods timed last keep the compiled
+    drafter, and never lowers a higher one."""
+    from torch import _dynamo
+
+    saved = _dynamo.config.recompile_limit  # set back by hand: monkeypatch would delete the setting on undo
+    try:
+        _dynamo.config.recompile_limit = 8
+        bd.sweep_compile_limit()
+        assert _dynamo.config.recompile_limit == 64
+        _dynamo.config.recompile_limit = 100
+        bd.sweep_compile_limit()
+        assert _dynamo.config.recompile_limit == 100
+    finally:
+        _dynamo.config.recompile_limit = saved
