@@ -359,13 +359,12 @@ def main(argv=None) -> int:
     from eyas.decode import Decoder
     from eyas.evaluate import _device_name
     from eyas.tree_decode import TreeDecoder
-
-    sweep_compile_limit()
     from eyas.util import atomic_write_json
     from gpu_watch import GpuWatch
 
     from eyas.target import load_target
 
+    sweep_compile_limit()
     if a.random_target:
         target = random_target(a.random_target, a.target, a.dtype)
     else:

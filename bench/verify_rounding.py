@@ -140,9 +140,9 @@ def main(argv=None):
               f"{[m for m, ok in eq.items() if not ok]}", flush=True)
     # (enable_gqa bound, token by token, compiled elementwise kernels, the backends): every backend for the attention
     # paths; the default one for the decoder's compiled kernels (static shapes: one compile per length, so fewer)
-    from torch import _dynamo
+    from bench_decode import sweep_compile_limit
 
-    _dynamo.config.recompile_limit = 64
+    sweep_compile_limit()
     combos = [(16, False, False, BACKENDS), (1, False, False, BACKENDS), (16, True, False, BACKENDS),
               (16, False, True, ("default",)), (16, True, True, ("default",))]
     for gqa, rowwise, ew, backends in combos:
