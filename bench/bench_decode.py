@@ -36,6 +36,7 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
         ("gqa", lambda v: {(FastLM, "gqa_steps"): bool(v), (FastLM, "GQA_MAX_T"): v if v > 1 else FastLM.GQA_MAX_T},
          lambda v: "" if v == 1 else f"_gqa{v}"),
         ("rowwise", lambda v: {(FastLM, "rowwise_verify"): bool(v)}, lambda v: "_rw1" if v else ""),
+        ("tree_paths", lambda v: {(FastLM, "tree_paths"): bool(v)}, lambda v: "" if v else "_tp0"),
         ("overlap", lambda v: {(Decoder, "overlap"): bool(v)}, lambda v: "" if v else "_ovl0"),
         ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
         # 1: where CUDA graphs are on (the default), 0: never
@@ -320,6 +321,10 @@ def main(argv=None) -> int:
                     help="FastLM.rowwise_verify: 0 (the default: a verify's tokens attend together), 1 (token by token, "
                          "each shaped as a one-token step, so the attention rounds as plain decoding's), or 0,1 to "
                          "time both (the 1 methods get the suffix _rw1)")
+    ap.add_argument("--tree-paths", default="1",
+                    help="FastLM.tree_paths: 1 (the default: each tree node attends over its own path laid at plain "
+                         "decoding's slots, as a one-token step), 0 (the tree's nodes in one call under the ancestor "
+                         "mask), " + BOTH.format("_tp0"))
     ap.add_argument("--overlap", default="1",
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))

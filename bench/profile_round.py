@@ -15,7 +15,8 @@ runs them), with the top kernels of each eager call by device time.
 
 --trees 8,5,16 8,3,16 ... does the same for EAGLE-2 dynamic trees (eyas.tree_decode, TOPK,DEPTH,TOKENS): the wall
 time per tree round, and with --parts its growth (the drafter's expansions and top-k selections), its verify over
-TOKENS nodes and the whole round, each captured alone. With an untrained drafter a round emits about one token, so
+TOKENS nodes (as the decoder runs it, each node over its own path, and in one call under the ancestor mask:
+FastLM.tree_paths off) and the whole round, each captured alone. With an untrained drafter a round emits about one token, so
 these are costs only; τ comes from bench_decode.py with a trained one.
 """
 from __future__ import annotations
@@ -274,6 +275,14 @@ def main(argv=None):
                     parts = res["parts_ms"]
                     parts[f"grow_{sfx}"] = graph_ms(lambda: dec.grow(last, h, lg, pos, upto), dev)
                     parts[f"verify_{sfx}"] = graph_ms(lambda: dec._verify_tree(grown, pos, upto), dev)
+                    # the verify in one call under the ancestor mask (FastLM.tree_paths off), for its cost
+                    from eyas.engine.fastlm import FastLM
+
+                    laid, FastLM.tree_paths = FastLM.tree_paths, False
+                    try:
+                        parts[f"verify_{sfx}_one_call"] = graph_ms(lambda: dec._verify_tree(grown, pos, upto), dev)
+                    finally:
+                        FastLM.tree_paths = laid
                     parts[f"round_{sfx}"] = graph_ms(lambda: dec._tree_round_fwd(last, h, lg, pos, upto), dev)
                 print(f"parts {sfx}: { {k: v for k, v in parts.items() if sfx in k} }", flush=True)
             dec.close()

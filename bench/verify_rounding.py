@@ -8,8 +8,9 @@ measures, on one device:
 - the target's forward (eyas' FastLM, batch 1): a forward of T tokens after a 100-token prefill against T one-token
   steps over the same tokens, bit for bit and in its largest difference, and a tree verify whose ancestor mask is
   the chain's (the tree path over the same tokens) against the plain T-token forward, and a branching tree's verify
-  against one-token steps over each node's own path (equal only where a node's attention over its ancestors at
-  scattered slots rounds as over the consecutive slots plain decoding gives them); for each SDPA backend that
+  against one-token steps over each node's own path, in both of FastLM's tree layouts (the ancestors at their
+  scattered tree slots, equal only where that attention rounds as over the consecutive slots plain decoding gives
+  them; and FastLM.tree_paths, each node's path copied to those slots); for each SDPA backend that
   runs (the default choice, math, efficient, cuDNN, flash), with the query heads folded (FastLM.GQA_MAX_T = 1), through
   enable_gqa, and token by token (FastLM.rowwise_verify); and, under the default backend, with the decoder's compiled
   elementwise kernels.
@@ -66,6 +67,7 @@ def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengt
 
     lm = FastLM(model, 1, 512)
     lm.GQA_MAX_T, lm.rowwise_verify, lm.compile_elementwise = gqa_max_t, rowwise, ew
+    lm.tree_paths = False  # the chain-shaped tree below against the plain forward; branching() runs both layouts
     g = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, 100 + max(lengths)), device=dev, generator=g)
     res = {}
@@ -90,7 +92,8 @@ def branching(lm, ids, T: int, dev) -> dict:
     """A branching tree's verify of T nodes (a binary tree in breadth-first order, node i's parent (i-1)//2, so a
     node's ancestors sit at scattered slots among its cousins) after the same 100-token prefill, against one-token
     steps over each node's own path (the slots plain decoding would give it): the share of nodes whose logits are
-    equal bit for bit, and whose argmax is."""
+    equal bit for bit, and whose argmax is, with the ancestors at their tree slots (branching_*) and with
+    FastLM.tree_paths (paths_*)."""
     par = [0] + [(i - 1) // 2 for i in range(1, T)]
     paths = [[0]]
     for i in range(1, T):
@@ -100,17 +103,24 @@ def branching(lm, ids, T: int, dev) -> dict:
         anc[i, p] = True
     depth = torch.tensor([len(p) - 1 for p in paths], device=dev)
     toks = ids[:, 100:100 + T]
-    tree = lm.forward(toks, torch.tensor([100], device=dev), tree=(100 + depth, anc))[0][0].float()
-    equal = argmax = 0
+    trees, was = {}, lm.tree_paths
+    for laid in (False, True):  # the ancestors at their tree slots; each node's path at plain decoding's slots
+        lm.tree_paths = laid
+        trees[laid] = lm.forward(toks, torch.tensor([100], device=dev), tree=(100 + depth, anc))[0][0].float()
+    lm.tree_paths = was
+    equal = {False: 0, True: 0}
+    argmax = dict(equal)
     stack = [0]
     while stack:  # depth first: a node's step finds its ancestors' steps in the slots before its own
         i = stack.pop()
         d = len(paths[i]) - 1
         out = lm.forward(toks[:, i:i + 1], torch.tensor([100 + d], device=dev), last_only=True)[0][0, -1].float()
-        equal += bool(torch.equal(tree[i], out))
-        argmax += int(tree[i].argmax() == out.argmax())
+        for laid, tree in trees.items():
+            equal[laid] += bool(torch.equal(tree[i], out))
+            argmax[laid] += int(tree[i].argmax() == out.argmax())
         stack += [c for c in range(T - 1, 0, -1) if par[c] == i]
-    return {"branching_equal": equal / T, "branching_argmax_equal": argmax / T}
+    return {"branching_equal": equal[False] / T, "branching_argmax_equal": argmax[False] / T,
+            "paths_equal": equal[True] / T, "paths_argmax_equal": argmax[True] / T}
 
 
 def main(argv=None):
@@ -157,7 +167,7 @@ def main(argv=None):
                 continue
             print(f"{key}: " + " ".join(f"T{T}:{'=' if v['equal'] else 'D%.3g' % v['max_diff']}"
                                         f"{'' if v['tree_equals_forward'] else '/tree-differs'}"
-                                        f"/branching:{v['branching_equal']:.0%}"
+                                        f"/branching:{v['branching_equal']:.0%}/paths:{v['paths_equal']:.0%}"
                                         for T, v in r.items()), flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

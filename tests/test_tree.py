@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -90,15 +91,17 @@ def _qwen3():
 
 
 @pytest.mark.parametrize("family", ["tiny", "qwen3"])
-@pytest.mark.parametrize("engine", ["fast", "hf", "fast-rowwise"])
+@pytest.mark.parametrize("engine", ["fast", "hf", "fast-rowwise", "fast-scattered"])
 def test_tree_verify_equals_each_branch_forward(tiny, family, engine, monkeypatch):
     """A hand-made tree of 7 nodes after a 9-token prefix: each node's logits and aux states from the one tree
     forward equal those of a forward over its own branch (prefix, root, ancestors, node, at consecutive positions);
-    moving a path's cache entries to consecutive slots leaves the cache of that branch's forward. fast-rowwise: the
-    fast engine attending token by token (FastLM.rowwise_verify), in the tree verify and the branches' forwards."""
+    moving a path's cache entries to consecutive slots leaves the cache of that branch's forward. fast: each node's
+    path laid at consecutive slots (FastLM.tree_paths); fast-scattered: the ancestors attended at their tree slots;
+    fast-rowwise: that, token by token (FastLM.rowwise_verify), in the tree verify and the branches' forwards."""
     from eyas.engine.fastlm import FastLM
 
     monkeypatch.setattr(FastLM, "rowwise_verify", engine == "fast-rowwise")
+    monkeypatch.setattr(FastLM, "tree_paths", engine == "fast")
     engine = engine.split("-")[0]
     target = tiny if family == "tiny" else _qwen3()
     g = torch.Generator().manual_seed(3)
@@ -136,6 +139,44 @@ def test_tree_verify_equals_each_branch_forward(tiny, family, engine, monkeypatc
         for (k1, v1), (k2, v2) in zip(mine, theirs):
             torch.testing.assert_close(k1[:, :, :13], k2[:, :, :13], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(v1[:, :, :13], v2[:, :, :13], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family,device", [("smollm2", "cpu"), ("qwen3", "cpu"),
+                                           pytest.param("smollm2", "cuda", marks=pytest.mark.gpu)])
+def test_tree_verify_rounds_as_steps_over_each_path_in_bf16(smol, family, device):
+    """In bf16, where attention rounds by its query count and the order of its terms (on this CPU the real SmolLM2's
+    nodes differ when the tree is attended in one call): a binary tree of 12 nodes (a node's ancestors among its
+    cousins) verified after a 40-token prefix gives each node, bit for bit, the logits and aux states of one-token
+    steps over its own path at the positions plain decoding gives them."""
+    import copy
+
+    from eyas.engine.fastlm import FastLM
+
+    model = (copy.deepcopy(smol.model) if family == "smollm2" else _qwen3().model).to(device, torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(1, 500, (1, 40), generator=g).to(device)
+    toks = torch.randint(1, 500, (12,), generator=g).to(device)
+    parents = [0] + [(i - 1) // 2 for i in range(1, 12)]
+    paths = [[0]]
+    for i in range(1, 12):
+        paths.append(paths[parents[i]] + [i])
+    anc = torch.zeros(12, 12, dtype=torch.bool)
+    for i, p in enumerate(paths):
+        anc[i, p] = True
+    depth = torch.tensor([len(p) - 1 for p in paths])
+    at = lambda p: torch.tensor([p], device=device)  # noqa: E731
+    x = torch.randn(12, model.config.hidden_size, device=device, dtype=torch.bfloat16)
+    w = model.model.layers[0].self_attn.q_proj.weight
+    if not torch.equal(F.linear(x, w), torch.cat([F.linear(r[None], w) for r in x])):
+        pytest.skip("this machine's bf16 matrix products round a row by the rows beside it")
+    with torch.no_grad():
+        lm = FastLM(model, 1, 128, aux_layers=[1, 2])
+        lm.forward(prefix, at(0))
+        logits, aux = lm.forward(toks[None], at(40), want_aux=True, tree=((40 + depth).to(device), anc.to(device)))
+        for i, p in enumerate(paths):  # each path's steps rewrite the slots from 40 on
+            for d, j in enumerate(p):
+                sl, sa = lm.forward(toks[j].view(1, 1), at(40 + d), want_aux=True)
+            assert torch.equal(logits[0, i], sl[0, 0]) and torch.equal(aux[0, i], sa[0, 0]), f"node {i}"
 
 
 # ---------------------------------------------------------------------------------------------

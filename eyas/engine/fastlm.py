@@ -264,6 +264,13 @@ class FastLM:
     # does and a verify's logits equal plain decoding's where an attention kernel's rounding depends on the query
     # length (bf16: the CPU's kernels, and the GPU's beyond a few tokens)
     rowwise_verify = False
+    # a tree's verify gives each node what one-token steps over its own path give: each node attends as a batch row
+    # of its own (as rowwise_verify) over a copy of the cache whose tree slots hold the node's ancestors at the
+    # consecutive slots plain decoding gives them (pos + depth), so the attention kernel sums the same terms in the
+    # same order as plain decoding's step there. False: one call over the tree's slots under the ancestor mask, whose
+    # sums run in another order where ancestors sit among cousins (bf16 logits then differ from plain decoding's
+    # in the last bits, and near-ties flip)
+    tree_paths = True
     # calls other than one-off prefills run rope, each residual add with the norm after it, and the MLP's
     # silu-and-multiply as torch.compile'd kernels (`compiled`): about 7 kernels fewer a layer. Off by default here
     # and per instance (the decoder sets it from Decoder.compile_elementwise, on by default on a GPU); each new call
@@ -444,10 +451,21 @@ class FastLM:
                 masks[w].append(m[:, None])
         return masks
 
-    def _sdpa(self, q, kc, vc, rows, idx, parts, masks, gqa: bool, rowwise: bool = False):
+    @staticmethod
+    def _path_slots(anc: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """A tree's [T, T] cache slots: row i, column j holds the slot of node i's ancestor at depth j (itself at
+        its own depth; past it the root's, which the node's mask hides). anc [T, T] ancestor-or-self, depth [T],
+        slots [T] the tree's slots in node order. No host sync."""
+        T = anc.shape[0]
+        at = anc[:, :, None] & (depth[None, :, None] == torch.arange(T, device=anc.device)[None, None, :])
+        return slots[(at * torch.arange(T, device=anc.device)[None, :, None]).sum(1)]
+
+    def _sdpa(self, q, kc, vc, rows, idx, parts, masks, gqa: bool, rowwise: bool = False, paths=None):
         """SDPA of q [b, H, T, D] over one layer's cache kc, vc, part by part under its mask -> [b, H, T, D].
         Without `gqa` the query heads of one KV head are folded into the query length (q [b, Hkv, rep*T, D]);
-        `rowwise` (rowwise_verify): each token's folded query a batch row of its own, over the same keys."""
+        `rowwise` (rowwise_verify): each token's folded query a batch row of its own, over the same keys.
+        paths (a tree's verify with tree_paths, one row, rowwise): (the tree's slots [T], _path_slots [T, T]); row
+        i's copy of the keys and values holds node i's path at the tree's slots."""
         b, _, T, D = q.shape
         rep = self.n_heads // self.n_kv
         if rowwise:
@@ -464,6 +482,9 @@ class FastLM:
             if rowwise:  # row r's keys for each of its T tokens (one row: a stride-0 view), its mask token by token
                 n = z - a
                 ks, vs = (x[:, None].expand(n, T, *x.shape[1:]).reshape(n * T, *x.shape[1:]) for x in (ks, vs))
+                if paths is not None:  # a copy of the keys and values per node, its path in the tree's slots
+                    at, ps = paths
+                    ks, vs = (x.index_copy(2, at, c[a][:, ps].transpose(0, 1)) for x, c in ((ks, kc), (vs, vc)))
                 m = m.view(n, 1, rep, T, u).permute(0, 3, 1, 2, 4).reshape(n * T, 1, rep, u)
                 outs.append(F.scaled_dot_product_attention(q[a * T:z * T], ks, vs, attn_mask=m, scale=self.scaling))
                 continue
@@ -483,16 +504,21 @@ class FastLM:
             if b != 1 or any(self.windows) or self.groups is not None:
                 raise EyasError("FastLM.forward: a tree verify takes one row, no row groups and no sliding window")
             qpos = tree[0].to(self.device, torch.long).view(1, T)
+        paths = None
+        if tree is not None and self.tree_paths and T > 1:
+            paths = (wpos[0], self._path_slots(tree[1], qpos[0] - wpos[0, 0], wpos[0]))
         flex = (tree is None and self.flex_decode and T == 1 and not one_off and self.groups is None
                 and (rows is None or isinstance(rows, slice)) and not any(self.windows))
         if flex:
             fmask, fattn = self._flex_mask(qpos[:, 0]), self._flex_attention()
         # query heads folded into the query length (no repeated keys/values), or, for short multi-token calls,
         # enable_gqa (see the module docstring); one additive mask per row group (a, z, upto) and window
-        rowwise = self.rowwise_verify and T > 1 and not one_off
+        rowwise = (self.rowwise_verify and T > 1 and not one_off) or paths is not None
         gqa = self._use_gqa(T, one_off) and not rowwise
         parts = self._parts(b, rows, upto)
-        masks = {} if flex else self._masks(qpos, parts, 1 if gqa else self.n_heads // self.n_kv, tree, wpos)
+        # with paths each node sees the slots up to its own position, where its path now lies: a plain step's mask
+        masks = {} if flex else self._masks(qpos, parts, 1 if gqa else self.n_heads // self.n_kv,
+                                            None if paths is not None else tree, wpos)
         h = self.base.embed_tokens(ids)
         cos, sin = self.base.rotary_emb(h, qpos)
         cos, sin = cos[:, :, None], sin[:, :, None]  # [b, T, 1, D]
@@ -553,7 +579,7 @@ class FastLM:
                 sel = slice(None) if rows is None else rows
                 o = fattn(q, kc[sel], vc[sel], block_mask=fmask, scale=self.scaling, enable_gqa=nh != nkv)
             else:
-                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa, rowwise)
+                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa, rowwise, paths)
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
             if self.gate_up[i] is not None:
