@@ -473,7 +473,8 @@ def main(argv=None) -> int:
                     res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
                     res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
-                           {**res, **engine_facts(dec), "variant": sfx, "warm_up_s": warm_s})
+                           {**res, **engine_facts(dec), "k": k, "fused_round": fused, "fused_drafter": bool(dfuse),
+                            "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
         for tree in trees:
             dec = TreeDecoder(target, drafter, tree, max_len=max_len, compile=compile_, engine=engine)
@@ -515,13 +516,43 @@ def main(argv=None) -> int:
         # against the fastest plain method of the run, whichever norm and cache layout it used
         r["speedup_vs_fastest_plain"] = r["tokens_per_s"] / max(plain_of.values()) if plain_of else None
         r["speedup_vs_best_hf"] = r["tokens_per_s"] / hf_best if hf_best else None
+    results["best"] = best_setting(results["methods"])
     atomic_write_json(a.out, results)
     print(json.dumps({n: {k: v for k, v in r.items() if k in ("tokens_per_s", "acceptance_length", "speedup_vs_plain",
                                                               "speedup_vs_plain_same_prompts",
                                                               "speedup_vs_fastest_plain", "speedup_vs_best_hf", "same_as_plain",
                                                               "same_as_first_engine", "tokens_per_s_vs_first_engine")}
                       for n, r in results["methods"].items()}, indent=1))
+    b = results["best"]
+    if b:
+        print(f"best: {b['method']} at {b['tokens_per_s']:.1f} tok/s"
+              + (f", {b['speedup_vs_plain']:.2f}x plain" if b.get("speedup_vs_plain") else "")
+              + ("" if b["lossless"] else ", NOT the same as plain on every prompt (no method was)")
+              + f"; evaluate with: eyas run --set {b['set']}", flush=True)
     return 0
+
+
+def best_setting(methods: dict) -> dict | None:
+    """The fastest speculative method of the default variants (no suffix) that gave plain decoding's tokens on every
+    prompt, else the fastest of them all, with the eyas setting that decodes as it does (eval.k or eval.tree)."""
+    cands = []
+    for name, r in methods.items():
+        if r.get("variant") or "error" in r or not name.startswith(("eyas_spec_k", "eyas_tree_")):
+            continue
+        if "tree" in r:
+            t = r["tree"]
+            setting = f"eval.tree={t['topk']},{t['depth']},{t['tokens']}"
+        elif r.get("fused_round") and r.get("fused_drafter"):  # as eyas run decodes a chain on a GPU
+            setting = f"eval.k={r['k']}"
+        else:
+            continue
+        same, of = (int(x) for x in r.get("same_as_plain", "0/1").split("/"))
+        cands.append((same == of and of > 0, r["tokens_per_s"], name, setting, r))
+    if not cands:
+        return None
+    lossless, tps, name, setting, r = max(cands, key=lambda c: (c[0], c[1]))
+    return {"method": name, "set": setting, "tokens_per_s": tps, "lossless": lossless,
+            "speedup_vs_plain": r.get("speedup_vs_plain"), "acceptance_length": r.get("acceptance_length")}
 
 
 if __name__ == "__main__":

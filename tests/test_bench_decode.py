@@ -89,3 +89,27 @@ def test_a_sweep_lets_torch_compile_more_shapes():
         assert _dynamo.config.recompile_limit == 100
     finally:
         _dynamo.config.recompile_limit = saved
+
+
+def test_the_best_setting_is_the_fastest_that_decodes_as_plain():
+    """The sweep's pick: the fastest default-variant method whose tokens equal plain decoding's on every prompt, with
+    the eyas setting that runs it; a faster tree that left plain decoding, a variant and a stepwise round are passed
+    over; with no lossless method the fastest is given and marked."""
+    chain = {"k": 3, "fused_round": True, "fused_drafter": True, "variant": ""}
+    methods = {"eyas_plain": {"tokens_per_s": 700.0, "variant": ""},
+               "eyas_spec_k3_fused": {**chain, "tokens_per_s": 1400.0, "same_as_plain": "36/36"},
+               "eyas_spec_k5_fused": {**chain, "k": 5, "tokens_per_s": 1380.0, "same_as_plain": "36/36"},
+               "eyas_spec_k7": {**chain, "k": 7, "fused_round": False, "tokens_per_s": 1500.0, "same_as_plain": "36/36"},
+               "eyas_spec_k3_fused_rw1": {**chain, "variant": "_rw1", "tokens_per_s": 1600.0, "same_as_plain": "36/36"},
+               "eyas_tree_8_3_16": {"tree": {"topk": 8, "depth": 3, "tokens": 16}, "variant": "",
+                                    "tokens_per_s": 1450.0, "same_as_plain": "35/36"},
+               "eyas_tree_4_2_6": {"tree": {"topk": 4, "depth": 2, "tokens": 6}, "variant": "",
+                                   "tokens_per_s": 1410.0, "same_as_plain": "36/36"}}
+    best = bd.best_setting(methods)
+    assert (best["method"], best["set"], best["lossless"]) == ("eyas_tree_4_2_6", "eval.tree=4,2,6", True)
+    del methods["eyas_tree_4_2_6"]
+    assert bd.best_setting(methods)["set"] == "eval.k=3"
+    methods["eyas_spec_k3_fused"]["same_as_plain"] = methods["eyas_spec_k5_fused"]["same_as_plain"] = "30/36"
+    best = bd.best_setting(methods)
+    assert (best["set"], best["lossless"]) == ("eval.tree=8,3,16", False)
+    assert bd.best_setting({"eyas_plain": methods["eyas_plain"]}) is None
