@@ -492,7 +492,7 @@ class FastLM:
                                                        **({"enable_gqa": True} if gqa else {})))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
         if rowwise:  # [b*T, Hkv, rep, D] -> [b, H, T, D] (a view; the caller's transpose back to [b, T, H, D] is free)
-            return o.view(b, T, self.n_heads, D).transpose(1, 2)
+            return o.reshape(b, T, self.n_heads, D).transpose(1, 2)
         return o if gqa else o.reshape(b, self.n_heads, T, self.head_dim)
 
     def _forward(self, ids, pos, rows, last_only, want_aux, upto, last_idx, one_off=False, tree=None):
