@@ -464,8 +464,9 @@ class FastLM:
         """SDPA of q [b, H, T, D] over one layer's cache kc, vc, part by part under its mask -> [b, H, T, D].
         Without `gqa` the query heads of one KV head are folded into the query length (q [b, Hkv, rep*T, D]);
         `rowwise` (rowwise_verify): each token's folded query a batch row of its own, over the same keys.
-        paths (a tree's verify with tree_paths, one row, rowwise): (the tree's slots [T], _path_slots [T, T]); row
-        i's copy of the keys and values holds node i's path at the tree's slots."""
+        paths (a tree's verify with tree_paths, one row, rowwise): (the tree's slots [T], _path_slots [T, T], the
+        layer's keys and values [2, B, Hkv, slots, D]); row i's copy of them holds node i's path at the tree's
+        slots."""
         b, _, T, D = q.shape
         rep = self.n_heads // self.n_kv
         if rowwise:
@@ -481,10 +482,13 @@ class FastLM:
                 ks, vs = kc[:, :, :u].index_select(0, idx), vc[:, :, :u].index_select(0, idx)
             if rowwise:  # row r's keys for each of its T tokens (one row: a stride-0 view), its mask token by token
                 n = z - a
-                ks, vs = (x[:, None].expand(n, T, *x.shape[1:]).reshape(n * T, *x.shape[1:]) for x in (ks, vs))
-                if paths is not None:  # a copy of the keys and values per node, its path in the tree's slots
-                    at, ps = paths
-                    ks, vs = (x.index_copy(2, at, c[a][:, ps].transpose(0, 1)) for x, c in ((ks, kc), (vs, vc)))
+                if paths is not None:  # one row: a copy of its keys and values per node, the node's path in the tree's
+                    at, ps, kv = paths  # slots (the layer's keys and values together: three kernels, not eight)
+                    both = kv[:, a, :, :u][:, None].expand(2, T, *kv.shape[2:3], u, kv.shape[-1]).contiguous()
+                    both.index_copy_(3, at, kv[:, a][:, :, ps].transpose(1, 2))
+                    ks, vs = both[0], both[1]
+                else:
+                    ks, vs = (x[:, None].expand(n, T, *x.shape[1:]).reshape(n * T, *x.shape[1:]) for x in (ks, vs))
                 m = m.view(n, 1, rep, T, u).permute(0, 3, 1, 2, 4).reshape(n * T, 1, rep, u)
                 outs.append(F.scaled_dot_product_attention(q[a * T:z * T], ks, vs, attn_mask=m, scale=self.scaling))
                 continue
@@ -579,7 +583,8 @@ class FastLM:
                 sel = slice(None) if rows is None else rows
                 o = fattn(q, kc[sel], vc[sel], block_mask=fmask, scale=self.scaling, enable_gqa=nh != nkv)
             else:
-                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa, rowwise, paths)
+                o = self._sdpa(q, kc, vc, rows, idx, parts, masks[self.windows[i]], gqa, rowwise,
+                               None if paths is None else (*paths, self.kv[:, i]))
             o = o.transpose(1, 2).reshape(b, T, -1)  # with enable_gqa, a view of what cuDNN wrote
             h, x = add_norm(h, attn.o_proj(o), layer.post_attention_layernorm)
             if self.gate_up[i] is not None:
