@@ -372,7 +372,8 @@ class FastLM:
         avoids kernels that build a plan per shape.
         tree: (positions [T], anc [T, T] bool) for a draft tree's verify (one row, eyas.tree): the T tokens are
         written to slots pos..pos+T-1 but roped at `positions`, and token i attends to the slots before pos and to
-        the tree slots pos+j where anc[i, j] (its ancestors and itself)."""
+        the tree slots pos+j where anc[i, j] (its ancestors and itself; with tree_paths, laid at the slots plain
+        decoding gives them)."""
         with one_off_kernels(self.device, on=one_off):
             return self._forward(ids, pos, rows, last_only, want_aux, upto, last_idx, one_off, tree)
 
