@@ -16,8 +16,8 @@ runs them), with the top kernels of each eager call by device time.
 --trees 8,5,16 8,3,16 ... does the same for EAGLE-2 dynamic trees (eyas.tree_decode, TOPK,DEPTH,TOKENS): the wall
 time per tree round, and with --parts its growth (the drafter's expansions and top-k selections), its verify over
 TOKENS nodes (as the decoder runs it, each node over its own path, and in one call under the ancestor mask:
-FastLM.tree_paths off) and the whole round, each captured alone. With an untrained drafter a round emits about one token, so
-these are costs only; τ comes from bench_decode.py with a trained one.
+FastLM.tree_paths off) and the whole round, each captured alone. With an untrained drafter a round emits about one
+token, so these are costs only; τ comes from bench_decode.py with a trained one.
 """
 from __future__ import annotations
 
@@ -164,6 +164,7 @@ def main(argv=None):
     from eyas.config import TargetConfig
     from bench_decode import bench_drafter, sweep_compile_limit
     from eyas.decode import Decoder
+    from eyas.engine.fastlm import FastLM
     from eyas.evaluate import prompt_ids
     from eyas.target import load_target
     from eyas.tree import TreeSpec
@@ -276,8 +277,6 @@ def main(argv=None):
                     parts[f"grow_{sfx}"] = graph_ms(lambda: dec.grow(last, h, lg, pos, upto), dev)
                     parts[f"verify_{sfx}"] = graph_ms(lambda: dec._verify_tree(grown, pos, upto), dev)
                     # the verify in one call under the ancestor mask (FastLM.tree_paths off), for its cost
-                    from eyas.engine.fastlm import FastLM
-
                     laid, FastLM.tree_paths = FastLM.tree_paths, False
                     try:
                         parts[f"verify_{sfx}_one_call"] = graph_ms(lambda: dec._verify_tree(grown, pos, upto), dev)
@@ -292,7 +291,6 @@ def main(argv=None):
             for row in res["verify_k3_vs_step_ops"]:
                 print(f"  {row}", flush=True)
     from bench_decode import target_variants
-    from eyas.engine.fastlm import FastLM
 
     sets = {flag: s for flag, s, _ in target_variants(FastLM, Decoder)}  # the attributes each flag's value sets
     variants = [(int(g), int(n), int(o)) for o in a.overlap.split(",") for g in a.gqa.split(",")

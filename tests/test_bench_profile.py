@@ -82,7 +82,8 @@ def test_profile_round_times_trees_beside_chains(tmp_path):
 def test_verify_rounding_compares_verifies_with_steps(tmp_path):
     """verify_rounding.py on the tiny target in fp32: every backend that runs gives a T-token forward within fp32
     rounding of T one-token steps, and the tree path over a chain's mask the plain forward bit for bit; a branching
-    tree's nodes pick what steps over their own paths pick, in both tree layouts; each projection is checked row by row."""
+    tree's nodes pick what steps over their own paths pick, in both tree layouts; each projection is checked row by
+    row."""
     import json
 
     spec = importlib.util.spec_from_file_location("verify_rounding", ROOT / "bench" / "verify_rounding.py")

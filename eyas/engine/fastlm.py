@@ -484,8 +484,8 @@ class FastLM:
             if rowwise:  # row r's keys for each of its T tokens (one row: a stride-0 view), its mask token by token
                 n = z - a
                 if paths is not None:  # one row: a copy of its keys and values per node, the node's path in the tree's
-                    at, ps, kv = paths  # slots (the layer's keys and values together: three kernels, not eight)
-                    both = kv[:, a, :, :u][:, None].expand(2, T, *kv.shape[2:3], u, kv.shape[-1]).contiguous()
+                    at, ps, kv = paths  # slots (keys and values together: one copy, one gather, one write)
+                    both = kv[:, a, :, :u][:, None].expand(-1, T, -1, -1, -1).contiguous()
                     both.index_copy_(3, at, kv[:, a][:, :, ps].transpose(1, 2))
                     ks, vs = both[0], both[1]
                 else:
@@ -496,7 +496,7 @@ class FastLM:
             outs.append(F.scaled_dot_product_attention(q[a:z], ks, vs, attn_mask=m, scale=self.scaling,
                                                        **({"enable_gqa": True} if gqa else {})))
         o = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-        if rowwise:  # [b*T, Hkv, rep, D] -> [b, H, T, D] (a view; the caller's transpose back to [b, T, H, D] is free)
+        if rowwise:  # [b*T, Hkv, rep, D] -> [b, H, T, D] (a view where SDPA wrote it contiguous, as cuDNN does)
             return o.reshape(b, T, self.n_heads, D).transpose(1, 2)
         return o if gqa else o.reshape(b, self.n_heads, T, self.head_dim)
 
