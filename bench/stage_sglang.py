@@ -35,6 +35,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from stage_wheels import (IMAGE, closure, describe, image_conflicts, pack, pip_download, pip_tools, report,
@@ -45,6 +46,9 @@ OPTIONAL = {"nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlas
             "quack-kernels", "humming-kernels", "cuda-tile", "tilelang", "tokenspeed-mla", "sgl-deep-gemm", "helion",
             "nvidia-mathdx", "flashinfer-cubin", "flashinfer-jit-cache", "nvidia-cudnn-frontend", "nccl4py",
             "outlines", "llguidance", "modelscope", "torchcodec", "fastsafetensors", "mistral-common"}
+# Imported at module level on the server's path (sglang/srt/entrypoints/openai/serving_chat.py imports jsonschema)
+# but required only through packages left out above (outlines, llguidance), so asked for here.
+UNDECLARED = ("jsonschema",)
 # The package whose pinned version goes to a folder of its own, and that folder in the stage.
 OWN_FOLDER = "transformers"
 KERNEL_DROP = ("sgl_kernel/sm100/", "sgl_kernel/flashmla_ops.", "sgl_kernel/infllm_ops.")
@@ -83,7 +87,7 @@ def main() -> None:
     pins = {canonicalize_name(r.name): str(r.specifier) for r in reqs
             if canonicalize_name(r.name) in ("torch", OWN_FOLDER, "sglang-kernel", "flashinfer-python")}
     print(f"{sglang_wheel.name}: {len(reqs)} requirements; pins {pins}")
-    got, on_image = closure(pip, deps, reqs, IMAGE | OPTIONAL, prior_to)
+    got, on_image = closure(pip, deps, reqs + [Requirement(r) for r in UNDECLARED], IMAGE | OPTIONAL, prior_to)
 
     # transformers at SGLang's pin, with the packages of the image whose version it refuses
     own_req = next(r for r in reqs if canonicalize_name(r.name) == OWN_FOLDER)
