@@ -47,6 +47,17 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
     ]
 
 
+# flags that change only how a tree is verified: a value of theirs other than the default times the trees alone,
+# against the plain decoding of the variant that differs from it only in them (timed once, in the same run)
+TREES_ONLY = {"tree_paths"}
+
+
+def shared_plain(variants, values) -> str:
+    """The method-name suffix of the variant whose plain decoding (and chains) a combination of flag values shares:
+    its own, unless a tree-only flag is off its default, then the same values with the tree-only flags at theirs."""
+    return "".join("" if flag in TREES_ONLY else suffix(v) for (flag, _, suffix), v in zip(variants, values))
+
+
 # --random-target shapes: (model type, config fields); the vocabulary is the tokenizer's
 RANDOM_SHAPES = {
     # SmolLM2-135M's shape: the default target's kernels without its weights
@@ -324,7 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tree-paths", default="1",
                     help="FastLM.tree_paths: 1 (the default: each tree node attends over its own path laid at plain "
                          "decoding's slots, as a one-token step), 0 (the tree's nodes in one call under the ancestor "
-                         "mask), " + BOTH.format("_tp0"))
+                         "mask), or 0,1 to time both (the 0 trees get the suffix _tp0 and are compared with the run's plain decoding "
+                         "of the same other settings, which, like the chains, is timed once)")
     ap.add_argument("--overlap", default="1",
                     help="Decoder.overlap: 1 (the GPU default: the next plain step or fused round queued before the "
                          "last one's tokens are read), 0 (each read first), " + BOTH.format("_ovl0"))
@@ -439,7 +451,21 @@ def main(argv=None) -> int:
 
     from eyas.engine.fastlm import FastLM
 
+    def time_trees(engine, reference, sfx, plain_sfx):  # every --tree, against `reference`, plain's tokens
+        for tree in trees:
+            dec = TreeDecoder(target, drafter, tree, max_len=max_len, compile=compile_, engine=engine)
+            warm_s = warm_up(dec, True)
+            run_engine(dec, warm, 32, stop, True, 1e9)
+            res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
+            res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
+            # per_position_acceptance is per level of the tree
+            record(f"eyas_tree_{tree.topk}_{tree.depth}_{tree.tokens}" + sfx,
+                   {**res, **engine_facts(dec), "tree": tree.as_dict(), "variant": sfx, "plain_variant": plain_sfx,
+                    "warm_up_s": warm_s})
+            dec.close()
+
     variants = target_variants(FastLM, Decoder)
+    references = {}  # variant suffix -> its plain decoding's tokens
     saved = {key: getattr(*key) for _, sets, _ in variants for key in sets(1)}
     first_engine_outputs = {}  # variant suffix -> the first engine's plain tokens
     values_of = [[int(v) for v in getattr(a, flag).split(",")] for flag, _, _ in variants]
@@ -449,7 +475,12 @@ def main(argv=None) -> int:
             for (cls, name), value in sets(v).items():
                 setattr(cls, name, value)
             sfx += suffix(v)
-        vsfx, sfx = sfx, sfx + ("" if engine == engines[0] else f"_{engine}")
+        esfx = "" if engine == engines[0] else f"_{engine}"
+        vsfx, sfx = sfx, sfx + esfx
+        shared = shared_plain(variants, values) + esfx
+        if shared != sfx and shared in references:  # plain decoding and the chains are those of the shared variant
+            time_trees(engine, references[shared], sfx, shared)
+            continue
         plain = Decoder(target, None, k=1, max_len=max_len, compile=compile_, engine=engine)
         warm_s = warm_up(plain, False)
         run_engine(plain, warm, 32, stop, False, 1e9)
@@ -461,6 +492,7 @@ def main(argv=None) -> int:
         if engine != engines[0]:  # the engines' greedy tokens, prompt for prompt (on the prompts both finished)
             both = min(len(first), len(reference))
             plain_res["same_as_first_engine"] = f"{sum(o == r for o, r in zip(reference, first))}/{both}"
+        references[sfx] = reference
         record("eyas_plain" + sfx, {**plain_res, **engine_facts(plain), "variant": sfx, "warm_up_s": warm_s})
         plain.close()
         for k in ks:
@@ -476,16 +508,7 @@ def main(argv=None) -> int:
                            {**res, **engine_facts(dec), "k": k, "fused_round": fused, "fused_drafter": bool(dfuse),
                             "variant": sfx, "warm_up_s": warm_s})
                     dec.close()
-        for tree in trees:
-            dec = TreeDecoder(target, drafter, tree, max_len=max_len, compile=compile_, engine=engine)
-            warm_s = warm_up(dec, True)
-            run_engine(dec, warm, 32, stop, True, 1e9)
-            res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
-            res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
-            # per_position_acceptance is per level of the tree
-            record(f"eyas_tree_{tree.topk}_{tree.depth}_{tree.tokens}" + sfx,
-                   {**res, **engine_facts(dec), "tree": tree.as_dict(), "variant": sfx, "warm_up_s": warm_s})
-            dec.close()
+        time_trees(engine, reference, sfx, sfx)
     for (cls, name), value in saved.items():
         setattr(cls, name, value)
     if not a.skip_hf:
@@ -508,7 +531,7 @@ def main(argv=None) -> int:
                 r["tokens_per_s_vs_first_engine"] = r["tokens_per_s"] / first["tokens_per_s"]
     for name in [n for n in results["methods"] if n.startswith(("eyas_spec_k", "eyas_tree_"))]:
         r = results["methods"][name]
-        plain_name = "eyas_plain" + r.get("variant", "")  # the same target forward
+        plain_name = "eyas_plain" + r.get("plain_variant", r.get("variant", ""))  # the same target forward
         base = plain_of.get(plain_name)
         r["speedup_vs_plain"] = r["tokens_per_s"] / base if base else None
         if plain_name in plains:  # the same ratio on the prompts both finished

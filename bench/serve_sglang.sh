@@ -7,7 +7,9 @@ bench/bench_serving.py between them.
   bash bench/serve_sglang.sh install            pip-install $EYAS_STAGE_DIR/sglang-wheels/*.whl (made by
                                                 bench/stage_sglang.py) into /tmp/sglang-site and
                                                 sglang-transformers/*.whl into /tmp/sglang-tf, no network, then
-                                                import the server modules once to show they load
+                                                import the server modules once to show they load (the
+                                                EAGLE worker's too, whose graph capture imports
+                                                DeepSeek's attention backends)
   bash bench/serve_sglang.sh start TARGET [DRAFT K [TOPK [TOKENS]]]
                                                 serve TARGET (a transformers folder) on $PORT (default 30000), with
                                                 DRAFT (an eyas SGLang export) as the EAGLE-3 drafter: K steps
@@ -50,6 +52,8 @@ case ${1:-} in
     touch "$SITE/.installed"
     PYTHONPATH=$TF:$SITE python3 -c 'import sglang, sgl_kernel, torch, transformers
 import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler
+import sglang.srt.speculative.eagle_worker_v2, sglang.srt.layers.attention.dsa_backend
+import sglang.srt.layers.attention.deepseek_v4_backend
 print("sglang", sglang.__version__, "sgl_kernel", sgl_kernel.__version__, "torch", torch.__version__,
 "transformers", transformers.__version__)' 2>&1 | tail -3 ;;
   start)

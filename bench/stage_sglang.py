@@ -1,7 +1,7 @@
 """Stage SGLang for a GPU lease that cannot reach the network: its wheel and the dependencies the GPU image lacks,
 packed in upload-sized pieces that `bench/gpu_run.sh unpack` (or each piece's unpack.sh) reassembles there.
 
-    python3 bench/stage_sglang.py --out .stage-sglang --chunk-mib 61   # here, once (3 pieces, 134 MiB)
+    python3 bench/stage_sglang.py --out .stage-sglang --chunk-mib 61   # here, once (3 pieces, 139 MiB)
     bash bench/gpu_run.sh unpack .stage-sglang/00                      # there, one call per piece,
                                                                        #   carry [".stage-sglang/00"]
     bash bench/serve_sglang.sh install                                 # there: pip --target, no network
@@ -16,10 +16,12 @@ dependency cannot break it, and are fetched one level at a time without pip's re
 (torch, which sglang-kernel, flashinfer and xgrammar require, with its CUDA libraries) are never downloaded. Left out,
 besides the image's packages, because SGLang imports them only on paths a dense model's EAGLE-3 serving on Hopper
 does not take: the CuTe-DSL kernel stack (nvidia-cutlass-dsl, flash-attn-4, quack, humming, cuda-tile), tilelang,
-tokenspeed-mla and DeepGEMM (MLA and FP8 models), helion and nvidia-mathdx, flashinfer's prebuilt cubins and its
+tokenspeed-mla (MLA models), helion and nvidia-mathdx, flashinfer's prebuilt cubins and its
 cuDNN and NCCL bindings (flashinfer imports without them), the grammar back ends other than the default xgrammar
 (outlines, llguidance), modelscope (SGLANG_USE_MODELSCOPE only), torchcodec (video input) and mistral-common
-(Mistral's tekken tokenizer files and Voxtral's audio).
+(Mistral's tekken tokenizer files and Voxtral's audio). DeepGEMM (sgl-deep-gemm, 5 MB) is staged although a dense
+bf16 model never calls it: the EAGLE worker's CUDA-graph capture imports DeepSeek's sparse-attention backend, which
+imports deep_gemm unguarded on CUDA, so without it a drafter's server stops after loading (plain serving does not).
 
 Slimmed: sglang-kernel keeps its Hopper build (sm90/) and drops the Blackwell one (sm100/), FlashMLA and InfLLM; its
 FlashAttention-3 kernels (flash_ops, about 330 MiB of the 365) are dropped too unless --fa3 is given, and then
@@ -43,7 +45,7 @@ from stage_wheels import (IMAGE, closure, describe, image_conflicts, pack, pip_d
 
 # Packages SGLang imports only on paths a dense model's EAGLE-3 serving on Hopper does not take (see above).
 OPTIONAL = {"nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-cu13", "flash-attn-4",
-            "quack-kernels", "humming-kernels", "cuda-tile", "tilelang", "tokenspeed-mla", "sgl-deep-gemm", "helion",
+            "quack-kernels", "humming-kernels", "cuda-tile", "tilelang", "tokenspeed-mla", "helion",
             "nvidia-mathdx", "flashinfer-cubin", "flashinfer-jit-cache", "nvidia-cudnn-frontend", "nccl4py",
             "outlines", "llguidance", "modelscope", "torchcodec", "fastsafetensors", "mistral-common"}
 # Imported at module level on the server's path (sglang/srt/entrypoints/openai/serving_chat.py imports jsonschema)

@@ -114,3 +114,25 @@ def test_the_best_setting_is_the_fastest_that_decodes_as_plain():
     best = bd.best_setting(methods)
     assert (best["set"], best["lossless"]) == ("eval.tree=8,3,16", False)
     assert bd.best_setting({"eyas_plain": methods["eyas_plain"]}) is None
+
+
+def test_a_tree_only_flag_shares_the_plain_decoding_of_its_other_settings():
+    """--tree-paths 1,0 times plain decoding and the chains once: a tree verified in one call is compared with the
+    plain decoding of the variant that differs from it only in the tree-only flags, whatever the other flags are."""
+    from eyas.decode import Decoder
+    from eyas.engine.fastlm import FastLM
+
+    variants = bd.target_variants(FastLM, Decoder)
+    flags = [flag for flag, _, _ in variants]
+    defaults = {"norm": 2, "gqa": 1, "rowwise": 0, "tree_paths": 1, "overlap": 1, "ew": 1, "prefill": 1,
+                "draft_compile": 1}
+    assert sorted(flags) == sorted(defaults) and bd.TREES_ONLY <= set(flags)
+
+    def names(**over):  # (the variant's own suffix, the suffix of the plain decoding it shares)
+        values = [over.get(f, defaults[f]) for f in flags]
+        return "".join(s(v) for (_, _, s), v in zip(variants, values)), bd.shared_plain(variants, values)
+
+    assert names() == ("", "")
+    assert names(tree_paths=0) == ("_tp0", "")
+    assert names(tree_paths=0, rowwise=1, norm=1) == ("_norm1_rw1_tp0", "_norm1_rw1")
+    assert names(rowwise=1) == ("_rw1", "_rw1")  # a flag that changes the target's forward times its own plain
