@@ -14,14 +14,15 @@ image's 5.17), together with the tokenizers it needs (5.12.1 refuses the image's
 Dependencies are taken as PyPI held them on the day after the release (`--prior-to`), so a later release of a
 dependency cannot break it, and are fetched one level at a time without pip's resolver, so that the image's packages
 (torch, which sglang-kernel, flashinfer and xgrammar require, with its CUDA libraries) are never downloaded. Left out,
-besides the image's packages, because SGLang imports them only on paths a dense model's EAGLE-3 serving on Hopper
-does not take: the CuTe-DSL kernel stack (nvidia-cutlass-dsl, flash-attn-4, quack, humming, cuda-tile), tilelang,
-tokenspeed-mla (MLA models), helion and nvidia-mathdx, flashinfer's prebuilt cubins and its
-cuDNN and NCCL bindings (flashinfer imports without them), the grammar back ends other than the default xgrammar
-(outlines, llguidance), modelscope (SGLANG_USE_MODELSCOPE only), torchcodec (video input) and mistral-common
-(Mistral's tekken tokenizer files and Voxtral's audio). DeepGEMM (sgl-deep-gemm, 5 MB) is staged although a dense
-bf16 model never calls it: the EAGLE worker's CUDA-graph capture imports DeepSeek's sparse-attention backend, which
-imports deep_gemm unguarded on CUDA, so without it a drafter's server stops after loading (plain serving does not).
+besides the image's packages, because SGLang imports them only on paths a dense model's EAGLE-3 serving on Hopper does
+not take: the CuTe-DSL kernel stack (nvidia-cutlass-dsl, flash-attn-4, quack, humming, cuda-tile), tilelang,
+tokenspeed-mla (MLA models), helion and nvidia-mathdx, flashinfer's prebuilt cubins and its cuDNN and NCCL bindings
+(flashinfer imports without them), the grammar back ends other than the default xgrammar (outlines, llguidance),
+modelscope (SGLANG_USE_MODELSCOPE only), torchcodec (video input) and mistral-common (Mistral's tekken tokenizer files
+and Voxtral's audio). DeepGEMM (sgl-deep-gemm, 5 MB) is staged although a dense bf16 model never calls it: the EAGLE
+worker's CUDA-graph capture imports DeepSeek's sparse-attention backend, which imports deep_gemm unguarded on CUDA, so
+without it a drafter's server stops after loading (plain serving does not). jsonschema is staged although SGLang's
+metadata asks for it only through the grammar back ends left out: its OpenAI chat endpoint imports it.
 
 Slimmed: sglang-kernel keeps its Hopper build (sm90/) and drops the Blackwell one (sm100/), FlashMLA and InfLLM; its
 FlashAttention-3 kernels (flash_ops, about 330 MiB of the 365) are dropped too unless --fa3 is given, and then
