@@ -92,7 +92,12 @@ def timed(fn, batches, tokens: TokenSet, dev) -> float:
 
 def data_args(ap: argparse.ArgumentParser) -> None:
     """The target, the sequences and the batch budget (shared with bench/profile_extract_first.py)."""
-    ap.add_argument("--target", default="smollm2", help="an eyas target (smollm2, qwen-coder-0.5b, an HF folder)")
+    ap.add_argument("--target", default="smollm2", help="an eyas target (smollm2, qwen-coder-0.5b, an HF folder); with "
+                    "--random-target, the one whose tokenizer and data settings it takes")
+    ap.add_argument("--random-target", default="", metavar="SHAPE",
+                    help="time a target of random weights drawn in memory instead (no checkpoint on disk, for "
+                         "shapes larger than the disk): a config.json (bench/random_target.py --shape-only writes "
+                         "one) or a bench_decode.py --random-target shape; its vocabulary is --target's tokenizer's")
     ap.add_argument("--sequences", type=int, default=2000, help="ShareGPT conversations to tokenize and extract")
     ap.add_argument("--max-seq-len", type=int, default=2048, help="tokens per conversation at most")
     ap.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per forward (features.batch_tokens)")
@@ -111,7 +116,12 @@ def main():
     ap.add_argument("--out", default="results.json")
     args = ap.parse_args()
 
-    target = load_target(TargetConfig(name=args.target))
+    if args.random_target:
+        from bench_decode import random_target
+
+        target = random_target(args.random_target, args.target)
+    else:
+        target = load_target(TargetConfig(name=args.target))
     dev = target.device
     t0 = time.perf_counter()
     tokens = tokenize(target, args.sequences, args.max_seq_len)
@@ -131,7 +141,8 @@ def main():
     def capture(x):
         return target.capture(x)
 
-    res = {"target": args.target, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    name = target.name if args.random_target else args.target
+    res = {"target": name, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(target.dtype).replace("torch.", ""), "torch": torch.__version__,
            "sequences": len(tokens), "tokens": tokens.n_tokens, "batch_tokens": args.batch_tokens,
            "batches": len(batches), "tokenize_s": round(t_tok, 1),
@@ -194,7 +205,7 @@ def main():
             ("capture only (aux+final)", res["capture_tok_s"], res["capture_vs_forward"]),
             ("extract bf16 -> shards", res["extract_bf16_tok_s"], res["extract_bf16_vs_forward"]),
             ("extract fp8 -> shards", res["extract_fp8_tok_s"], res["extract_fp8_vs_forward"])]
-    print(f"\n{args.target} on {res['device']}: {res['sequences']} sequences, {res['tokens']:,} tokens, "
+    print(f"\n{name} on {res['device']}: {res['sequences']} sequences, {res['tokens']:,} tokens, "
           f"{res['batches']} batches of <= {args.batch_tokens} tokens")
     print(f"{'':28}{'tok/s':>14}{'vs forward':>12}")
     for name, v, r in rows:

@@ -26,6 +26,12 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
+    # Qwen3-30B-A3B: 128 routed experts (8 a token) in every layer, about 61 GB in bf16
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                          vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
     # Kimi-K2's text model (Kimi-K2.5's is the same shape), under a multimodal wrapper's text_config as K2.5 ships it:
     # MLA, 384 routed experts (8 a token) and a shared one, yarn. --layers and --experts cut it to fit one GPU.
     "kimi-k2.5": dict(model_type="llava", vision_config=dict(model_type="clip_vision_model", hidden_size=32,
@@ -71,8 +77,9 @@ def main(argv=None) -> int:
     text = fields.get("text_config", fields)
     if a.layers:
         text["num_hidden_layers"] = a.layers
-    if a.experts and "n_routed_experts" in text:
-        text["n_routed_experts"] = a.experts
+    experts_key = next((k for k in ("n_routed_experts", "num_experts") if k in text), None)
+    if a.experts and experts_key:
+        text[experts_key] = a.experts
         text["num_experts_per_tok"] = min(text["num_experts_per_tok"], a.experts)
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     auto = AutoModelForImageTextToText if "text_config" in fields else AutoModelForCausalLM

@@ -129,8 +129,17 @@ def main(argv=None):
     ap.add_argument("--random", default="", help="a random target of this bench_decode.py --random-target shape "
                                                  "instead (e.g. smollm2, qwen3), with --target's tokenizer")
     ap.add_argument("--dtype", default="auto", help="the target's dtype (auto: bf16 on a GPU, fp32 on a CPU)")
+    ap.add_argument("--lengths", default="",
+                    help="comma list of the verify lengths T to check (default: "
+                         + ",".join(map(str, LENGTHS)) + "; with the compiled kernels 4,8,9,16,32, one compile each)")
     ap.add_argument("--out", default="rounding.json")
     a = ap.parse_args(argv)
+    try:
+        given = tuple(int(t) for t in a.lengths.split(",")) if a.lengths.strip() else ()
+    except ValueError:
+        ap.error(f"--lengths {a.lengths!r}: give whole numbers separated by commas, e.g. 4,9,16")
+    if any(t < 2 for t in given):
+        ap.error(f"--lengths {a.lengths!r}: a verify checks 2 tokens or more")
 
     from eyas.config import TargetConfig
     from eyas.target import load_target
@@ -158,7 +167,7 @@ def main(argv=None):
     for gqa, rowwise, ew, backends in combos:
         for name in backends:
             key = f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}") + ("_ew" if ew else "")
-            lengths = (4, 8, 9, 16, 32) if ew else LENGTHS
+            lengths = given or ((4, 8, 9, 16, 32) if ew else LENGTHS)
             try:
                 r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise, lengths, ew)
             except RuntimeError as e:  # a backend this device, dtype or mask cannot run

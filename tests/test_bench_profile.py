@@ -90,7 +90,7 @@ def test_verify_rounding_compares_verifies_with_steps(tmp_path):
     vr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(vr)
     out = tmp_path / "rounding.json"
-    vr.main(["--target", "tiny", "--dtype", "float32", "--out", str(out)])
+    vr.main(["--target", "tiny", "--dtype", "float32", "--lengths", "2,9,16", "--out", str(out)])
     res = json.loads(out.read_text())
     assert set(res["linear_rows"]) == {"q", "k", "o", "gate", "down", "lm_head"}
     ran = {k: v for k, v in res["forwards"].items() if "error" not in v}

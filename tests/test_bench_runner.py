@@ -74,3 +74,26 @@ def test_bench_scripts_document_themselves(script):
                          capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     assert got.stdout.startswith("usage:") and len(got.stdout.splitlines()) > 5
+
+
+def test_random_target_writes_a_cut_moe_shape_that_transformers_builds(tmp_path):
+    """bench/random_target.py --shape-only: a Qwen3-30B-A3B-shaped config cut to one layer and 4 experts (the experts a
+    token picks cut with them) is one transformers builds as that MoE, with the shape's vocabulary and widths."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = tmp_path / "q30"
+    got = subprocess.run([sys.executable, str(ROOT / "bench" / "random_target.py"), "--shape", "qwen3-30b-a3b",
+                          "--layers", "1", "--experts", "4", "--shape-only", "--tokenizer", "tiny", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    conf = json.loads((out / "config.json").read_text())
+    assert (conf["model_type"], conf["hidden_size"], conf["vocab_size"]) == ("qwen3_moe", 2048, 151936)
+    cfg = AutoConfig.from_pretrained(out)
+    assert (cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok) == (1, 4, 4)
+    import torch
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and len(model.model.layers[0].mlp.experts.gate_up_proj) == 4

@@ -168,7 +168,17 @@ def test_kill_during_training_then_rerun_gives_the_same_result(full_run, tmp_pat
     assert (copy / "draft" / "model.safetensors").read_bytes() == (out / "draft" / "model.safetensors").read_bytes()
 
 
-def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny):
+def eyas_here(capsys, out: Path, *extra) -> tuple[int, str]:
+    """`eyas run` in this process, as `eyas` runs it (its exit code and its stderr), without a fresh interpreter's
+    seconds of imports: for runs that stop at preflight or take seconds."""
+    from eyas.cli import main
+
+    capsys.readouterr()
+    code = main(["run", "--out", str(out), *extra])
+    return code, capsys.readouterr().err
+
+
+def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny, capsys):
     cases = [
         (["--set", "vocab.draft_vocab_size=60000"], "larger than the target's vocabulary"),
         (["--set", "target.aux_layers=2,15,40"], "out of range"),
@@ -193,14 +203,16 @@ def test_bad_inputs_stop_before_expensive_stages(tmp_path, smol, tiny):
               (["--set", f"train.finetune_from={tmp_path / 'no_drafter'}"], "no_drafter does not exist"),
               (["--set", f"train.finetune_from={other}"], "does not fit target 'smollm2': hidden size 64 != "),
               (["--set", f"eval.prompts={tmp_path / 'nope.jsonl'}"], "eval.prompts: file not found")]
-    for extra, msg in cases:
-        r = eyas(tmp_path / "bad", *extra, timeout=300)
-        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for extra, msg in cases:  # in this process: an exception other than eyas' own error would fail the test
+        code, err = eyas_here(capsys, tmp_path / "bad", *ARGS, *extra)
+        assert code == 2 and msg in err, err[-2000:]
         assert not (tmp_path / "bad" / "data").exists()
+    r = eyas(tmp_path / "bad", *cases[0][0], timeout=300)  # and once as a command: one line, no traceback
+    assert r.returncode == 2 and cases[0][1] in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "manifest.json").write_text(json.dumps({"stages": {}, "target": {"name": "qwen", "sha256": "x"}}))
-    r = eyas(tmp_path / "other", timeout=300)
-    assert r.returncode == 2 and "made with target 'qwen'" in r.stderr
+    code, err = eyas_here(capsys, tmp_path / "other", *ARGS)
+    assert code == 2 and "made with target 'qwen'" in err
 
 
 def test_stage_lines_name_regen_left_out_as_its_log_does():
@@ -212,7 +224,7 @@ def test_stage_lines_name_regen_left_out_as_its_log_does():
         "acceptance_length=2.5, acceptance_length_ci95=2.25-2.75"
 
 
-def test_a_changed_sample_count_or_larger_limit_keeps_the_answers_made(tmp_path):
+def test_a_changed_sample_count_or_larger_limit_keeps_the_answers_made(tmp_path, capsys):
     """When regen.samples is the only change, `eyas run` keeps the answers of the samples the old and new counts share
     (their shards untouched), regenerates the new ones or removes those past the new count, and runs the stages after
     regen again; a larger regen.limit keeps the answers made too; any other change to regen, or a smaller limit, still
@@ -221,10 +233,11 @@ def test_a_changed_sample_count_or_larger_limit_keeps_the_answers_made(tmp_path)
     d = out / "data" / "regen"
 
     def run(*extra):
-        r = subprocess.run([sys.executable, "-m", "eyas", "run", "--out", str(out), "--preset", "tiny",
-                            "--set", "regen.temperature=0.8", *extra], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return r.stderr
+        code, err = eyas_here(capsys, out, "--preset", "tiny", "--set", "regen.temperature=0.8", "--set",
+                              "regen.turns=1", "--set", "regen.max_new_tokens=16", "--set", "eval.limit=1", "--set",
+                              "eval.max_new_tokens=8", *extra)
+        assert code == 0, err[-3000:]
+        return err
 
     def shards(pattern):
         return {f.name: f.read_bytes() for f in d.glob(pattern)}
