@@ -7,9 +7,9 @@ bench/bench_serving.py between them.
   bash bench/serve_sglang.sh install            pip-install $EYAS_STAGE_DIR/sglang-wheels/*.whl (made by
                                                 bench/stage_sglang.py) into /tmp/sglang-site and
                                                 sglang-transformers/*.whl into /tmp/sglang-tf, no network, then
-                                                import the server modules once to show they load (the
-                                                EAGLE worker's too, whose graph capture imports
-                                                DeepSeek's attention backends)
+                                                import the server modules once to show they load (and
+                                                the EAGLE worker, whose graph capture imports the
+                                                DeepSeek attention backends)
   bash bench/serve_sglang.sh start TARGET [DRAFT K [TOPK [TOKENS]]]
                                                 serve TARGET (a transformers folder) on $PORT (default 30000), with
                                                 DRAFT (an eyas SGLang export) as the EAGLE-3 drafter: K steps
