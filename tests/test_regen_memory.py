@@ -16,7 +16,7 @@ from eyas.config import Config, RegenConfig
 from eyas.data import read_dataset
 from eyas.data.prepare import regen_dir
 from eyas.data.regen import run_regen
-from eyas.engine.generate import GenerateEngine
+from eyas.engine.generate import GenerateEngine, oom_detail, oom_summary
 from eyas.engine.memory import ForwardCost, plan_batch
 from eyas.target import Target
 from eyas.util import EyasError
@@ -185,6 +185,12 @@ def _regen(tmp_path, target, name: str, **regen) -> dict:
     return {c.id: [t.content for t in c.turns] for c in read_dataset(str(regen_dir(cfg.out)))[0]}
 
 
+# torch's wording (2.11), as the 52nd session's Kimi-wide regen got it
+OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 24.51 GiB. GPU 0 has a total capacity of 79.19 GiB of which 7.40 "
+               "GiB is free. Including non-PyTorch memory, this process has 71.78 GiB memory in use. Of the allocated "
+               "memory 65.02 GiB is allocated by PyTorch, and 6.11 GiB is reserved by PyTorch but unallocated.")
+
+
 def _failing_generate(model, monkeypatch, fails) -> list[tuple[int, int | None]]:
     """Make model.generate raise torch.OutOfMemoryError where fails(rows, chunk) says, once per shape; returns the
     (rows, chunk) of every call."""
@@ -195,7 +201,7 @@ def _failing_generate(model, monkeypatch, fails) -> list[tuple[int, int | None]]
         calls.append(shape)
         if fails(*shape) and shape not in failed:
             failed.add(shape)
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.51 GiB")
+            raise torch.OutOfMemoryError(OOM_MESSAGE)
         return real(*a, input_ids=input_ids, generation_config=generation_config, **kw)
 
     monkeypatch.setattr(model, "generate", generate)
@@ -213,6 +219,19 @@ def test_a_regen_out_of_memory_halves_its_batch_and_matches_an_unconstrained_run
     err = capsys.readouterr().err
     assert "regen: generate engine: 8 prompts a batch" in err
     assert "out of memory generating 8 prompts" in err and "retrying 4 of them, and later batches take at most 4" in err
+    # the line says what the call was planned to take and what torch held, so a log tells a low estimate from a
+    # fragmented allocator
+    line = next(x for x in err.splitlines() if "out of memory generating 8 prompts" in x)
+    assert "estimated " in line and "torch: it asked for 24.51 GiB, 6.11 GiB reserved but unallocated" in line
+
+
+def test_an_out_of_memory_summary_keeps_what_the_message_has():
+    assert oom_summary(OOM_MESSAGE) == "it asked for 24.51 GiB, 6.11 GiB reserved but unallocated"
+    assert oom_summary("CUDA out of memory. Tried to allocate 512.00 MiB") == "it asked for 512.00 MiB"
+    assert oom_summary("out of memory") == ""
+    assert oom_detail(None, None, "") == ""
+    detail = oom_detail(291, 2 * 10**9, "it asked for 1 GiB")
+    assert detail == " (prefill chunk 291; estimated 2.0 GB; torch: it asked for 1 GiB)"
 
 
 def test_the_report_gives_the_largest_batch_that_ran_not_the_cap(tmp_path, moe_target, capsys):

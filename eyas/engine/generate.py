@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 from collections import deque
 
 import torch
@@ -172,6 +173,23 @@ class ContinuousEngine(EmbeddedEngine):
             self.manager.destroy()
 
 
+def oom_summary(message: str) -> str:
+    """The parts of torch's out-of-memory message that tell an estimate too low from a fragmented allocator: what
+    the failed allocation asked for, and what the allocator held reserved but unallocated."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", message)
+    idle = re.search(r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated", message)
+    parts = ([f"it asked for {asked.group(1)}"] if asked else []) + (
+        [f"{idle.group(1)} reserved but unallocated"] if idle else [])
+    return ", ".join(parts)
+
+
+def oom_detail(chunk: int | None, peak: int | None, why: str) -> str:
+    """A parenthesis for the out-of-memory line: the call's plan and torch's account (either may be absent)."""
+    parts = ([f"prefill chunk {chunk:,}"] if chunk else []) + (
+        [f"estimated {human_bytes(peak)}"] if peak else []) + ([f"torch: {why}"] if why else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 class GenerateEngine(EmbeddedEngine):
     """Padded batches through `model.generate`, prompts grouped by length (shortest first) so little
     of each batch is padding. Each batch is sized to the free memory (eyas.engine.memory): as many of the shortest
@@ -258,17 +276,19 @@ class GenerateEngine(EmbeddedEngine):
         plan = self._plan(self.pending[: self.batch])
         rows, chunk = (plan.rows, plan.chunk) if plan else (1, MIN_CHUNK)  # none fits by the estimate: try one
         batch, self.pending = self.pending[:rows], self.pending[rows:]
+        peak = plan.peak if plan else None
         while True:
             try:
                 return out + self._generate(batch, chunk)
-            except torch.OutOfMemoryError:
-                pass  # retried outside the handler, whose traceback holds the failed call's tensors
-            batch, chunk = self._smaller(batch, chunk)
+            except torch.OutOfMemoryError as e:
+                why = oom_summary(str(e))  # retried outside the handler, whose traceback holds the failed call's tensors
+            batch, chunk = self._smaller(batch, chunk, oom_detail(chunk, peak, why))
+            peak = None
 
     def rows_together(self) -> int:
         return self.most_rows or self.batch
 
-    def _smaller(self, batch: list, chunk: int | None) -> tuple[list, int | None]:
+    def _smaller(self, batch: list, chunk: int | None, detail: str = "") -> tuple[list, int | None]:
         """After an out-of-memory error: half the rows (the rest wait for a later batch), or with one row left half the
         prefill chunk; refused in one line where no smaller call is left. Later batches take at most as many rows
         and are planned with twice the estimate (halving the rows alone, a plan would lengthen their prefill chunk)."""
@@ -280,16 +300,16 @@ class GenerateEngine(EmbeddedEngine):
             self.pending[:0] = batch[keep:]
             self.batch = min(self.batch, keep)
             log(f"regen: out of memory generating {len(batch)} prompts of up to {width:,} tokens on the generate "
-                f"engine; retrying {keep} of them, and later batches take at most {keep} with twice the memory "
-                f"estimate")
+                f"engine{detail}; retrying {keep} of them, and later batches take at most {keep} with twice the "
+                f"memory estimate")
             return batch[:keep], chunk
         step = min(chunk or width, width)
         if step <= 1:
             raise EyasError(f"the generate engine runs out of memory on a single prompt of {width:,} tokens even with "
                             f"its prefill one token at a time; lower data.max_seq_len or regen.max_new_tokens, or "
                             f"free the device's memory")
-        log(f"regen: out of memory prefilling one prompt of {width:,} tokens; retrying in chunks of {step // 2:,} "
-            f"tokens")
+        log(f"regen: out of memory prefilling one prompt of {width:,} tokens{detail}; retrying in chunks of "
+            f"{step // 2:,} tokens")
         return batch, step // 2
 
     def _generate(self, batch: list[tuple[str, list[int], int, int]], chunk: int | None) -> list[TurnResult]:
