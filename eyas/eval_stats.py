@@ -176,7 +176,7 @@ def report_groups(path: str | Path, method: str | None = None) -> dict:
             "settings": {k: v for k, v in settings.items() if v is not None}}
 
 
-def _occurrences(ids: list) -> list[tuple[str, int]]:
+def occurrences(ids: list) -> list[tuple[str, int]]:
     """Each id with how many times it came before: a key that is unique even where a prompt file repeats an id."""
     seen: dict[str, int] = {}
     out = []
@@ -217,8 +217,8 @@ def compare_reports(a: str | Path, b: str | Path, method: str | None = None, lev
                         + ". Compare reports of the same prompts and settings")
     ga, gb = ra["groups"], rb["groups"]
     if ra["ids"] is not None and rb["ids"] is not None:
-        where = {key: j for j, key in enumerate(_occurrences(rb["ids"]))}
-        idx = [(i, where[key]) for i, key in enumerate(_occurrences(ra["ids"])) if key in where]
+        where = {key: j for j, key in enumerate(occurrences(rb["ids"]))}
+        idx = [(i, where[key]) for i, key in enumerate(occurrences(ra["ids"])) if key in where]
         paired_by = "conversation id"
     else:
         idx = [(i, i) for i in range(min(len(ga), len(gb)))]

@@ -10,7 +10,12 @@ acceptance counters and compare its acceptance length (tokens per target forward
   `..._num_draft_tokens`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos{position}`),
   read before and after; tau = 1 + accepted / drafts.
 * SGLang: the per-request `meta_info` of its native `/generate` (`completion_tokens`,
-  `spec_verify_ct`); tau = sum(completion_tokens) / sum(spec_verify_ct).
+  `spec_verify_ct`); tau = sum(completion_tokens) / sum(spec_verify_ct). Its
+  `spec_correct_drafts_histogram` (rounds by drafts accepted) gives the per-position acceptance.
+
+Each prompt's rounds are kept too, (Σ (accepted + 1), rounds) as eyas' report keeps each
+conversation's, so the engine's τ and eyas' pair prompt by prompt: a paired bootstrap interval of
+their difference says whether a gap is more than how the prompts' rounds vary.
 
 Standard-library HTTP only.
 """
@@ -25,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from .data.tokenize import render
+from .eval_stats import occurrences, tau_difference
 from .evaluate import check_heldout_split, check_out_dir, load_prompt_set
 from .target import load_tokenizer
 from .util import EyasError, atomic_write_json, progress
@@ -162,13 +168,19 @@ def _vllm_run(endpoint: str, prompts: list[list[dict]], cfg, model: str) -> dict
     if before["num_drafts"] is None:
         raise EyasError(f"{endpoint}/metrics has no {VLLM_COUNTERS['num_drafts']} counter: is the server running "
                         f"with a speculative config (--speculative-config) and metrics enabled?")
-    completion_tokens = 0
+    completion_tokens, by_prompt, prev = 0, [], before
     for msgs in progress(prompts, desc="parity (vllm)", unit="prompt"):
         r = _json(endpoint + "/v1/chat/completions",
                   {"model": model, "messages": msgs, "max_tokens": cfg.eval.max_new_tokens,
                    "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p})
         completion_tokens += int((r.get("usage") or {}).get("completion_tokens") or 0)
-    after = vllm_counters(_http(endpoint + "/metrics").decode("utf-8", "replace"))
+        # the counters after each answer: its own drafts and accepted tokens, the prompts being sent one at a time
+        now = vllm_counters(_http(endpoint + "/metrics").decode("utf-8", "replace"))
+        drafts = round((now["num_drafts"] or 0.0) - (prev["num_drafts"] or 0.0))
+        accepted = round((now["num_accepted_tokens"] or 0.0) - (prev["num_accepted_tokens"] or 0.0))
+        by_prompt.append((drafts + accepted, drafts))
+        prev = now
+    after = prev
     d = {k: (after[k] or 0.0) - (before[k] or 0.0) for k in VLLM_COUNTERS}
     pos_before = before["per_position"] + [0.0] * (len(after["per_position"]) - len(before["per_position"]))
     per_pos = [a - b for a, b in zip(after["per_position"], pos_before)]
@@ -181,6 +193,7 @@ def _vllm_run(endpoint: str, prompts: list[list[dict]], cfg, model: str) -> dict
         "k": len(per_pos) or None,
         "counters": {**d, "per_position": per_pos},
         "completion_tokens": completion_tokens,
+        "by_prompt": by_prompt,
     }
 
 
@@ -193,20 +206,46 @@ def _vllm_model(endpoint: str) -> str:
 
 # ----------------------------------------------------------------------------- SGLang
 
+def sglang_histogram(meta: dict) -> list[int] | None:
+    """A request's verify rounds by the number of drafts they accepted (index i: rounds that accepted i), as SGLang's
+    meta_info gives them (`spec_correct_drafts_histogram`; `spec_accept_histogram` in earlier releases)."""
+    h = meta.get("spec_correct_drafts_histogram", meta.get("spec_accept_histogram"))
+    if isinstance(h, list) and h and all(isinstance(x, (int, float)) and x >= 0 for x in h):
+        return [int(x) for x in h]
+    return None
+
+
 def sglang_acceptance(meta_infos: list[dict]) -> dict:
     """SGLang's acceptance length from per-request meta_info: sum(completion_tokens) / sum(spec_verify_ct).
     SGLang leaves spec_verify_ct out of a request that had no verify step (answered at its prefill), so a missing
-    key counts 0 steps; missing on every request means the server is not drafting."""
+    key counts 0 steps; missing on every request means the server is not drafting. Where the requests carry their
+    acceptance histograms, the per-position acceptance ("reached": the share of rounds that accepted at least i+1
+    drafts) and each request's (Σ (accepted + 1), rounds) come from them; else each request's rounds are
+    (completion_tokens, spec_verify_ct), which counts the token of its prefill too."""
     toks = verify = 0
     if meta_infos and not any("spec_verify_ct" in m for m in meta_infos):
         raise EyasError(f"no SGLang response of {len(meta_infos)} has meta_info.spec_verify_ct: is the server running "
                         f"with --speculative-algorithm EAGLE3?")
-    for m in meta_infos:
+    hists = [sglang_histogram(m) for m in meta_infos]
+    total: list[int] = []
+    by_prompt = []
+    for m, h in zip(meta_infos, hists):
         toks += int(m.get("completion_tokens", 0))
         verify += int(m.get("spec_verify_ct", 0))
+        if h is not None:
+            total = [a + b for a, b in zip(total + [0] * (len(h) - len(total)), h + [0] * (len(total) - len(h)))]
+            by_prompt.append((sum((i + 1) * n for i, n in enumerate(h)), sum(h)))
+        else:
+            by_prompt.append((int(m.get("completion_tokens", 0)), int(m.get("spec_verify_ct", 0))))
     if verify <= 0:
         raise EyasError("SGLang reported no verify steps (spec_verify_ct = 0 on every prompt); the server is not drafting")
-    return {"acceptance_length": toks / verify, "counters": {"completion_tokens": toks, "spec_verify_ct": verify}}
+    out = {"acceptance_length": toks / verify, "counters": {"completion_tokens": toks, "spec_verify_ct": verify},
+           "per_position_acceptance": None, "k": None, "by_prompt": by_prompt}
+    if total and sum(total) and all(h is not None for h in hists):
+        rounds = sum(total)
+        out["per_position_acceptance"] = [sum(total[i:]) / rounds for i in range(1, len(total))]
+        out["counters"]["accepted_histogram"] = total
+    return out
 
 
 def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dict:
@@ -218,14 +257,15 @@ def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dic
                                                      "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p}})
         metas.append(r.get("meta_info") or {})
     res = sglang_acceptance(metas)
-    res.update(per_position_acceptance=None, k=None, completion_tokens=res["counters"]["completion_tokens"])
+    res["completion_tokens"] = res["counters"]["completion_tokens"]
     return res
 
 
 # ----------------------------------------------------------------------------- prompts and report
 
-def first_turns(convs) -> list[list[dict]]:
-    """Each conversation's first user turn, with the system turns before it, as chat messages."""
+def first_turns(convs, ids: list | None = None) -> list[list[dict]]:
+    """Each conversation's first user turn, with the system turns before it, as chat messages; `ids`, where given,
+    gets the id of each prompt's conversation."""
     prompts = []
     for c in convs:
         msgs = []
@@ -234,18 +274,20 @@ def first_turns(convs) -> list[list[dict]]:
                 msgs.append({"role": t.role, "content": t.content})
             elif t.role == "user":
                 prompts.append(msgs + [{"role": t.role, "content": t.content}])
+                if ids is not None:
+                    ids.append(str(c.id))
                 break
     return prompts
 
 
-def eval_prompts(cfg) -> tuple[list[list[dict]], str]:
+def eval_prompts(cfg, ids: list | None = None) -> tuple[list[list[dict]], str]:
     """The evaluation prompts as chat messages, from the same prompt set `eyas eval` uses (cfg.eval.prompts and
     cfg.eval.limit): each conversation's first user turn with the system turns before it, the prompt of its first
     answer in `eyas eval`, whose τ over those answers (report.json's by_turn["1"]) is what the engine's is compared
     with."""
     check_heldout_split(cfg, cfg.out)
     name, convs = load_prompt_set(cfg)
-    prompts = first_turns(convs)
+    prompts = first_turns(convs, ids)
     if not prompts:
         raise EyasError(f"eval.prompts {cfg.eval.prompts!r} gave no prompts")
     return prompts, name
@@ -319,6 +361,32 @@ def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT)
     return {"gap": gap, "flagged": abs(gap) > limit}
 
 
+def pair_prompts(by_prompt: list | None, ids: list[str] | None, report: dict | None) -> dict:
+    """The engine's rounds per prompt against eyas' per conversation (report.json's rounds_by_conversation and
+    conversation_ids), matched by conversation id: τ over the pairs on each side and a paired bootstrap interval of
+    the difference (eval_stats.tau_difference). Only a report whose conversations were answered once (eval.turns 1)
+    pairs: its rounds are then those of the first answers parity asks for. `why` says what is missing otherwise."""
+    if not by_prompt or ids is None or len(ids) != len(by_prompt):
+        return {"why": "the engine's rounds per prompt are unknown"}
+    if not isinstance(report, dict) or not isinstance(report.get("rounds_by_conversation"), list) \
+            or not isinstance(report.get("conversation_ids"), list):
+        return {"why": "eyas' report has no rounds per conversation (rerun `eyas eval`)"}
+    if report.get("turns") != 1:
+        return {"why": "eyas' report answered later turns too (eval.turns is not 1), so its rounds per conversation "
+                       "are not those of the first answers"}
+    mine = dict(zip(occurrences(report["conversation_ids"]), report["rounds_by_conversation"]))
+    a, b = [], []
+    for key, g in zip(occurrences(ids), by_prompt):
+        if key in mine:
+            a.append(tuple(g))
+            b.append(tuple(mine[key]))
+    d = tau_difference(a, b)
+    if d is None:
+        return {"why": f"fewer than two prompts pair ({len(a)} of {len(ids)} found in eyas' report)"}
+    return {"pairs": d["pairs"], "tau_engine": d["tau_a"], "tau_eyas": d["tau_b"], "difference": d["difference"],
+            "level": d["level"], "interval": d["interval"]}
+
+
 def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prompts=None, tokenizer=None) -> dict:
     """Send the eval prompts (each conversation's first turn) to `endpoint`, read `engine`'s acceptance counters,
     compare with eyas' τ over the same answers in <run>/eval/report.json and write <run>/eval/parity.json."""
@@ -328,10 +396,11 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         raise EyasError(f"--engine must be {' or '.join(ENGINES)}, got {engine!r}")
     endpoint = check_endpoint(endpoint)
     check_out_dir(cfg.out)
+    ids: list[str] | None = []
     if prompts is None:
-        prompts, source = eval_prompts(cfg)
+        prompts, source = eval_prompts(cfg, ids)
     else:
-        source = "given"
+        source, ids = "given", None
     models = first_contact(endpoint)
     if engine == "vllm":
         model = getattr(getattr(cfg, "regen", None), "model", "")
@@ -379,6 +448,7 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         if mine["answers"] is not None and int(mine["answers"]) != len(prompts):
             notes.append(f"eyas' figure covers {mine['answers']} first answers, parity sent {len(prompts)} prompts "
                          f"(another prompt set or limit, or first turns too long for the eval's context)")
+    paired = pair_prompts(res.get("by_prompt"), ids, report)
     cmp = compare(res["acceptance_length"], eyas_tau)
     ours = f"eyas' {eyas_tau:.3f} ({mine['compared']})" if eyas_tau is not None else ""
     if cmp["flagged"]:
@@ -391,6 +461,11 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
                    f"{GAP_LIMIT * 100:.0f}% of {ours}")
     else:
         verdict = f"incomplete: {engine}'s acceptance length is {res['acceptance_length']:.3f}; eyas' own is unknown"
+    if paired.get("difference") is not None:
+        lo, hi = paired["interval"]
+        verdict += (f". Prompt by prompt ({paired['pairs']} pairs, each side's tokens per round): {engine} minus eyas "
+                    f"{paired['difference']:+.3f}, {paired['level'] * 100:.0f}% interval {lo:+.3f} to {hi:+.3f}"
+                    + (" (no difference beyond how the prompts vary)" if lo <= 0 <= hi else ""))
     out = {
         "engine": engine, "endpoint": endpoint, "prompts": {"set": source, "count": len(prompts)},
         "max_new_tokens": cfg.eval.max_new_tokens, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
@@ -406,6 +481,10 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         "eyas_per_position_acceptance": mine["per_position"],
         "eyas_per_position_reached": reached(mine["per_position"]),
         "gap": cmp["gap"], "gap_limit": GAP_LIMIT, "flagged": cmp["flagged"], "verdict": verdict, "notes": notes,
+        # prompt by prompt: the engine's (Σ (accepted + 1), rounds) in the order sent, and the paired difference with
+        # eyas' rounds of the same conversations
+        "engine_by_prompt": [list(g) for g in res.get("by_prompt") or []] or None,
+        "paired": paired,
         # the engine flags that serve what eyas evaluated (a dynamic tree or a chain of k)
         "serving_flags": (report or {}).get("serving_flags") if isinstance(report, dict) else None,
     }

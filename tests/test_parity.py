@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from eyas.config import Config
-from eyas.parity import compare, parse_prometheus, run_parity, vllm_counters
+from eyas.parity import compare, eval_prompts, parse_prometheus, run_parity, vllm_counters
 from eyas.util import EyasError
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Explain recursion briefly."]
@@ -64,8 +64,13 @@ class FakeEngine:
                                            "usage": {"completion_tokens": n}}).encode())
                 elif self.path == "/generate" and outer.engine == "sglang":
                     n = outer.drafts + sum(outer.accepted)
+                    # rounds by drafts accepted: accepted[i] rounds took position i, so rounds that took exactly i
+                    # are reached(i) - reached(i+1)
+                    reach = [outer.drafts] + list(outer.accepted) + [0]
+                    hist = [reach[i] - reach[i + 1] for i in range(len(outer.accepted) + 1)]
                     self._send(json.dumps({"text": "x", "meta_info": {
-                        "completion_tokens": n, "spec_verify_ct": outer.drafts, "e2e_latency": 0.1}}).encode())
+                        "completion_tokens": n, "spec_verify_ct": outer.drafts, "e2e_latency": 0.1,
+                        "spec_correct_drafts_histogram": hist}}).encode())
                 else:
                     self.send_error(404)
 
@@ -146,6 +151,41 @@ def test_parity_matches(tmp_path, tiny, engine):
     else:
         assert all(b["sampling_params"] == {"max_new_tokens": 16, "temperature": 0.0, "top_p": 1.0} for b in posts)
         assert PROMPTS[0] in posts[0]["text"] and posts[0]["text"].rstrip().endswith("assistant")
+        # SGLang's acceptance histograms give the same per-position figures as vLLM's counters
+        assert res["engine_per_position_reached"] == pytest.approx([0.8, 0.5, 0.2])
+        assert res["engine_counters"]["accepted_histogram"] == [6, 9, 9, 6]
+    # each prompt's own rounds, (Σ (accepted + 1), rounds): 10 rounds that took 15 drafts
+    assert res["engine_by_prompt"] == [[25, 10]] * 3
+    assert "pairs" not in res["paired"] and "rounds per conversation" in res["paired"]["why"]
+
+
+def test_parity_pairs_each_prompt_with_eyas_rounds_of_its_conversation(tmp_path, tiny):
+    """With eyas' rounds per conversation in its report (one answer each), the engine's τ and eyas' pair prompt by
+    prompt, matched by conversation id (the report lists them in another order here), with a paired interval."""
+    cfg = _cfg(tmp_path, tau=2.4)
+    ids = []
+    eval_prompts(cfg, ids)
+    assert len(ids) == 3
+    path = tmp_path / "run" / "eval" / "report.json"
+    rep = json.loads(path.read_text())
+    mine = {ids[0]: [20, 10], ids[1]: [24, 10], ids[2]: [28, 10]}  # τ 2.0, 2.4, 2.8 against the engine's 2.5
+    order = [ids[2], ids[0], ids[1]]
+    rep.update(turns=1, conversation_ids=order, rounds_by_conversation=[mine[i] for i in order])
+    path.write_text(json.dumps(rep))
+    with FakeEngine("sglang", *GOOD) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine="sglang", tokenizer=tiny.tokenizer)
+    p = res["paired"]
+    assert p["pairs"] == 3 and p["tau_engine"] == pytest.approx(2.5) and p["tau_eyas"] == pytest.approx(2.4)
+    assert p["difference"] == pytest.approx(0.1)
+    lo, hi = p["interval"]
+    assert -0.3 - 1e-9 <= lo <= 0.1 <= hi <= 0.5 + 1e-9 and lo < 0 < hi  # the per-prompt differences: +0.5, +0.1, -0.3
+    assert "sglang minus eyas +0.100" in res["verdict"] and "no difference beyond" in res["verdict"]
+    # a report that answered later turns too does not pair: its rounds are not those of the first answers
+    rep["turns"] = 2
+    path.write_text(json.dumps(rep))
+    with FakeEngine("sglang", *GOOD) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine="sglang", tokenizer=tiny.tokenizer)
+    assert "difference" not in res["paired"] and "eval.turns is not 1" in res["paired"]["why"]
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -288,5 +328,13 @@ def test_sglang_acceptance_counts_a_request_without_verify_steps():
     got = sglang_acceptance([{"completion_tokens": 9, "spec_verify_ct": 3}, {"completion_tokens": 1}])
     assert got["acceptance_length"] == pytest.approx(10 / 3)
     assert got["counters"] == {"completion_tokens": 10, "spec_verify_ct": 3}
+    # without histograms: no per-position figures, and each request's rounds are its tokens over its verify steps
+    assert got["per_position_acceptance"] is None and got["by_prompt"] == [(9, 3), (1, 0)]
+    # histograms of unequal lengths (a request that never accepted 2) add up; the older key name reads too
+    got = sglang_acceptance([{"completion_tokens": 9, "spec_verify_ct": 4, "spec_correct_drafts_histogram": [1, 2, 1]},
+                             {"completion_tokens": 3, "spec_verify_ct": 2, "spec_accept_histogram": [1, 1]}])
+    assert got["counters"]["accepted_histogram"] == [2, 3, 1]
+    assert got["per_position_acceptance"] == pytest.approx([4 / 6, 1 / 6])
+    assert got["by_prompt"] == [(1 + 4 + 3, 4), (1 + 2, 2)]
     with pytest.raises(EyasError, match="spec_verify_ct"):
         sglang_acceptance([{"completion_tokens": 4}, {"completion_tokens": 2}])
