@@ -233,7 +233,9 @@ def sglang_acceptance(meta_infos: list[dict]) -> dict:
         toks += int(m.get("completion_tokens", 0))
         verify += int(m.get("spec_verify_ct", 0))
         if h is not None:
-            total = [a + b for a, b in zip(total + [0] * (len(h) - len(total)), h + [0] * (len(total) - len(h)))]
+            total += [0] * (len(h) - len(total))
+            for i, n in enumerate(h):
+                total[i] += n
             by_prompt.append((sum((i + 1) * n for i, n in enumerate(h)), sum(h)))
         else:
             by_prompt.append((int(m.get("completion_tokens", 0)), int(m.get("spec_verify_ct", 0))))
@@ -396,11 +398,12 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         raise EyasError(f"--engine must be {' or '.join(ENGINES)}, got {engine!r}")
     endpoint = check_endpoint(endpoint)
     check_out_dir(cfg.out)
-    ids: list[str] | None = []
+    ids: list[str] | None = None  # each prompt's conversation, where the prompts are the eval's
     if prompts is None:
+        ids = []
         prompts, source = eval_prompts(cfg, ids)
     else:
-        source, ids = "given", None
+        source = "given"
     models = first_contact(endpoint)
     if engine == "vllm":
         model = getattr(getattr(cfg, "regen", None), "model", "")

@@ -185,7 +185,7 @@ def _regen(tmp_path, target, name: str, **regen) -> dict:
     return {c.id: [t.content for t in c.turns] for c in read_dataset(str(regen_dir(cfg.out)))[0]}
 
 
-# torch's wording (2.11), as the 52nd session's Kimi-wide regen got it
+# a CUDA out-of-memory error in torch's wording (2.11)
 OOM_MESSAGE = ("CUDA out of memory. Tried to allocate 24.51 GiB. GPU 0 has a total capacity of 79.19 GiB of which 7.40 "
                "GiB is free. Including non-PyTorch memory, this process has 71.78 GiB memory in use. Of the allocated "
                "memory 65.02 GiB is allocated by PyTorch, and 6.11 GiB is reserved by PyTorch but unallocated.")

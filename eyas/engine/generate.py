@@ -281,7 +281,9 @@ class GenerateEngine(EmbeddedEngine):
             try:
                 return out + self._generate(batch, chunk)
             except torch.OutOfMemoryError as e:
-                why = oom_summary(str(e))  # retried outside the handler, whose traceback holds the failed call's tensors
+                # only the message is kept: the retry runs outside the handler, whose traceback holds the failed
+                # call's tensors
+                why = oom_summary(str(e))
             batch, chunk = self._smaller(batch, chunk, oom_detail(chunk, peak, why))
             peak = None
 
