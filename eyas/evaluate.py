@@ -250,6 +250,7 @@ class _Measured:
     skipped: int = 0  # user turns left out, too long for the context
     too_long: list[int] = field(default_factory=list)  # the prompt length of each conversation's first turn left out
     groups: list = field(default_factory=list)  # each conversation's (Σ (accepted + 1), rounds), for the interval
+    first_answers: list = field(default_factory=list)  # each conversation's first answer's token ids (None: none)
     extra: int = 3  # cache slots a round may write past the committed length: a chain's K, a tree's verified tokens
 
 
@@ -298,6 +299,7 @@ def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max
     history: list = []  # the turns before the next prompt (Turn), as a served target is given them
     answered = 0
     conv_sum = conv_rounds = 0
+    first = None
     for i, turn in enumerate(conv.turns):
         if turn.role == "system":
             history.append(turn)
@@ -316,6 +318,8 @@ def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max
         g = dec.generate(ids, max_new_tokens, stop, speculative=True)
         t.add_rounds(g.accepted)
         answered += 1
+        if answered == 1:
+            first = [int(x) for x in g.tokens]
         a_sum, a_rounds = round_sums(g.accepted)
         conv_sum, conv_rounds = conv_sum + a_sum, conv_rounds + a_rounds
         content = [x for x in g.tokens if x not in stop]
@@ -334,6 +338,7 @@ def _answer_conversation(dec, conv, m: _Measured, tok, stop, k, temperature, max
         m.n_prompts += 1
         answer = tok.decode(content, skip_special_tokens=True)
         history += [turn, answered_turn(tok, answer)]
+    m.first_answers.append(first)
     return conv_sum, conv_rounds
 
 
@@ -387,6 +392,9 @@ def _result(m: _Measured, dec, target, convs, k, temperature, top_p, max_new_tok
         # each conversation's (Σ (accepted + 1), rounds), in order, and its id: two drafters' evals pair by them
         # (tau_difference)
         "rounds_by_conversation": [list(g) for g in m.groups], "conversation_ids": [str(c.id) for c in convs],
+        # each conversation's first answer as token ids (None where its first turn was too long): `eyas parity`
+        # compares them with the engine's answers to the same prompts
+        "first_answer_ids": m.first_answers,
         "per_position_acceptance": t.per_position(),
         "accepted_length_histogram": t.hist, "verify_rounds": t.rounds, "new_tokens": t.spec_tokens,
         "by_turn": by_turn(m.turns), "by_repetition": by_repetition(m.repeats),

@@ -163,17 +163,26 @@ def vllm_counters(text: str) -> dict:
     return out
 
 
+def _token_ids(x) -> list[int] | None:
+    """An answer's token ids as the engine returned them, or None where it returned none (or something else)."""
+    if isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        return list(x)
+    return None
+
+
 def _vllm_run(endpoint: str, prompts: list[list[dict]], cfg, model: str) -> dict:
     before = vllm_counters(_http(endpoint + "/metrics").decode("utf-8", "replace"))
     if before["num_drafts"] is None:
         raise EyasError(f"{endpoint}/metrics has no {VLLM_COUNTERS['num_drafts']} counter: is the server running "
                         f"with a speculative config (--speculative-config) and metrics enabled?")
-    completion_tokens, by_prompt, prev = 0, [], before
+    completion_tokens, by_prompt, prev, answers = 0, [], before, []
     for msgs in progress(prompts, desc="parity (vllm)", unit="prompt"):
+        # return_token_ids: the answer's token ids beside its text (vLLM 0.10.2 and later; earlier ones ignore it)
         r = _json(endpoint + "/v1/chat/completions",
                   {"model": model, "messages": msgs, "max_tokens": cfg.eval.max_new_tokens,
-                   "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p})
+                   "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "return_token_ids": True})
         completion_tokens += int((r.get("usage") or {}).get("completion_tokens") or 0)
+        answers.append(_token_ids(((r.get("choices") or [{}])[0] or {}).get("token_ids")))
         # the counters after each answer: its own drafts and accepted tokens, the prompts being sent one at a time
         now = vllm_counters(_http(endpoint + "/metrics").decode("utf-8", "replace"))
         drafts = round((now["num_drafts"] or 0.0) - (prev["num_drafts"] or 0.0))
@@ -194,6 +203,7 @@ def _vllm_run(endpoint: str, prompts: list[list[dict]], cfg, model: str) -> dict
         "counters": {**d, "per_position": per_pos},
         "completion_tokens": completion_tokens,
         "by_prompt": by_prompt,
+        "answers": answers,
     }
 
 
@@ -251,14 +261,16 @@ def sglang_acceptance(meta_infos: list[dict]) -> dict:
 
 
 def _sglang_run(endpoint: str, prompts: list[list[dict]], cfg, tokenizer) -> dict:
-    metas = []
+    metas, answers = [], []
     for msgs in progress(prompts, desc="parity (sglang)", unit="prompt"):
         text = render(tokenizer, msgs, add_generation_prompt=True)
         r = _json(endpoint + "/generate",
                   {"text": text, "sampling_params": {"max_new_tokens": cfg.eval.max_new_tokens,
                                                      "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p}})
         metas.append(r.get("meta_info") or {})
+        answers.append(_token_ids(r.get("output_ids")))
     res = sglang_acceptance(metas)
+    res["answers"] = answers
     res["completion_tokens"] = res["counters"]["completion_tokens"]
     return res
 
@@ -363,11 +375,51 @@ def compare(engine_tau: float, eyas_tau: float | None, limit: float = GAP_LIMIT)
     return {"gap": gap, "flagged": abs(gap) > limit}
 
 
-def pair_prompts(by_prompt: list | None, ids: list[str] | None, report: dict | None) -> dict:
+def same_answer(a: list[int], b: list[int]) -> bool:
+    """Two greedy answers to one prompt are the same text where their token ids are equal, or where one holds one
+    token more at its end (an engine that counts the end-of-turn token it stopped at, the other not)."""
+    n = min(len(a), len(b))
+    return a[:n] == b[:n] and abs(len(a) - len(b)) <= 1
+
+
+def compare_answers(engine_answers: list | None, ids: list[str] | None, report: dict | None) -> dict:
+    """The engine's answer to each prompt against eyas' first answer of the same conversation (report.json's
+    first_answer_ids), token for token. Each engine is lossless against its own target kernels, so greedy answers
+    can part where two logits nearly tie; from there the two engines draft and verify different text, and their
+    acceptance differs with it. `same` holds the conversation keys whose answers are the same (`same_answer`), for
+    the paired τ over those alone; `first_difference`, per prompt sent, the new-token index where the answers part
+    (None: the same, or not compared). `why` says what is missing where nothing compares."""
+    if not engine_answers or ids is None or len(ids) != len(engine_answers) \
+            or all(a is None for a in engine_answers):
+        return {"why": "the engine returned no token ids with its answers"}
+    if not isinstance(report, dict) or not isinstance(report.get("first_answer_ids"), list) \
+            or not isinstance(report.get("conversation_ids"), list) \
+            or len(report["first_answer_ids"]) != len(report["conversation_ids"]):
+        return {"why": "eyas' report has no first answers' token ids (rerun `eyas eval`)"}
+    mine = dict(zip(occurrences(report["conversation_ids"]), report["first_answer_ids"]))
+    same, firsts, compared = set(), [], 0
+    for key, a in zip(occurrences(ids), engine_answers):
+        b = mine.get(key)
+        if a is None or not isinstance(b, list):
+            firsts.append(None)
+            continue
+        compared += 1
+        if same_answer(a, b):
+            same.add(key)
+            firsts.append(None)
+        else:
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    if not compared:
+        return {"why": "no prompt's answer was found on both sides"}
+    return {"compared": compared, "same": same, "first_difference": firsts}
+
+
+def pair_prompts(by_prompt: list | None, ids: list[str] | None, report: dict | None, keep: set | None = None) -> dict:
     """The engine's rounds per prompt against eyas' per conversation (report.json's rounds_by_conversation and
     conversation_ids), matched by conversation id: τ over the pairs on each side and a paired bootstrap interval of
     the difference (eval_stats.tau_difference). Only a report whose conversations were answered once (eval.turns 1)
-    pairs: its rounds are then those of the first answers parity asks for. `why` says what is missing otherwise."""
+    pairs: its rounds are then those of the first answers parity asks for. `keep`, where given, limits the pairs to
+    those conversation keys. `why` says what is missing otherwise."""
     if not by_prompt or ids is None or len(ids) != len(by_prompt):
         return {"why": "the engine's rounds per prompt are unknown"}
     if not isinstance(report, dict) or not isinstance(report.get("rounds_by_conversation"), list) \
@@ -379,7 +431,7 @@ def pair_prompts(by_prompt: list | None, ids: list[str] | None, report: dict | N
     mine = dict(zip(occurrences(report["conversation_ids"]), report["rounds_by_conversation"]))
     a, b = [], []
     for key, g in zip(occurrences(ids), by_prompt):
-        if key in mine:
+        if key in mine and (keep is None or key in keep):
             a.append(tuple(g))
             b.append(tuple(mine[key]))
     d = tau_difference(a, b)
@@ -452,6 +504,9 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
             notes.append(f"eyas' figure covers {mine['answers']} first answers, parity sent {len(prompts)} prompts "
                          f"(another prompt set or limit, or first turns too long for the eval's context)")
     paired = pair_prompts(res.get("by_prompt"), ids, report)
+    answers = compare_answers(res.get("answers"), ids, report)
+    if "same" in answers:
+        answers["paired_same"] = pair_prompts(res.get("by_prompt"), ids, report, keep=answers["same"])
     cmp = compare(res["acceptance_length"], eyas_tau)
     ours = f"eyas' {eyas_tau:.3f} ({mine['compared']})" if eyas_tau is not None else ""
     if cmp["flagged"]:
@@ -469,6 +524,13 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         verdict += (f". Prompt by prompt ({paired['pairs']} pairs, each side's tokens per round): {engine} minus eyas "
                     f"{paired['difference']:+.3f}, {paired['level'] * 100:.0f}% interval {lo:+.3f} to {hi:+.3f}"
                     + (" (no difference beyond how the prompts vary)" if lo <= 0 <= hi else ""))
+    if "same" in answers:
+        verdict += f". Answers the same token for token: {len(answers['same'])} of {answers['compared']}"
+        same_pairs = answers["paired_same"]
+        if same_pairs.get("difference") is not None:
+            lo, hi = same_pairs["interval"]
+            verdict += (f"; over those, {engine} minus eyas {same_pairs['difference']:+.3f}, "
+                        f"{same_pairs['level'] * 100:.0f}% interval {lo:+.3f} to {hi:+.3f}")
     out = {
         "engine": engine, "endpoint": endpoint, "prompts": {"set": source, "count": len(prompts)},
         "max_new_tokens": cfg.eval.max_new_tokens, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
@@ -488,6 +550,11 @@ def run_parity(cfg, endpoint: str | None = None, engine: str | None = None, prom
         # eyas' rounds of the same conversations
         "engine_by_prompt": [list(g) for g in res.get("by_prompt") or []] or None,
         "paired": paired,
+        # each prompt's answer from both engines: how many are the same token for token, where each other parts,
+        # and the paired τ over the same answers alone (a gap that stays there is not the text's)
+        "answers": ({"compared": answers["compared"], "same": len(answers["same"]),
+                     "first_difference": answers["first_difference"], "paired_same": answers["paired_same"]}
+                    if "same" in answers else {"why": answers["why"]}),
         # the engine flags that serve what eyas evaluated (a dynamic tree or a chain of k)
         "serving_flags": (report or {}).get("serving_flags") if isinstance(report, dict) else None,
     }

@@ -54,6 +54,9 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path, capsys, two_conver
     convs = rep["rounds_by_conversation"]  # what compare_tau pairs: each conversation's tokens and rounds
     assert len(convs) == 2 and sum(r for _, r in convs) == rep["verify_rounds"]
     assert sum(t for t, _ in convs) == pytest.approx(rep["acceptance_length"] * rep["verify_rounds"])
+    first = rep["first_answer_ids"]  # each conversation's first answer, which parity holds the engine's against
+    assert len(first) == 2 and all(isinstance(x, int) for a in first for x in a)
+    assert sum(len(a) for a in first) == bt["1"]["new_tokens"] and all(1 <= len(a) <= 6 for a in first)
     assert "95% interval" in (tmp_path / "run" / "eval" / "report.md").read_text()
     assert rep["lossless"] is True and rep["lossless_checked"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0

@@ -24,8 +24,9 @@ class FakeEngine:
     """Counts requests and answers as the engine would, with a chosen acceptance per request:
     `drafts` verify steps, `accepted` tokens accepted at each draft position (k = len(accepted))."""
 
-    def __init__(self, engine, drafts, accepted):
+    def __init__(self, engine, drafts, accepted, answers=None):
         self.engine, self.drafts, self.accepted = engine, drafts, accepted
+        self.answers = list(answers or [])  # token ids to answer with, in order (none: text alone)
         self.counters = {"d": 7.0, "dt": 21.0, "a": 9.0, "pos": [5.0, 3.0, 1.0]}  # earlier traffic
         self.requests = []
         outer = self
@@ -60,17 +61,22 @@ class FakeEngine:
                     c["a"] += sum(outer.accepted)
                     c["pos"] = [p + a for p, a in zip(c["pos"], outer.accepted)]
                     n = outer.drafts + sum(outer.accepted)
-                    self._send(json.dumps({"choices": [{"message": {"content": "x"}}],
-                                           "usage": {"completion_tokens": n}}).encode())
+                    choice = {"message": {"content": "x"}}
+                    if outer.answers and body.get("return_token_ids"):
+                        choice["token_ids"] = outer.answers.pop(0)
+                    self._send(json.dumps({"choices": [choice], "usage": {"completion_tokens": n}}).encode())
                 elif self.path == "/generate" and outer.engine == "sglang":
                     n = outer.drafts + sum(outer.accepted)
                     # rounds by drafts accepted: accepted[i] rounds took position i, so rounds that took exactly i
                     # are reached(i) - reached(i+1)
                     reach = [outer.drafts] + list(outer.accepted) + [0]
                     hist = [reach[i] - reach[i + 1] for i in range(len(outer.accepted) + 1)]
-                    self._send(json.dumps({"text": "x", "meta_info": {
+                    out = {"text": "x", "meta_info": {
                         "completion_tokens": n, "spec_verify_ct": outer.drafts, "e2e_latency": 0.1,
-                        "spec_correct_drafts_histogram": hist}}).encode())
+                        "spec_correct_drafts_histogram": hist}}
+                    if outer.answers:
+                        out["output_ids"] = outer.answers.pop(0)
+                    self._send(json.dumps(out).encode())
                 else:
                     self.send_error(404)
 
@@ -157,6 +163,42 @@ def test_parity_matches(tmp_path, tiny, engine):
     # each prompt's own rounds, (Σ (accepted + 1), rounds): 10 rounds that took 15 drafts
     assert res["engine_by_prompt"] == [[25, 10]] * 3
     assert "pairs" not in res["paired"] and "rounds per conversation" in res["paired"]["why"]
+    assert "no token ids" in res["answers"]["why"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_parity_compares_each_answer_with_eyas_and_pairs_the_same_ones(tmp_path, tiny, engine):
+    """With token ids from the engine and eyas' first answers in its report, parity says which answers are the same
+    token for token (one side's extra end-of-turn token allowed), where the others part, and the paired τ over the
+    same answers alone."""
+    cfg = _cfg(tmp_path, tau=2.4)
+    ids = []
+    eval_prompts(cfg, ids)
+    path = tmp_path / "run" / "eval" / "report.json"
+    rep = json.loads(path.read_text())
+    mine = {ids[0]: [20, 10], ids[1]: [24, 10], ids[2]: [28, 10]}
+    answers = {ids[0]: [5, 6, 7, 2], ids[1]: [8, 9, 10], ids[2]: [11, 12, 13, 14]}
+    order = [ids[1], ids[2], ids[0]]
+    rep.update(turns=1, conversation_ids=order, rounds_by_conversation=[mine[i] for i in order],
+               first_answer_ids=[answers[i] for i in order])
+    path.write_text(json.dumps(rep))
+    # in the order sent: the same; the same with the end-of-turn token 2 counted; parted at new token 2
+    served = [[5, 6, 7, 2], [8, 9, 10, 2], [11, 12, 99, 14]]
+    with FakeEngine(engine, *GOOD, answers=served) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine=engine, tokenizer=tiny.tokenizer)
+    a = res["answers"]
+    assert a["compared"] == 3 and a["same"] == 2 and a["first_difference"] == [None, None, 2]
+    same = a["paired_same"]  # the engine's 2.5 against eyas' 2.0 and 2.4 on the first two
+    assert same["pairs"] == 2 and same["tau_eyas"] == pytest.approx(2.2) and same["difference"] == pytest.approx(0.3)
+    assert res["paired"]["pairs"] == 3 and "Answers the same token for token: 2 of 3; over those" in res["verdict"]
+    saved = json.loads(path.with_name("parity.json").read_text())
+    assert saved["answers"]["same"] == 2 and saved["answers"]["paired_same"]["pairs"] == 2
+    # an older report without the answers says what to rerun
+    del rep["first_answer_ids"]
+    path.write_text(json.dumps(rep))
+    with FakeEngine(engine, *GOOD, answers=served) as srv:
+        res = run_parity(cfg, endpoint=srv.url, engine=engine, tokenizer=tiny.tokenizer)
+    assert "rerun `eyas eval`" in res["answers"]["why"] and "Answers the same" not in res["verdict"]
 
 
 def test_parity_pairs_each_prompt_with_eyas_rounds_of_its_conversation(tmp_path, tiny):
