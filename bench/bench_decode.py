@@ -65,6 +65,16 @@ RANDOM_SHAPES = {
                               num_key_value_heads=3, rms_norm_eps=1e-5, tie_word_embeddings=True,
                               max_position_embeddings=8192, rope_parameters={"rope_type": "default",
                                                                              "rope_theta": 100000.0})),
+    # Qwen2.5-Coder-0.5B's and -1.5B's shapes (q/k/v with biases; the 1.5B: head size 128, untied head), the presets
+    # qwen-coder-0.5b and qwen-coder-1.5b without their weights
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, max_position_embeddings=32768,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=False, max_position_embeddings=32768,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # Qwen3-0.6B's shape: q/k norm, head size 128 (not hidden / heads), tied head
     "qwen3": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                             num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True,

@@ -33,20 +33,27 @@ BACKENDS = ("default", "math", "efficient", "cudnn", "flash")
 LENGTHS = (2, 4, 8, 9, 12, 16, 24, 32)
 
 
-def linear_rows(model, dev, rows=(1, 2, 4, 5, 8, 9, 12, 16, 24, 32, 64)) -> dict:
-    """For each of the target's projections (its own weights; the first layer's): the row counts M whose product
-    gives every row bit for bit as that row's 1-row product does (a kernel may tile the rows, and round the rows of
-    a last, partial tile otherwise)."""
+def linear_rows(model, dev, rows=(1, 2, 4, 5, 8, 9, 12, 16, 24, 32, 64), head_vocab: int = 0) -> dict:
+    """For each of the target's projections (its own weights and biases, as its forward applies them; the first
+    layer's): the row counts M whose product gives every row bit for bit as that row's 1-row product does (a kernel
+    may tile the rows, and round the rows of a last, partial tile otherwise; a bias may take another kernel).
+    head_vocab: also a random head of that many rows (a random model's head has its tokenizer's size, which may pick
+    other kernels than the real target's)."""
     layer = model.get_decoder().layers[0]
     attn, mlp = layer.self_attn, layer.mlp
-    weights = {"q": attn.q_proj.weight, "k": attn.k_proj.weight, "o": attn.o_proj.weight, "gate": mlp.gate_proj.weight,
-               "down": mlp.down_proj.weight, "lm_head": model.get_output_embeddings().weight}
+    head = model.get_output_embeddings()
+    mods = {"q": attn.q_proj, "k": attn.k_proj, "o": attn.o_proj, "gate": mlp.gate_proj, "down": mlp.down_proj,
+            "lm_head": head}
+    weights = {name: (m.weight, getattr(m, "bias", None)) for name, m in mods.items()}
     g = torch.Generator(device=dev).manual_seed(0)
+    if head_vocab and head_vocab != head.weight.shape[0]:
+        weights[f"lm_head_{head_vocab}"] = (torch.randn(head_vocab, head.weight.shape[1], device=dev,
+                                                        dtype=head.weight.dtype, generator=g) * 0.02, None)
     out = {}
-    for name, w in weights.items():
+    for name, (w, b) in weights.items():
         x = torch.randn(max(rows), w.shape[1], device=dev, dtype=w.dtype, generator=g)
-        ones = torch.cat([F.linear(x[i:i + 1], w) for i in range(max(rows))])
-        out[name] = {m: bool(torch.equal(F.linear(x[:m], w), ones[:m])) for m in rows}
+        ones = torch.cat([F.linear(x[i:i + 1], w, b) for i in range(max(rows))])
+        out[name] = {m: bool(torch.equal(F.linear(x[:m], w, b), ones[:m])) for m in rows}
     return out
 
 
@@ -132,6 +139,9 @@ def main(argv=None):
     ap.add_argument("--lengths", default="",
                     help="comma list of the verify lengths T to check (default: "
                          + ",".join(map(str, LENGTHS)) + "; with the compiled kernels 4,8,9,16,32, one compile each)")
+    ap.add_argument("--head-vocab", type=int, default=0,
+                    help="also check a random head of this many rows (e.g. 151936 with --random qwen2.5-1.5b, whose "
+                         "head has --target's tokenizer's size)")
     ap.add_argument("--out", default="rounding.json")
     a = ap.parse_args(argv)
     try:
@@ -152,7 +162,7 @@ def main(argv=None):
         target = load_target(TargetConfig(name=a.target, dtype=a.dtype))
     model, dev = target.model, target.device
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "target": a.random or a.target, "dtype": str(model.dtype), "linear_rows": linear_rows(model, dev),
+           "target": a.random or a.target, "dtype": str(model.dtype), "linear_rows": linear_rows(model, dev, head_vocab=a.head_vocab),
            "forwards": {}}
     for name, eq in res["linear_rows"].items():
         print(f"linear {name}: rows equal to a 1-row product: {[m for m, ok in eq.items() if ok]}; not: "

@@ -401,7 +401,7 @@ def _result(m: _Measured, dec, target, convs, k, temperature, top_p, max_new_tok
         "tokens_per_s": tps, "baseline_tokens_per_s": base,
         "speedup": (tps / base) if base else None,
         "lossless": (t.matched == t.checked) if (temperature == 0 and t.checked) else None,
-        "lossless_checked": t.checked, "lossless_mismatches": t.mismatches,
+        "lossless_checked": t.checked, "lossless_matched": t.matched, "lossless_mismatches": t.mismatches,
         "time_split": {"draft_s": t.draft_s, "verify_s": t.verify_s, "prefill_s": t.prefill_s,
                        "speculative_total_s": t.spec_s,
                        "other_s": max(0.0, t.spec_s - t.draft_s - t.verify_s - t.prefill_s), "plain_total_s": t.plain_s,

@@ -58,7 +58,7 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path, capsys, two_conver
     assert len(first) == 2 and all(isinstance(x, int) for a in first for x in a)
     assert sum(len(a) for a in first) == bt["1"]["new_tokens"] and all(1 <= len(a) <= 6 for a in first)
     assert "95% interval" in (tmp_path / "run" / "eval" / "report.md").read_text()
-    assert rep["lossless"] is True and rep["lossless_checked"] == 3
+    assert rep["lossless"] is True and rep["lossless_checked"] == rep["lossless_matched"] == 3
     assert rep["tokens_per_s"] > 0 and rep["baseline_tokens_per_s"] > 0 and rep["speedup"] > 0
     assert rep["peak_memory_bytes"] > 0 and set(rep["time_split"]) >= {"draft_s", "verify_s", "prefill_s"}
     ts = rep["time_split"]  # the phases are parts of each method's wall time
