@@ -181,6 +181,14 @@ class Decoder:
     # it decodes a few percent faster at every K with τ unchanged (bench/bench_decode.py --draft-compile 0,1
     # compares); on a CPU, compiling costs seconds for little gain
     compile_drafter: bool | None = None
+    # plain decoding's steps shaped as a chain's verify: K+1 tokens at once (the last token repeated), the first
+    # row's logits picking the next token, over the slots a verify at that position attends. Then every product,
+    # norm and attention call runs with the verify's shapes, so a kernel whose rounding depends on the row count
+    # (a GEMM's split of a long row, a compiled reduction's blocking) rounds plain decoding as it rounds the
+    # verify, and greedy speculative decoding must give plain decoding's tokens bit for bit. The eval's lossless
+    # check reruns an answer that parts from plain decoding this way, to tell rounding at a near-tie from a wrong
+    # token. Off for timing: a one-token step is what plain decoding costs
+    plain_like_verify: bool = False
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
                  max_len: int = 2048, compile: bool = False, seed: int = 0, engine: str = "auto",
@@ -426,8 +434,13 @@ class Decoder:
             packed, h, lg, pos = self._call("round", last, h, lg, pos, upto=self._upto(bound + self.k + 1))
             return (packed[-1:], h, lg, pos), packed
         last, p = state  # a plain step adds one token: its position is known on the host
-        logits, _ = self._call("verify", last.view(1, 1), self._pos(p, 1), upto=self._upto(p + 1))
-        nxt = self._pick(logits[:, -1]).view(1)
+        if self.plain_like_verify:  # the rows past the first write slots the next step overwrites first
+            logits, _ = self._call("verify", last.view(1, 1).expand(1, self.k + 1).contiguous(),
+                                   self._pos(p, self.k + 1), upto=self._upto(p + self.k + 2))
+            nxt = self._pick(logits[:, 0]).view(1)
+        else:
+            logits, _ = self._call("verify", last.view(1, 1), self._pos(p, 1), upto=self._upto(p + 1))
+            nxt = self._pick(logits[:, -1]).view(1)
         return (nxt, p + 1), nxt
 
     @property
@@ -503,7 +516,9 @@ class Decoder:
         calls = []
         for u in sorted({self._upto(e) for e in range(1, self.max_len + 1)}):  # u <= max_len
             p = max(0, u - (k + 1))  # room for K + 1 positions below the span's end
-            if plain:
+            if plain and self.plain_like_verify:
+                calls.append(("verify", (tok.view(1, 1).expand(1, k + 1).contiguous(), self._pos(p, k + 1)), u))
+            elif plain:
                 calls.append(("verify", (tok.view(1, 1), self._pos(p, 1)), u))
             if speculative and self.fused:
                 calls.append(("round", (tok, h, lg, self._pos(p, 1)), u))

@@ -370,6 +370,52 @@ def _rollback_check(smol, prompt_set, long_answer, untrained, k, fused, monkeypa
             torch.testing.assert_close(have[:, :, :m], want[:, :, :m], atol=1e-4, rtol=1e-4)
 
 
+def _bf16_target(smol, which: str, device: str):
+    """A bf16 target: the real SmolLM2, or a random model of Qwen2.5-Coder-1.5B's shape (the first target whose
+    greedy speculative decoding parted from plain decoding on a GPU), on `device`."""
+    import copy
+    import dataclasses
+
+    if which == "smollm2":
+        return dataclasses.replace(smol, model=copy.deepcopy(smol.model).to(device, torch.bfloat16))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas.target import Target, default_aux_layers
+
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model("qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
+                                tie_word_embeddings=False, vocab_size=151936, max_position_embeddings=32768)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(conf, dtype=torch.bfloat16).eval()
+    return Target(model=model, tokenizer=None, name="random-qwen2.5-1.5b", source="random", sha256="",
+                  aux_layers=default_aux_layers(28), eot_token_ids=[0])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["steps", "fused"])
+@pytest.mark.parametrize("k", [3, 7])
+@pytest.mark.parametrize("which,device", [("smollm2", "cpu"), pytest.param("smollm2", "cuda", marks=pytest.mark.gpu),
+                                          pytest.param("qwen2.5-1.5b", "cuda", marks=pytest.mark.gpu)])
+def test_speculative_decoding_is_plain_decoding_with_the_verify_shapes_in_bf16(smol, prompt_set, which, device, k,
+                                                                               fused):
+    """Plain decoding with its steps shaped as the verify (Decoder.plain_like_verify) makes every call with the
+    verify's shapes, so greedy speculative decoding gives its tokens bit for bit in bf16 on any machine whose kernels
+    round a row alike wherever it sits among the call's rows (on some CPUs a 1,536-wide product rounds a row by the
+    rows beside it, so one-token plain decoding parts from it): through accepted drafts (rows past the first) and
+    rejections at every position, scripted from that reference."""
+    t = _bf16_target(smol, which, device)
+    ids = prompt_set[1]
+    plain = Decoder(t, None, k=k, max_len=256)
+    plain.plain_like_verify = True
+    ref = plain.generate(ids, 40, (), speculative=False).tokens
+    torch.manual_seed(0)
+    drafter = build_drafter(t, 2048, draft_vocab(t, [ids + ref]))
+    dec = ScriptedDecoder(t, drafter, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=fused)
+    g = dec.generate(ids, 40, (), speculative=True)
+    assert g.tokens == ref
+    assert set(g.accepted) == set(range(k + 1))  # every row of the verify gave a token
+
+
 def test_sampling_decoding_runs_and_is_seeded(tiny):
     torch.manual_seed(0)
     d = build_drafter(tiny, 512)
