@@ -171,6 +171,22 @@ def load_prompts(name: str, limit: int, tokenizer) -> list[list[int]]:
     return out
 
 
+def verify_shaped_agreement(target, prompts, outputs, reference, k, max_len, compile_, engine, max_new, stop):
+    """Of the prompts whose speculative answer parts from plain decoding's, how many equal plain decoding with its
+    steps shaped as this chain's verify (Decoder.plain_like_verify, untimed): those part only where a kernel rounds
+    by the call's shape; the others hold a wrong token. None where no answer parts."""
+    from eyas.decode import Decoder
+
+    apart = [i for i, (o, r) in enumerate(zip(outputs, reference)) if o != r]
+    if not apart:
+        return None
+    dec = Decoder(target, None, k=k, max_len=max_len, compile=compile_, engine=engine)
+    dec.plain_like_verify = True
+    same = sum(dec.generate(prompts[i], max_new, stop, speculative=False).tokens == outputs[i] for i in apart)
+    dec.close()
+    return f"{same}/{len(apart)}"
+
+
 def run_engine(dec, prompts, max_new, stop, speculative, budget, reference=None):
     """Decode the prompts in order until the time box ends. reference: plain decoding's tokens per prompt
     (from this function's "outputs"); a speculative method then reports how many of its prompts gave the
@@ -430,6 +446,8 @@ def main(argv=None) -> int:
               + (f", same as plain {res['same_as_plain']}" if "same_as_plain" in res else "")
               + (f", largest gap where it differs {res['divergence_gap_spacings_max']} spacings"
                  if res.get("divergence_gap_spacings_max") is not None else "")
+              + (f", of those the same with the verify's shapes {res['same_with_verify_shapes']}"
+                 if res.get("same_with_verify_shapes") else "")
               + (f", same as {engines[0]} {res['same_as_first_engine']}" if "same_as_first_engine" in res else "")
               + ")", flush=True)
         atomic_write_json(a.out, results)
@@ -513,7 +531,10 @@ def main(argv=None) -> int:
                     warm_s = warm_up(dec, True)
                     run_engine(dec, warm, 32, stop, True, 1e9)
                     res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
-                    res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
+                    outs = res.pop("outputs")
+                    res.update(divergences(target.model, prompts, outs, reference))
+                    res["same_with_verify_shapes"] = verify_shaped_agreement(
+                        target, prompts, outs, reference, k, max_len, compile_, engine, a.max_new_tokens, stop)
                     record(f"eyas_spec_k{k}" + ("_fused" if fused else "") + ("" if dfuse else "_dfuse0") + sfx,
                            {**res, **engine_facts(dec), "k": k, "fused_round": fused, "fused_drafter": bool(dfuse),
                             "variant": sfx, "warm_up_s": warm_s})

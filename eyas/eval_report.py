@@ -68,7 +68,9 @@ def report_markdown(r: dict) -> str:
         f"| speedup | {f(r['speedup'])}× |",
         f"| lossless (greedy output = plain greedy) | {r['lossless']} ("
         + (f"{r['lossless_matched']} of " if r.get("lossless_matched") is not None else "")
-        + f"{r['lossless_checked']} {'equal' if r.get('lossless_matched') is not None else 'checked'}) |",
+        + f"{r['lossless_checked']} {'equal' if r.get('lossless_matched') is not None else 'checked'}"
+        + (f"; the other {r['lossless_rounding']} equal plain decoding with its steps shaped as the verify: kernel "
+           f"rounding" if r.get("lossless_rounding") else "") + ") |",
         *([f"| user turns left out, too long for the {r.get('context')}-token context | "
            f"{r['turns_skipped_too_long']} |"] if r.get("turns_skipped_too_long") else []),
         f"| draft / verify / prefill / other time (s) | {ts['draft_s']:.2f} / {ts['verify_s']:.2f} / {ts['prefill_s']:.2f} / {ts['other_s']:.2f} |",

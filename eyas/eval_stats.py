@@ -23,6 +23,7 @@ class Tally:
         self.spec_tokens = self.plain_tokens = 0
         self.answers = 0
         self.checked = self.matched = 0
+        self.rounding = 0  # answers that part from plain decoding but equal it with its steps shaped as the verify
         self.mismatches: list[str] = []
 
     def add_rounds(self, accepted: list[int]) -> None:

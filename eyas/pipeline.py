@@ -460,7 +460,10 @@ def closing_line(run: Path) -> str:
         loss = ev.get("lossless")
         parts.append(f"τ {ev['acceptance_length']:.3f} at K={ev.get('k')}"
                      + (f", {ev['speedup']:.2f}x plain decoding" if ev.get("speedup") else "")
-                     + (", lossless" if loss else ", NOT lossless" if loss is False else ""))
+                     + (", lossless" if loss else
+                        f", lossless up to kernel rounding ({ev.get('lossless_matched')} of {ev.get('lossless_checked')}"
+                        f" answers bit for bit)" if loss is False and ev.get("lossless_exact") else
+                        ", NOT lossless" if loss is False else ""))
     exports = sorted(p.name for p in (run / "export").iterdir() if (p / "config.json").exists() and not p.name.startswith(".")) \
         if (run / "export").is_dir() else []
     served = "target" in exports  # the target eyas trained with, as a folder to serve (eyas.serve_target)

@@ -23,6 +23,18 @@ def _load(path: Path, unread: list | None = None):
         return None
 
 
+def _lossless(ev: dict) -> str:
+    """The lossless cell: True, or False with how many answers were plain decoding's bit for bit and whether the
+    others were with plain decoding's steps shaped as the verify (kernel rounding)."""
+    loss = ev.get("lossless")
+    if loss is not False or ev.get("lossless_matched") is None:
+        return str(loss)
+    cell = f"False ({ev['lossless_matched']}/{ev.get('lossless_checked')} equal"
+    if ev.get("lossless_exact"):
+        return cell + "; the rest kernel rounding)"
+    return cell + ")"
+
+
 def _prompts(p) -> str:
     """The eval's prompts record ({"set", "count", "conversations"}) as words."""
     if not isinstance(p, dict):
@@ -118,7 +130,7 @@ def _result(run: Path, ev: dict, stages: dict) -> list[str]:
               "| --- | --- | --- | --- | --- | --- | --- |",
               f"| **{_fmt(ev.get('acceptance_length'))}**{ci} | {ev.get('k')} | {ev.get('temperature')} | "
               f"{_fmt(ev.get('speedup'))}× ({_fmt(ev.get('tokens_per_s'))} vs {_fmt(ev.get('baseline_tokens_per_s'))} tok/s) | "
-              f"{ev.get('lossless')} | {_prompts(ev.get('prompts'))} | {ev.get('device')} |", ""]
+              f"{_lossless(ev)} | {_prompts(ev.get('prompts'))} | {ev.get('device')} |", ""]
     ppa = ev.get("per_position_acceptance")
     if ppa:
         lines += ["Per-position acceptance (draft token 1..K): " + ", ".join(f"{x:.2f}" for x in ppa), ""]

@@ -72,6 +72,48 @@ def test_run_eval_writes_report(tiny, tiny_drafter, tmp_path, capsys, two_conver
             in said and f"({rep['speedup']:.2f}x); lossless: yes; {tmp_path / 'run' / 'eval' / 'report.md'}" in said)
 
 
+@pytest.mark.parametrize("both", [False, True], ids=["one_token_steps", "every_step"])
+def test_lossless_check_tells_rounding_from_a_wrong_token(tiny, tiny_drafter, tmp_path, capsys, two_conversations,
+                                                          monkeypatch, both):
+    """An answer that parts from plain decoding is decoded plainly again with the steps shaped as the verify: equal
+    there, the eval calls it kernel rounding (lossless_exact); still apart, a wrong token. Here plain decoding's
+    first step after the first conversation's prefill is made to pick another token: in its one-token steps alone
+    (what a kernel rounding by the call's shape does), or with the verify's shapes too (what a fault does)."""
+    from eyas.decode import Decoder
+
+    launch, generate, plain_calls = Decoder._launch, Decoder.generate, []
+
+    def counted(self, prompt_ids, max_new_tokens=256, stop_ids=(), speculative=True):
+        if not speculative:  # the eval's warm-up, then the first conversation's, then (where it parts) its rerun
+            plain_calls.append({"skew": len(plain_calls) == 1 or (both and len(plain_calls) == 2)})
+        return generate(self, prompt_ids, max_new_tokens, stop_ids, speculative)
+
+    def skewed(self, state, speculative, bound):
+        new_state, res = launch(self, state, speculative, bound)
+        if not speculative and plain_calls[-1].pop("skew", False):
+            res = (res + 1) % self.target.vocab_size
+            new_state = (res, new_state[1])
+        return new_state, res
+
+    monkeypatch.setattr(Decoder, "generate", counted)
+    monkeypatch.setattr(Decoder, "_launch", skewed)
+    cfg = resolve(None, "tiny", {"out": str(tmp_path / "run"), "eval.prompts": str(two_conversations), "eval.k": 2,
+                                 "eval.max_new_tokens": 6, "eval.draft": str(tiny_drafter), "target.device": "cpu",
+                                 "eval.turns": 1})
+    run_eval(cfg)
+    rep = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    said = capsys.readouterr().err
+    assert rep["lossless"] is False and rep["lossless_checked"] == 2 and rep["lossless_matched"] == 1
+    if both:
+        assert rep["lossless_rounding"] == 0 and rep["lossless_exact"] is False
+        assert "(a wrong token)" in rep["lossless_mismatches"][0] and "NOT lossless" in said
+    else:
+        assert rep["lossless_rounding"] == 1 and rep["lossless_exact"] is True
+        assert "(rounding: equal with the verify's shapes)" in rep["lossless_mismatches"][0]
+        assert "1 of 2 answers equal plain decoding's; the other 1 equal it with its steps shaped as the verify" in said
+        assert "kernel rounding" in (tmp_path / "run" / "eval" / "report.md").read_text()
+
+
 def test_eval_turns_answers_only_the_first_turns(tiny, tiny_drafter, tmp_path):
     prompts = tmp_path / "p.jsonl"
     rows = [{"id": "a", "messages": [{"role": "user", "content": "Hello there"},
