@@ -181,8 +181,7 @@ def verify_shaped_agreement(target, prompts, outputs, reference, k, max_len, com
     if not apart:
         return None
     dec = Decoder(target, None, k=k, max_len=max_len, compile=compile_, engine=engine)
-    dec.plain_like_verify = True
-    same = sum(dec.generate(prompts[i], max_new, stop, speculative=False).tokens == outputs[i] for i in apart)
+    same = sum(dec.generate_like_verify(prompts[i], max_new, stop).tokens == outputs[i] for i in apart)
     dec.close()
     return f"{same}/{len(apart)}"
 

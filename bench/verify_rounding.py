@@ -162,8 +162,8 @@ def main(argv=None):
         target = load_target(TargetConfig(name=a.target, dtype=a.dtype))
     model, dev = target.model, target.device
     res = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "target": a.random or a.target, "dtype": str(model.dtype), "linear_rows": linear_rows(model, dev, head_vocab=a.head_vocab),
-           "forwards": {}}
+           "target": a.random or a.target, "dtype": str(model.dtype),
+           "linear_rows": linear_rows(model, dev, head_vocab=a.head_vocab), "forwards": {}}
     for name, eq in res["linear_rows"].items():
         print(f"linear {name}: rows equal to a 1-row product: {[m for m, ok in eq.items() if ok]}; not: "
               f"{[m for m, ok in eq.items() if not ok]}", flush=True)

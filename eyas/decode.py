@@ -434,14 +434,17 @@ class Decoder:
             packed, h, lg, pos = self._call("round", last, h, lg, pos, upto=self._upto(bound + self.k + 1))
             return (packed[-1:], h, lg, pos), packed
         last, p = state  # a plain step adds one token: its position is known on the host
-        if self.plain_like_verify:  # the rows past the first write slots the next step overwrites first
-            logits, _ = self._call("verify", last.view(1, 1).expand(1, self.k + 1).contiguous(),
-                                   self._pos(p, self.k + 1), upto=self._upto(p + self.k + 2))
-            nxt = self._pick(logits[:, 0]).view(1)
-        else:
-            logits, _ = self._call("verify", last.view(1, 1), self._pos(p, 1), upto=self._upto(p + 1))
-            nxt = self._pick(logits[:, -1]).view(1)
+        # with the verify's shapes, the verify's span; the rows past the first write slots the next step overwrites
+        logits, _ = self._call("verify", *self._plain_step(last, p),
+                               upto=self._upto(p + self.k + 2 if self.plain_like_verify else p + 1))
+        nxt = self._pick(logits[:, 0]).view(1)
         return (nxt, p + 1), nxt
+
+    def _plain_step(self, tok: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A plain step's ids and positions from token tok [1] at position p: the one token, or with
+        plain_like_verify the verify's K+1 (the token repeated; the first row's logits pick the next token)."""
+        T = self.k + 1 if self.plain_like_verify else 1
+        return tok.view(1, 1).expand(1, T).contiguous(), self._pos(p, T)
 
     @property
     def round_slots(self) -> int:
@@ -516,10 +519,8 @@ class Decoder:
         calls = []
         for u in sorted({self._upto(e) for e in range(1, self.max_len + 1)}):  # u <= max_len
             p = max(0, u - (k + 1))  # room for K + 1 positions below the span's end
-            if plain and self.plain_like_verify:
-                calls.append(("verify", (tok.view(1, 1).expand(1, k + 1).contiguous(), self._pos(p, k + 1)), u))
-            elif plain:
-                calls.append(("verify", (tok.view(1, 1), self._pos(p, 1)), u))
+            if plain:
+                calls.append(("verify", self._plain_step(tok, p), u))
             if speculative and self.fused:
                 calls.append(("round", (tok, h, lg, self._pos(p, 1)), u))
             elif speculative:
@@ -624,6 +625,15 @@ class Decoder:
                 break
             L += len(new)
         return self._finish(run)
+
+    def generate_like_verify(self, prompt_ids, max_new_tokens: int = 256, stop_ids=()) -> Generation:
+        """Plain decoding with its steps shaped as the verify (plain_like_verify), whatever that setting: what greedy
+        speculative decoding must give bit for bit."""
+        was, self.plain_like_verify = self.plain_like_verify, True
+        try:
+            return self.generate(prompt_ids, max_new_tokens, stop_ids, speculative=False)
+        finally:
+            self.plain_like_verify = was
 
     def close(self) -> None:
         self.runner.close()

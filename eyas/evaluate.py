@@ -356,11 +356,7 @@ def _plain(dec, ids, g, t: Tally, stop, max_new_tokens, temperature, conv_id) ->
             return
         # plain decoding again, untimed, with its steps shaped as the verify (Decoder.plain_like_verify): equal
         # there, the answers part only where a kernel rounds by the call's shape, at a near-tie; not, a wrong token
-        dec.plain_like_verify = True
-        try:
-            same = dec.generate(ids, max_new_tokens, stop, speculative=False).tokens == g.tokens
-        finally:
-            dec.plain_like_verify = False
+        same = dec.generate_like_verify(ids, max_new_tokens, stop).tokens == g.tokens
         t.rounding += same
         if len(t.mismatches) < 10:
             first = next((i for i, (x, y) in enumerate(zip(b.tokens, g.tokens)) if x != y),

@@ -405,9 +405,7 @@ def test_speculative_decoding_is_plain_decoding_with_the_verify_shapes_in_bf16(s
     rejections at every position, scripted from that reference."""
     t = _bf16_target(smol, which, device)
     ids = prompt_set[1]
-    plain = Decoder(t, None, k=k, max_len=256)
-    plain.plain_like_verify = True
-    ref = plain.generate(ids, 40, (), speculative=False).tokens
+    ref = Decoder(t, None, k=k, max_len=256).generate_like_verify(ids, 40, ()).tokens
     torch.manual_seed(0)
     drafter = build_drafter(t, 2048, draft_vocab(t, [ids + ref]))
     dec = ScriptedDecoder(t, drafter, k=k, max_len=256, reference=ref, prompt_len=len(ids), fused=fused)
