@@ -94,7 +94,8 @@ def test_a_sweep_lets_torch_compile_more_shapes():
 def test_the_best_setting_is_the_fastest_that_decodes_as_plain():
     """The sweep's pick: the fastest default-variant method whose tokens equal plain decoding's on every prompt, with
     the eyas setting that runs it; a faster tree that left plain decoding, a variant and a stepwise round are passed
-    over; with no lossless method the fastest is given and marked."""
+    over; answers that part only by kernel rounding (each equal to plain decoding with the verify's shapes) count as
+    lossless, and are marked so; with no lossless method the fastest is given and marked."""
     chain = {"k": 3, "fused_round": True, "fused_drafter": True, "variant": ""}
     methods = {"eyas_plain": {"tokens_per_s": 700.0, "variant": ""},
                "eyas_spec_k3_fused": {**chain, "tokens_per_s": 1400.0, "same_as_plain": "36/36"},
@@ -113,6 +114,10 @@ def test_the_best_setting_is_the_fastest_that_decodes_as_plain():
     methods["eyas_spec_k3_fused"]["same_as_plain"] = methods["eyas_spec_k5_fused"]["same_as_plain"] = "30/36"
     best = bd.best_setting(methods)
     assert (best["set"], best["lossless"]) == ("eval.tree=8,3,16", False)
+    methods["eyas_spec_k5_fused"]["same_with_verify_shapes"] = "6/6"
+    methods["eyas_spec_k3_fused"]["same_with_verify_shapes"] = "5/6"
+    best = bd.best_setting(methods)
+    assert (best["set"], best["lossless"], best["lossless_up_to_rounding"]) == ("eval.k=5", True, True)
     assert bd.best_setting({"eyas_plain": methods["eyas_plain"]}) is None
 
 
