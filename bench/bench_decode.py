@@ -171,16 +171,20 @@ def load_prompts(name: str, limit: int, tokenizer) -> list[list[int]]:
     return out
 
 
-def verify_shaped_agreement(target, prompts, outputs, reference, k, max_len, compile_, engine, max_new, stop):
+def verify_shaped_agreement(target, prompts, outputs, reference, k, max_len, compile_, engine, max_new, stop,
+                            tree=None):
     """Of the prompts whose speculative answer parts from plain decoding's, how many equal plain decoding with its
-    steps shaped as this chain's verify (Decoder.plain_like_verify, untimed): those part only where a kernel rounds
-    by the call's shape; the others hold a wrong token. None where no answer parts."""
+    steps shaped as this chain's verify (Decoder.plain_like_verify), or this tree's (TreeDecoder.generate_like_verify),
+    untimed: those part only where a kernel rounds by the call's shape; the others hold a wrong token. None where no
+    answer parts."""
     from eyas.decode import Decoder
+    from eyas.tree_decode import TreeDecoder
 
     apart = [i for i, (o, r) in enumerate(zip(outputs, reference)) if o != r]
     if not apart:
         return None
-    dec = Decoder(target, None, k=k, max_len=max_len, compile=compile_, engine=engine)
+    dec = TreeDecoder(target, None, tree, max_len=max_len, compile=compile_, engine=engine) if tree else \
+        Decoder(target, None, k=k, max_len=max_len, compile=compile_, engine=engine)
     same = sum(dec.generate_like_verify(prompts[i], max_new, stop).tokens == outputs[i] for i in apart)
     dec.close()
     return f"{same}/{len(apart)}"
@@ -484,7 +488,10 @@ def main(argv=None) -> int:
             warm_s = warm_up(dec, True)
             run_engine(dec, warm, 32, stop, True, 1e9)
             res = watched(run_engine, dec, prompts, a.max_new_tokens, stop, True, a.budget, reference)
-            res.update(divergences(target.model, prompts, res.pop("outputs"), reference))
+            outs = res.pop("outputs")
+            res.update(divergences(target.model, prompts, outs, reference))
+            res["same_with_verify_shapes"] = verify_shaped_agreement(
+                target, prompts, outs, reference, tree.depth, max_len, compile_, engine, a.max_new_tokens, stop, tree)
             # per_position_acceptance is per level of the tree
             record(f"eyas_tree_{tree.topk}_{tree.depth}_{tree.tokens}" + sfx,
                    {**res, **engine_facts(dec), "tree": tree.as_dict(), "variant": sfx, "plain_variant": plain_sfx,

@@ -181,13 +181,13 @@ class Decoder:
     # it decodes a few percent faster at every K with τ unchanged (bench/bench_decode.py --draft-compile 0,1
     # compares); on a CPU, compiling costs seconds for little gain
     compile_drafter: bool | None = None
-    # plain decoding's steps shaped as a chain's verify: K+1 tokens at once (the last token repeated), the first
-    # row's logits picking the next token, over the slots a verify at that position attends. Then every product,
-    # norm and attention call runs with the verify's shapes, so a kernel whose rounding depends on the row count
-    # (a GEMM's split of a long row, a compiled reduction's blocking) rounds plain decoding as it rounds the
-    # verify, and greedy speculative decoding must give plain decoding's tokens bit for bit. The eval's lossless
-    # check reruns an answer that parts from plain decoding this way, to tell rounding at a near-tie from a wrong
-    # token. Off for timing: a one-token step is what plain decoding costs
+    # plain decoding's steps shaped as a round's verify: K+1 tokens at once for a chain, a tree's N (the last token
+    # repeated), the first row's logits picking the next token, over the slots a verify at that position attends.
+    # Then every product, norm and attention call runs with the verify's shapes, so a kernel whose rounding depends
+    # on the row count (a GEMM's split of a long row, a compiled reduction's blocking) rounds plain decoding as it
+    # rounds the verify, and greedy speculative decoding must give plain decoding's tokens bit for bit. The eval's
+    # lossless check reruns an answer that parts from plain decoding this way, to tell rounding at a near-tie from a
+    # wrong token. Off for timing: a one-token step is what plain decoding costs
     plain_like_verify: bool = False
 
     def __init__(self, target, drafter=None, k: int = 3, temperature: float = 0.0, top_p: float = 1.0,
@@ -436,15 +436,24 @@ class Decoder:
         last, p = state  # a plain step adds one token: its position is known on the host
         # with the verify's shapes, the verify's span; the rows past the first write slots the next step overwrites
         logits, _ = self._call("verify", *self._plain_step(last, p),
-                               upto=self._upto(p + self.k + 2 if self.plain_like_verify else p + 1))
+                               upto=self._upto(self._verify_end(p) if self.plain_like_verify else p + 1))
         nxt = self._pick(logits[:, 0]).view(1)
         return (nxt, p + 1), nxt
 
     def _plain_step(self, tok: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A plain step's ids and positions from token tok [1] at position p: the one token, or with
-        plain_like_verify the verify's K+1 (the token repeated; the first row's logits pick the next token)."""
-        T = self.k + 1 if self.plain_like_verify else 1
+        plain_like_verify the verify's tokens (the token repeated; the first row's logits pick the next token)."""
+        T = self.verify_tokens if self.plain_like_verify else 1
         return tok.view(1, 1).expand(1, T).contiguous(), self._pos(p, T)
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens in a round's verify call: the last token and the K drafts."""
+        return self.k + 1
+
+    def _verify_end(self, p: int) -> int:
+        """The end of the slots a round's verify from the token at position p attends to (the round's bound)."""
+        return p + self.k + 2
 
     @property
     def round_slots(self) -> int:
@@ -593,8 +602,9 @@ class Decoder:
     def generate(self, prompt_ids, max_new_tokens: int = 256, stop_ids=(), speculative: bool = True) -> Generation:
         """Decode up to `max_new_tokens` after `prompt_ids` (list or 1-D tensor), stopping after any
         token in `stop_ids`. speculative=False: plain decoding, one target forward per token."""
+        plain_slots = max(self.k + 1, self.verify_tokens if self.plain_like_verify else 1)
         run, first, h_last, logits_last = self._begin(prompt_ids, max_new_tokens, stop_ids, speculative,
-                                                      self.round_slots if speculative else self.k + 1)
+                                                      self.round_slots if speculative else plain_slots)
         gen, out, stop, clock = run.gen, run.gen.tokens, run.stop, run.clock
         L = gen.prompt_tokens + 1
         last_dev = first.view(1)

@@ -134,6 +134,30 @@ class TreeDecoder(Decoder):
     def round_slots(self) -> int:
         return self.span + 1
 
+    @property
+    def verify_tokens(self) -> int:
+        return self.tree.tokens
+
+    def _verify_end(self, p: int) -> int:
+        return p + self.span
+
+    def generate_like_verify(self, prompt_ids, max_new_tokens: int = 256, stop_ids=()) -> Generation:
+        """Plain decoding with its steps shaped as the tree's verify: the tree's N tokens a call, and on eyas'
+        forward with FastLM.tree_paths (each node attending as a batch row of its own) the steps' attention row by
+        row too (FastLM.rowwise_verify); untimed, without CUDA graphs (their steps would be captured otherwise)."""
+        lm = getattr(self.runner, "lm", None)
+        rowwise = lm is not None and lm.tree_paths
+        was = (lm.rowwise_verify if rowwise else None), self.graphs.enabled
+        if rowwise:
+            lm.rowwise_verify = True
+        self.graphs.enabled = False
+        try:
+            return super().generate_like_verify(prompt_ids, max_new_tokens, stop_ids)
+        finally:
+            if rowwise:
+                lm.rowwise_verify = was[0]
+            self.graphs.enabled = was[1]
+
     def _launch(self, state, speculative: bool, bound: int):
         """Decoder._launch, with a greedy tree round for the speculative launches (Decoder._pipelined queues the
         next round before the host reads the last one, as for the chain's fused rounds)."""

@@ -568,3 +568,34 @@ def test_greedy_tree_round_does_no_host_work(tiny):
     g = dec.generate(list(range(20, 40)), 12, ())
     assert len(rounds) >= 2 and len(g.tokens) == 12
     assert not seen, sorted(set(seen))
+
+
+@pytest.mark.parametrize("shape", ["3,3,8", "2,4,9"])
+@pytest.mark.parametrize("which,device", [("smollm2", "cpu"), pytest.param("smollm2", "cuda", marks=pytest.mark.gpu),
+                                          pytest.param("qwen2.5-1.5b", "cuda", marks=pytest.mark.gpu)])
+def test_a_bf16_tree_is_plain_decoding_with_the_trees_verify_shapes(smol, which, device, shape):
+    """A tree's verify runs its N nodes in one call, each node attending as a batch row of its own over its path
+    (FastLM.tree_paths). Plain decoding with its steps shaped so (TreeDecoder.generate_like_verify: N tokens a call,
+    the attention row by row) is what a greedy tree must give bit for bit in bf16, on machines whose products round
+    a row by the rows beside it too (one-token plain decoding then parts from it): through acceptances of every
+    length down branches other than the first."""
+    from test_decode import _bf16_target
+
+    from eyas.draft import build_drafter
+    from eyas.evaluate import prompt_ids
+
+    from conftest import draft_vocab
+
+    t = _bf16_target(smol, which, device)
+    spec = TreeSpec.parse(shape)
+    # a prompt whose answer meets a near-tie within 30 tokens on this project's CPU: one-token plain decoding, or the
+    # N-token steps with their attention in one call, part there from the tree
+    ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+    ref = TreeDecoder(t, None, spec, max_len=256).generate_like_verify(ids, 40, ()).tokens
+    torch.manual_seed(0)
+    drafter = build_drafter(t, 2048, draft_vocab(t, [ids + ref]))
+    dec = ScriptedTreeDecoder(t, drafter, spec, max_len=256, reference=ref, prompt_len=len(ids))
+    g = dec.generate(ids, 30, ())
+    assert g.tokens == ref[:30]
+    # acceptances of several lengths (an untrained drafter's tree of N nodes may hold no node at the full depth)
+    assert {0, 1, 2} <= set(g.accepted), g.accepted
