@@ -431,7 +431,7 @@ class Decoder:
         round's packed [K+2] or the step's token [1])."""
         if speculative:
             last, h, lg, pos = state
-            packed, h, lg, pos = self._call("round", last, h, lg, pos, upto=self._upto(bound + self.k + 1))
+            packed, h, lg, pos = self._call("round", last, h, lg, pos, upto=self._upto(self._verify_end(bound - 1)))
             return (packed[-1:], h, lg, pos), packed
         last, p = state  # a plain step adds one token: its position is known on the host
         # with the verify's shapes, the verify's span; the rows past the first write slots the next step overwrites
@@ -452,7 +452,8 @@ class Decoder:
         return self.k + 1
 
     def _verify_end(self, p: int) -> int:
-        """The end of the slots a round's verify from the token at position p attends to (the round's bound)."""
+        """The end of the slots a round from the token at position p attends to: the verify's, the drafter's rerun's
+        (the round's span; plain decoding with plain_like_verify attends the same)."""
         return p + self.k + 2
 
     @property

@@ -354,7 +354,7 @@ def _plain(dec, ids, g, t: Tally, stop, max_new_tokens, temperature, conv_id) ->
         if b.tokens == g.tokens:
             t.matched += 1
             return
-        # plain decoding again, untimed, with its steps shaped as the verify (Decoder.plain_like_verify): equal
+        # plain decoding again, untimed, with its steps shaped as the verify (Decoder.generate_like_verify): equal
         # there, the answers part only where a kernel rounds by the call's shape, at a near-tie; not, a wrong token
         same = dec.generate_like_verify(ids, max_new_tokens, stop).tokens == g.tokens
         t.rounding += same
@@ -477,7 +477,7 @@ def run_eval(cfg) -> dict:
     path = write_report(report, Path(cfg.out) / "eval")
     ci = report["acceptance_length_ci95"]
     ci = f" (95% interval {ci[0]:.3f}-{ci[1]:.3f})" if ci else " (one conversation: no interval)"
-    loss, miss = report["lossless"], report.get("lossless_mismatches") or []
+    loss = report["lossless"]
     speed = (f"{report['tokens_per_s']:,.1f} against {report['baseline_tokens_per_s']:,.1f} tok/s plain "
              f"({report['speedup']:.2f}x)" if report.get("speedup") else "speed not measured")
     unchecked = "not checked" + (" (sampled decoding)" if e.temperature > 0 else "")

@@ -147,7 +147,7 @@ class TreeDecoder(Decoder):
         row too (FastLM.rowwise_verify); untimed, without CUDA graphs (their steps would be captured otherwise)."""
         lm = getattr(self.runner, "lm", None)
         rowwise = lm is not None and lm.tree_paths
-        was = (lm.rowwise_verify if rowwise else None), self.graphs.enabled
+        was_rowwise, was_graphs = (lm.rowwise_verify if rowwise else None), self.graphs.enabled
         if rowwise:
             lm.rowwise_verify = True
         self.graphs.enabled = False
@@ -155,15 +155,15 @@ class TreeDecoder(Decoder):
             return super().generate_like_verify(prompt_ids, max_new_tokens, stop_ids)
         finally:
             if rowwise:
-                lm.rowwise_verify = was[0]
-            self.graphs.enabled = was[1]
+                lm.rowwise_verify = was_rowwise
+            self.graphs.enabled = was_graphs
 
     def _launch(self, state, speculative: bool, bound: int):
         """Decoder._launch, with a greedy tree round for the speculative launches (Decoder._pipelined queues the
         next round before the host reads the last one, as for the chain's fused rounds)."""
         if not speculative:
             return super()._launch(state, speculative, bound)
-        packed, h, lg, pos = self._call("tree", *state, upto=self._upto(bound - 1 + self.span))
+        packed, h, lg, pos = self._call("tree", *state, upto=self._upto(self._verify_end(bound - 1)))
         return (packed[-1:], h, lg, pos), packed
 
     def step_calls(self, plain: bool = True, speculative: bool = True) -> list[tuple]:

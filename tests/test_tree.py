@@ -577,8 +577,8 @@ def test_a_bf16_tree_is_plain_decoding_with_the_trees_verify_shapes(smol, which,
     """A tree's verify runs its N nodes in one call, each node attending as a batch row of its own over its path
     (FastLM.tree_paths). Plain decoding with its steps shaped so (TreeDecoder.generate_like_verify: N tokens a call,
     the attention row by row) is what a greedy tree must give bit for bit in bf16, on machines whose products round
-    a row by the rows beside it too (one-token plain decoding then parts from it): through acceptances of every
-    length down branches other than the first."""
+    a row by the rows beside it too (one-token plain decoding then parts from it): through acceptances of several
+    lengths down branches other than the first."""
     from test_decode import _bf16_target
 
     from eyas.draft import build_drafter
