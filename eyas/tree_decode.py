@@ -144,19 +144,23 @@ class TreeDecoder(Decoder):
     def generate_like_verify(self, prompt_ids, max_new_tokens: int = 256, stop_ids=()) -> Generation:
         """Plain decoding with its steps shaped as the tree's verify: the tree's N tokens a call, and on eyas'
         forward with FastLM.tree_paths (each node attending as a batch row of its own) the steps' attention row by
-        row too (FastLM.rowwise_verify); untimed, without CUDA graphs (their steps would be captured otherwise)."""
+        row too (FastLM.rowwise_verify); untimed, without CUDA graphs (their steps would be captured otherwise), but
+        with the prompt's prefill padded as the tree's run pads it under graphs (Decoder.prefill_padded): a prefill of
+        another length rounds the prompt's keys and values otherwise."""
         lm = getattr(self.runner, "lm", None)
         rowwise = lm is not None and lm.tree_paths
-        was_rowwise, was_graphs = (lm.rowwise_verify if rowwise else None), self.graphs.enabled
+        was_rowwise, was_graphs, was_padded = (lm.rowwise_verify if rowwise else None), self.graphs.enabled, \
+            self.graph_prefill
         if rowwise:
             lm.rowwise_verify = True
+        self.graph_prefill = self.prefill_padded
         self.graphs.enabled = False
         try:
             return super().generate_like_verify(prompt_ids, max_new_tokens, stop_ids)
         finally:
             if rowwise:
                 lm.rowwise_verify = was_rowwise
-            self.graphs.enabled = was_graphs
+            self.graphs.enabled, self.graph_prefill = was_graphs, was_padded
 
     def _launch(self, state, speculative: bool, bound: int):
         """Decoder._launch, with a greedy tree round for the speculative launches (Decoder._pipelined queues the

@@ -112,6 +112,17 @@ def long_answer(smol, prompt_set):
     return Decoder(smol, None, max_len=256).generate(prompt_set[1], 48, (), speculative=False).tokens
 
 
+def assert_same_cache(a, b, n: int):
+    """The target's keys and values at slots 0..n-1 of two decoders on eyas' forward are equal bit for bit; else the
+    first layer and slot that differ, and by how much."""
+    x, y = a.runner.lm.kv[..., :n, :], b.runner.lm.kv[..., :n, :]
+    diff = (x.float() - y.float()).abs()
+    if diff.max() > 0:
+        kv, layer, _, _, slot, _ = (int(i[0]) for i in torch.nonzero(diff).T)
+        raise AssertionError(f"{'kv'[kv]} of layer {layer} first differs at slot {slot} (of {n}); largest "
+                             f"difference {diff.max().item():.3g}")
+
+
 def draft_vocab(smol, seqs, size=2048):
     """A draft vocabulary of `size` ids: every id in seqs, then the lowest others."""
     used = sorted({t for s in seqs for t in s})

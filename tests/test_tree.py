@@ -272,8 +272,8 @@ class ScriptedTreeDecoder(TreeDecoder):
         V = self.target.vocab_size
         toks = [tree.tokens[0].item()] + [ref[depth[i] - 1] if i in on_path else (ref[depth[i] - 1] + 1 + i) % V
                                           for i in range(1, tree.size)]
-        return Tree(tokens=torch.tensor(toks), parents=tree.parents, depth=tree.depth, anc=tree.anc,
-                    scores=tree.scores)
+        return Tree(tokens=torch.tensor(toks, device=tree.tokens.device), parents=tree.parents, depth=tree.depth,
+                    anc=tree.anc, scores=tree.scores)
 
 
 @pytest.mark.parametrize("shape", ["3,3,8", "2,4,9"])
@@ -584,14 +584,15 @@ def test_a_bf16_tree_is_plain_decoding_with_the_trees_verify_shapes(smol, which,
     from eyas.draft import build_drafter
     from eyas.evaluate import prompt_ids
 
-    from conftest import draft_vocab
+    from conftest import assert_same_cache, draft_vocab
 
     t = _bf16_target(smol, which, device)
     spec = TreeSpec.parse(shape)
     # a prompt whose answer meets a near-tie within 30 tokens on this project's CPU: one-token plain decoding, or the
     # N-token steps with their attention in one call, part there from the tree
     ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
-    ref = TreeDecoder(t, None, spec, max_len=256).generate_like_verify(ids, 40, ()).tokens
+    twin = TreeDecoder(t, None, spec, max_len=256)
+    ref = twin.generate_like_verify(ids, 40, ()).tokens
     torch.manual_seed(0)
     drafter = build_drafter(t, 2048, draft_vocab(t, [ids + ref]))
     dec = ScriptedTreeDecoder(t, drafter, spec, max_len=256, reference=ref, prompt_len=len(ids))
@@ -599,3 +600,67 @@ def test_a_bf16_tree_is_plain_decoding_with_the_trees_verify_shapes(smol, which,
     assert g.tokens == ref[:30]
     # acceptances of several lengths (an untrained drafter's tree of N nodes may hold no node at the full depth)
     assert {0, 1, 2} <= set(g.accepted), g.accepted
+    # bit for bit beneath the tokens: every committed position's keys and values in every layer
+    assert_same_cache(dec, twin, len(ids) + 29)
+
+
+def test_a_trees_plain_twin_prefills_as_the_tree_does_when_its_graphs_are_off(smol):
+    """Under CUDA graphs a tree's run prefills the prompt padded to a fixed length; its plain twin runs without graphs
+    and must still prefill so: on a GPU a prefill of another length rounds the prompt's keys and values otherwise.
+    Graphs stood in for by eager calls (this machine has none): the same prefill shape, the same tokens, and the same
+    keys and values bit for bit."""
+    from test_decode import _bf16_target
+
+    from eyas.draft import build_drafter
+    from eyas.evaluate import prompt_ids
+
+    from conftest import assert_same_cache
+
+    t = _bf16_target(smol, "smollm2", "cpu")
+    spec = TreeSpec.parse("3,3,8")
+    ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+    torch.manual_seed(0)
+    dec = TreeDecoder(t, build_drafter(t, 2048), spec, max_len=256)
+    twin = TreeDecoder(t, None, spec, max_len=256)
+    first_call = {}
+    for d in (dec, twin):
+        d.graphs.enabled, d.graphs.run = True, lambda name, fn, *a: fn(*a)
+        fwd = d.runner.lm.forward
+
+        def record(ids_, *a, _d=d, _fwd=fwd, **k):
+            first_call.setdefault(id(_d), ids_.shape[1])
+            return _fwd(ids_, *a, **k)
+
+        d.runner.lm.forward = record
+    assert dec.prefill_padded
+    g = dec.generate(ids, 20, ())
+    assert twin.generate_like_verify(ids, 20, ()).tokens == g.tokens
+    assert first_call[id(twin)] == first_call[id(dec)] == TreeDecoder.PREFILL_BUCKET > len(ids)
+    assert twin.graphs.enabled and twin.graph_prefill is None  # its settings come back
+    assert_same_cache(dec, twin, len(ids) + 19)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["smollm2", "qwen2.5-1.5b"])
+def test_a_compiled_graphed_tree_is_its_plain_twin_bit_for_bit(smol, which):
+    """As bench_decode runs a tree (compile: CUDA graphs and compiled elementwise kernels), its rounds and its plain
+    twin (generate_like_verify, which runs eager) leave the same tokens and, slot by slot, the same keys and values in
+    every layer; an untrained drafter, so mostly the root's row carries the round."""
+    from test_decode import _bf16_target
+
+    from eyas.draft import build_drafter
+    from eyas.evaluate import prompt_ids
+
+    from conftest import assert_same_cache
+
+    t = _bf16_target(smol, which, "cuda")
+    spec = TreeSpec.parse("4,2,6")
+    ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+    twin = TreeDecoder(t, None, spec, max_len=512, compile=True)
+    ref = twin.generate_like_verify(ids, 80, ()).tokens
+    torch.manual_seed(0)
+    dec = TreeDecoder(t, build_drafter(t, 2048), spec, max_len=512, compile=True)
+    g = dec.generate(ids, 60, ())
+    assert dec.graphs.enabled  # the rounds ran as graphs, checked against eager runs
+    assert g.tokens == ref[:60]
+    assert_same_cache(dec, twin, len(ids) + 59)
