@@ -13,7 +13,8 @@ measures, on one device:
   them; and FastLM.tree_paths, each node's path copied to those slots); for each SDPA backend that
   runs (the default choice, math, efficient, cuDNN, flash), with the query heads folded (FastLM.GQA_MAX_T = 1), through
   enable_gqa, and token by token (FastLM.rowwise_verify); and, under the default backend, with the decoder's compiled
-  elementwise kernels.
+  elementwise kernels, every norm compiled (`_ew`) and as the decoder settles them (`_ew_settled`: compiled only
+  where they round each row of a call as a one-row call does, FastLM.settle_norms).
 
     PYTHONPATH=. python3 bench/verify_rounding.py [--target smollm2 | --random smollm2] [--out rounding.json]
 
@@ -67,13 +68,18 @@ def backend(name: str):
 
 
 @torch.no_grad()
-def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS, ew: bool = False) -> dict:
+def forwards(model, dev, gqa_max_t: int, name: str, rowwise: bool = False, lengths=LENGTHS, ew=False) -> dict:
     """FastLM forwards of T tokens against T one-token steps (see the module docstring), under one SDPA backend;
-    `ew` is FastLM.compile_elementwise (as the decoder runs on a GPU)."""
+    `ew` is FastLM.compile_elementwise (as the decoder runs on a GPU): True with every norm compiled, "settled" as
+    the decoder settles it (FastLM.settle_norms for these lengths: the norms eager where compiled ones round a row
+    otherwise at some length)."""
     from eyas.engine.fastlm import FastLM
 
     lm = FastLM(model, 1, 512)
-    lm.GQA_MAX_T, lm.rowwise_verify, lm.compile_elementwise = gqa_max_t, rowwise, ew
+    lm.GQA_MAX_T, lm.rowwise_verify, lm.compile_elementwise = gqa_max_t, rowwise, bool(ew)
+    if ew == "settled":
+        lm.exact_rows = tuple(lengths)
+        print(f"settled norms for {list(lengths)} rows: {'compiled' if lm.settle_norms() else 'eager'}", flush=True)
     lm.tree_paths = False  # the chain-shaped tree below against the plain forward; branching() runs both layouts
     g = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, 100 + max(lengths)), device=dev, generator=g)
@@ -173,10 +179,10 @@ def main(argv=None):
 
     sweep_compile_limit()
     combos = [(16, False, False, BACKENDS), (1, False, False, BACKENDS), (16, True, False, BACKENDS),
-              (16, False, True, ("default",)), (16, True, True, ("default",))]
+              (16, False, True, ("default",)), (16, True, True, ("default",)), (16, False, "settled", ("default",))]
     for gqa, rowwise, ew, backends in combos:
         for name in backends:
-            key = f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}") + ("_ew" if ew else "")
+            key = f"{name}_" + ("rowwise" if rowwise else f"gqa{gqa}") + {False: "", True: "_ew"}.get(ew, f"_ew_{ew}")
             lengths = given or ((4, 8, 9, 16, 32) if ew else LENGTHS)
             try:
                 r = res["forwards"][key] = forwards(model, dev, gqa, name, rowwise, lengths, ew)

@@ -546,6 +546,14 @@ class Decoder:
         return calls
 
     @torch.no_grad()
+    def _settle_norms(self) -> None:
+        """With compiled elementwise kernels, the norms compiled only where they round each of the verify's rows as
+        a one-token step does (FastLM.settle_norms; once per verify size, outside any graph capture)."""
+        lm = getattr(self.runner, "lm", None)
+        if self.engine == "fast" and lm.compile_elementwise and lm.exact_rows != (self.verify_tokens,):
+            lm.exact_rows = (self.verify_tokens,)
+            lm.settle_norms()
+
     def warm_up(self, plain: bool = True, speculative: bool = True) -> int:
         """Run every fixed-shape step a generation can make (step_calls) before anything is timed: under CUDA
         graphs each is captured and checked against eager runs here, and kernels that are built per shape
@@ -556,6 +564,7 @@ class Decoder:
         # under graphs: the capture and its eager checks (every call until `check` of them are done)
         reps = max(1, self.graphs.check) if self.graphs.enabled else 1
         n = 0
+        self._settle_norms()
         for name, args, upto in self.step_calls(plain, speculative):
             for _ in range(reps):
                 self._call(name, *args, upto=upto)
@@ -571,6 +580,7 @@ class Decoder:
         logits_last after it, None when not `speculative`)."""
         if speculative and self.drafter is None:
             raise EyasError("speculative decoding needs a drafter")
+        self._settle_norms()
         ids = torch.as_tensor(list(prompt_ids) if not torch.is_tensor(prompt_ids) else prompt_ids,
                               dtype=torch.long, device=self.device).view(1, -1)
         n = ids.shape[1]

@@ -9,7 +9,7 @@ from eyas.engine.fastlm import FastLM
 from eyas.engine.sampling import probs_from_logits
 from eyas.evaluate import prompt_ids
 
-from conftest import NEW, draft_vocab
+from conftest import NEW, assert_same_cache, draft_vocab
 
 # the untrained drafter, rejected almost always, checks the first NEW_UNTRAINED of conftest's NEW answer tokens
 NEW_UNTRAINED = 12
@@ -412,6 +412,26 @@ def test_speculative_decoding_is_plain_decoding_with_the_verify_shapes_in_bf16(s
     g = dec.generate(ids, 40, (), speculative=True)
     assert g.tokens == ref
     assert set(g.accepted) == set(range(k + 1))  # every row of the verify gave a token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["smollm2", "qwen2.5-1.5b"])
+def test_compiled_greedy_speculative_decoding_is_one_token_plain_decoding_bit_for_bit(smol, prompt_set, which):
+    """As the decoder runs on a GPU by default (CUDA graphs, compiled elementwise kernels with the norms settled for
+    the verify's rows, FastLM.settle_norms), greedy speculative decoding at K=3 and one-token plain decoding give the
+    same tokens and, slot by slot, the same keys and values in every layer: a verify rounds each row as a one-token
+    step does (an untrained drafter: mostly the verify's first row carries a round)."""
+
+    t = _bf16_target(smol, which, "cuda")
+    ids = prompt_set[1]
+    torch.manual_seed(0)
+    spec = Decoder(t, build_drafter(t, 2048), k=3, max_len=512, compile=True)
+    plain = Decoder(t, None, k=3, max_len=512, compile=True)
+    g = spec.generate(ids, 64, (), speculative=True)
+    p = plain.generate(ids, 64, (), speculative=False)
+    assert spec.runner.lm.compile_elementwise and spec.graphs.enabled and spec.fused
+    assert g.tokens == p.tokens
+    assert_same_cache(spec, plain, len(ids) + 63)
 
 
 def test_sampling_decoding_runs_and_is_seeded(tiny):

@@ -719,3 +719,53 @@ def test_bench_decode_builds_a_random_qwen3_target(tiny, tmp_path):
     for bad in ("fast,fast", "vllm"):
         with pytest.raises(SystemExit):
             bd.main(["--draft", "untrained", "--engine", bad])
+
+
+def test_compiled_rows_alike_tells_a_row_local_function_from_one_that_reads_other_rows():
+    """compiled_rows_alike: a function whose every row depends on that row alone (silu and multiply, compiled) gives
+    each row of a call of T rows what a one-row call gives; one whose rows read the others' (a row minus the mean of
+    the rows) does not."""
+    from eyas.engine import fastlm
+
+    def make(T, g):
+        return torch.randn(1, T, 32, generator=g), torch.randn(1, T, 32, generator=g)
+
+    def centred(x, y):
+        return x - x.mean(1, keepdim=True) + y
+
+    assert fastlm.compiled_rows_alike(fastlm._silu_mul, make, (1, 4, 8), rows=16)
+    assert not fastlm.compiled_rows_alike(centred, make, (4,), rows=16)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_settled_norms_run_compiled_only_where_their_rows_round_alike(model_type, monkeypatch):
+    """FastLM.settle_norms: with compile_elementwise and the verify's row count in exact_rows, the norms (each
+    residual add with its norm; Qwen3's q/k norm with rope) run compiled where compiled_rows_alike finds each row of
+    such a call equal to a one-row call, and eagerly where it does not, for every call; the logits stay the eager
+    forward's up to rounding either way."""
+    from eyas.engine import fastlm
+
+    model = random_model(model_type, head_dim=24) if model_type == "qwen3" else random_model(model_type)
+    norm_fn = fastlm._norm_rotate if model_type == "qwen3" else fastlm._add_norm
+    ids = torch.randint(0, 256, (1, 13), generator=torch.Generator().manual_seed(0))
+    ref = FastLM(model, 1, 64)
+    with torch.no_grad():
+        ref.forward(ids[:, :8], torch.tensor([0]), one_off=True)
+        want = ref.forward(ids[:, 8:12], torch.tensor([8]))[0]
+    real = fastlm.compiled
+    for alike in (True, False):
+        asked, used = [], []
+        monkeypatch.setattr(fastlm, "compiled_rows_alike", lambda fn, make, lengths, rows=256: asked.append(
+            (fn, [make(T, torch.Generator().manual_seed(0))[0].shape[1] for T in lengths])) or alike)
+        monkeypatch.setattr(fastlm, "compiled", lambda fn: used.append(fn) or real(fn))
+        lm = FastLM(model, 1, 64)
+        lm.compile_elementwise, lm.exact_rows = True, (4,)
+        assert lm.settle_norms() is alike and lm.norms_compiled is alike
+        assert (fastlm._add_norm, [4]) in asked and (not alike or (norm_fn, [4]) in asked)  # the first no settles it
+        with torch.no_grad():
+            lm.forward(ids[:, :8], torch.tensor([0]), one_off=True)
+            got = lm.forward(ids[:, 8:12], torch.tensor([8]))[0]
+            lm.forward(ids[:, 12:13], torch.tensor([12]))  # a one-row step
+        assert (norm_fn in used) is alike
+        assert fastlm._silu_mul in used  # the rest of the elementwise work stays compiled
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

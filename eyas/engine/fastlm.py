@@ -178,6 +178,12 @@ def compiled(fn):
     failure is logged once and fn runs eagerly from then on: the same operations, so the same results up to
     rounding."""
     if fn not in _COMPILED:
+        # one compile per shape: a process that decodes at several verify sizes, checks them (settle_norms) and
+        # regenerates at several batch sizes passes torch's default of 8 shapes a function, after which the
+        # function would run eagerly for good
+        from torch import _dynamo
+
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         fast = torch.compile(fn, dynamic=False, fullgraph=True)
 
         def run(*args):
@@ -191,6 +197,42 @@ def compiled(fn):
 
         _COMPILED[fn] = run
     return _COMPILED[fn]
+
+
+_ROWS_ALIKE: dict = {}  # compiled_rows_alike's answers: (fn, the first call's shapes and dtypes, device, T) -> bool
+
+
+def compiled_rows_alike(fn, make, lengths, rows: int = 256) -> bool:
+    """Whether compiled(fn) gives each row of a call of T rows bit for bit what it gives that row in a call of its
+    own, for each T in lengths. make(T, generator) -> fn's arguments for a call of T rows (the tensors whose dim 1
+    has T entries are the rows'; the others are shared). torch.compile builds a kernel per shape, and a reduction's
+    kernel may sum a row in another order at another row count; random rows (about `rows` at each T) find such a
+    difference in its outputs' last bits. Answers are kept per function, shapes and device."""
+    f = compiled(fn)
+    g = torch.Generator().manual_seed(0)
+    for T in sorted({int(t) for t in lengths} - {1}):
+        first = make(T, g)
+        key = (fn, T) + tuple((tuple(a.shape), a.dtype, str(a.device)) if isinstance(a, torch.Tensor) else a
+                              for a in first)
+        if key not in _ROWS_ALIKE:
+            _ROWS_ALIKE[key] = _rows_alike(f, make, T, g, first, max(1, rows // T))
+        if not _ROWS_ALIKE[key]:
+            return False
+    return True
+
+
+def _rows_alike(f, make, T: int, g, args, calls: int) -> bool:
+    for c in range(calls):
+        args = args if c == 0 else make(T, g)
+        full = f(*args)
+        full = full if isinstance(full, tuple) else (full,)
+        for t in range(T):
+            one = f(*(a[:, t:t + 1].clone() if isinstance(a, torch.Tensor) and a.dim() > 1 and a.shape[1] == T
+                      else a for a in args))
+            one = one if isinstance(one, tuple) else (one,)
+            if not all(torch.equal(x[:, t:t + 1], y) for x, y in zip(full, one)):
+                return False
+    return True
 
 
 def held_fusion(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -276,6 +318,12 @@ class FastLM:
     # and per instance (the decoder sets it from Decoder.compile_elementwise, on by default on a GPU); each new call
     # shape compiles once, so prefills of varying length stay eager
     compile_elementwise = False
+    # row counts whose calls must give each row what a one-row call gives (a verify's tokens; the decoder sets them
+    # and calls settle_norms). Where a compiled reduction (each residual add with its norm; Qwen3's norm and rope)
+    # does not at one of these counts, compile_elementwise leaves the norms of every call eager, which do: else a
+    # verify's logits part from plain steps' in the last bits, and greedy speculative decoding from plain decoding
+    # at near-ties
+    exact_rows: tuple[int, ...] = ()
     # one-token calls (decode steps) through flex attention with a block mask made from each row's own position:
     # a row reads only its own context's blocks of FLEX_BLOCK slots, where SDPA reads every row up to the longest
     # row's bound (`upto`). In regeneration some row nearly always holds a long prompt, so most rows pay for context
@@ -326,6 +374,36 @@ class FastLM:
             self.gate_up.append(gu)
         self.groups: list[tuple[int, int]] | None = None  # see set_groups
         self._flex = None  # flex_decode's buffers, made on first use (_flex_mask)
+        self.norms_compiled = True  # settle_norms' answer for exact_rows
+
+    def settle_norms(self) -> bool:
+        """Whether compile_elementwise may run the norms compiled: every compiled reduction this forward runs gives
+        each row of a call of exact_rows rows what a one-row call gives (compiled_rows_alike). Sets and returns
+        self.norms_compiled; call it outside CUDA graph capture (it compiles and compares, once per shape)."""
+        ok = True
+        if self.compile_elementwise and self.exact_rows and self.fused_norm:
+            H, dt, dev = self.layers[0].input_layernorm.weight.shape[-1], self.dtype, self.device
+
+            def rows(g, *shape):
+                return torch.randn(shape, generator=g).to(dev, dt)
+
+            checks = []
+            norm = self.layers[0].input_layernorm
+            if llama_norm_eps(norm) is not None:
+                checks.append((_add_norm, lambda T, g: (rows(g, 1, T, H), rows(g, 1, T, H) * 0.5, norm.weight,
+                                                        llama_norm_eps(norm), self.norm_one_kernel)))
+            qn = getattr(self.layers[0].self_attn, "q_norm", None)
+            if self.qk_norm and qn is not None and llama_norm_eps(qn) is not None:
+                D = self.head_dim
+                checks.append((_norm_rotate, lambda T, g: (rows(g, 1, T, self.n_heads, D), qn.weight,
+                                                           llama_norm_eps(qn), rows(g, 1, T, 1, D),
+                                                           rows(g, 1, T, 1, D), self.norm_one_kernel)))
+            ok = all(compiled_rows_alike(fn, make, self.exact_rows) for fn, make in checks)
+            if not ok and self.norms_compiled:
+                log(f"compiled norms round a row otherwise in a call of {list(self.exact_rows)} rows than alone here "
+                    f"(hidden size {H}): the norms run eagerly, so a verify rounds as plain steps do")
+        self.norms_compiled = ok
+        return ok
 
     def set_groups(self, bounds: list[int] | None) -> None:
         """Split the rows into contiguous groups starting at `bounds` (e.g. [0, 64] for rows 0-63 and
@@ -537,20 +615,21 @@ class FastLM:
         ri = idx[:, None] if T == 1 else torch.zeros_like(qpos).add_(idx[:, None])
         write_at = (ri, slice(None), wpos)
         ew = self.compile_elementwise and not one_off
+        ew_norms = ew and self.norms_compiled
         rotate = compiled(_rotate) if ew else _rotate
         pend = None  # the last MLP's output, added to h together with the next norm (add_norm)
 
         def norm_rotate(x, module):
             """rope(module's RMSNorm of each head of x): Qwen3's q and k, one compiled kernel with `ew`."""
             eps = llama_norm_eps(module)
-            if ew and self.fused_norm and eps is not None:
+            if ew_norms and self.fused_norm and eps is not None:
                 return compiled(_norm_rotate)(x, module.weight, eps, cos, sin, self.norm_one_kernel)
             return rotate(self._norm(module, x), cos, sin)
 
         def add_norm(h, d, module):
             """(h + d, module's norm of it): one compiled kernel with `ew` where the norm is Llama-style."""
             eps = llama_norm_eps(module)
-            if ew and self.fused_norm and eps is not None:
+            if ew_norms and self.fused_norm and eps is not None:
                 return compiled(_add_norm)(h, d, module.weight, eps, self.norm_one_kernel)
             h = h + d
             return h, self._norm(module, h)
