@@ -39,6 +39,7 @@ def target_variants(FastLM, Decoder) -> list[tuple]:
         ("tree_paths", lambda v: {(FastLM, "tree_paths"): bool(v)}, lambda v: "" if v else "_tp0"),
         ("overlap", lambda v: {(Decoder, "overlap"): bool(v)}, lambda v: "" if v else "_ovl0"),
         ("ew", lambda v: {(Decoder, "compile_elementwise"): bool(v)}, lambda v: "" if v else "_ew0"),
+        ("norms", lambda v: {(Decoder, "settle_norms"): bool(v)}, lambda v: "" if v else "_sn0"),
         # 1: where CUDA graphs are on (the default), 0: never
         ("prefill", lambda v: {(Decoder, "graph_prefill"): None if v else False}, lambda v: "" if v else "_pf0"),
         # 1: on a GPU (the default), 0: never
@@ -373,6 +374,10 @@ def main(argv=None) -> int:
                     help="Decoder.compile_elementwise: 1 (the GPU default: the target's "
                          "rope, residual add + norm and silu * up as torch.compile'd kernels in its steps and verify "
                          "passes), 0 (eager), " + BOTH.format("_ew0"))
+    ap.add_argument("--norms", default="1",
+                    help="Decoder.settle_norms: 1 (the default: with compiled elementwise kernels, the norms compiled "
+                         "only where they round each of a verify's rows as a one-token step does, else eager), 0 "
+                         "(compiled regardless), " + BOTH.format("_sn0"))
     ap.add_argument("--prefill", default="1",
                     help="Decoder.graph_prefill: 1 (the default where CUDA graphs are on: "
                          "each prompt right-padded to a multiple of 128 tokens and prefilled as one CUDA graph per "

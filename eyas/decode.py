@@ -170,6 +170,9 @@ class Decoder:
     # None = on a GPU only, where fewer kernels make each step and round markedly shorter (bench/bench_decode.py
     # --ew 0,1 compares); on a CPU, compiling costs seconds a shape for little gain
     compile_elementwise: bool | None = None
+    # with compile_elementwise, the norms compiled only where they round a verify's rows as one-token steps do
+    # (FastLM.settle_norms); False compiles them regardless (bench/bench_decode.py --norms 0,1 compares)
+    settle_norms: bool = True
     # the prompt's prefill as a fixed-shape step (greedy, eyas' forward): the prompt right-padded to a multiple of
     # PREFILL_BUCKET tokens, so under CUDA graphs one graph per padded length replaces the eager prefill's hundreds
     # of kernel launches from Python. None = where CUDA graphs are on; True also pads without graphs (tests)
@@ -550,7 +553,8 @@ class Decoder:
         """With compiled elementwise kernels, the norms compiled only where they round each of the verify's rows as
         a one-token step does (FastLM.settle_norms; once per verify size, outside any graph capture)."""
         lm = getattr(self.runner, "lm", None)
-        if self.engine == "fast" and lm.compile_elementwise and lm.exact_rows != (self.verify_tokens,):
+        if self.engine == "fast" and self.settle_norms and lm.compile_elementwise and \
+                lm.exact_rows != (self.verify_tokens,):
             lm.exact_rows = (self.verify_tokens,)
             lm.settle_norms()
 

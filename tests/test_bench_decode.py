@@ -129,7 +129,7 @@ def test_a_tree_only_flag_shares_the_plain_decoding_of_its_other_settings():
 
     variants = bd.target_variants(FastLM, Decoder)
     flags = [flag for flag, _, _ in variants]
-    defaults = {"norm": 2, "gqa": 1, "rowwise": 0, "tree_paths": 1, "overlap": 1, "ew": 1, "prefill": 1,
+    defaults = {"norm": 2, "gqa": 1, "rowwise": 0, "tree_paths": 1, "overlap": 1, "ew": 1, "norms": 1, "prefill": 1,
                 "draft_compile": 1}
     assert sorted(flags) == sorted(defaults) and bd.TREES_ONLY <= set(flags)
 
