@@ -126,7 +126,7 @@ def test_machine_sizing_leaves_given_settings_alone():
     assert "data.original_rest" not in qwen
     assert "train.draft_intermediate_size" not in autosize(C.resolve(None, "smollm2", {}), "cpu")
     assert autosize(C.resolve(None, "qwen-coder-0.5b", {}), "cuda")["regen.limit"] == 10000  # its own size
-    assert autosize(C.resolve(None, "qwen-coder-1.5b", {}), "cuda")["regen.limit"] == 10000
+    assert autosize(C.resolve(None, "qwen-coder-1.5b", {}), "cuda")["regen.limit"] == 20000  # every first turn
 
 
 def test_cpu_sizing_uses_bf16_only_where_the_cpu_has_it(tmp_path):
