@@ -11,6 +11,13 @@ So the jobs run in a process of their own (setsid) that outlives the call, and e
                                                for standard input) detached, then poll
   bash bench/gpu_run.sh poll [SECONDS]         wait until every started list has finished or SECONDS (default
                                                540) have passed, then copy the results into $OUT
+  bash bench/gpu_run.sh send PATH [N]          pack the device folder PATH (a trained drafter) into 15 MiB pieces
+                                               and copy pieces 4N..4N+3 into $OUT (a call returns at most 64 MiB);
+                                               call again with N+1 until it says all are sent. Here, join them:
+                                               cat NAME.part*.tgz | tar xz (NAME: the last part of PATH)
+  bash bench/gpu_run.sh take DIR...            copy carried pieces (NAME.partNN.tgz, up to 4 a call) into
+                                               $EYAS_STAGE_DIR/parts
+  bash bench/gpu_run.sh join NAME DEST         unpack the taken pieces of NAME into the folder DEST (DEST/NAME)
   bash bench/gpu_run.sh --help                 this text
 
 A job list has one job a line, "NAME COMMAND...", run from the repository root one after the other by bash (so
@@ -107,6 +114,29 @@ poll() {  # poll SECONDS
   if unfinished; then echo "still running: poll again at once"; else echo "all finished"; fi
 }
 
+send() {  # send PATH N: PATH's pieces 4N..4N+3 into $OUT
+  local path=${1%/} n=${2:-0} name pack total i
+  [ -d "$path" ] || { echo "gpu_run.sh send: $path is not a folder on this machine" >&2; exit 2; }
+  name=$(basename "$path")
+  # packed once for this folder as it is now (its path, files, sizes and times); written whole before it counts
+  pack=${GPU_RUN_SEND_DIR:-/tmp/gpu_send}/$( (realpath "$path"; find "$path" -type f -printf '%P %s %T@\n' | sort) | md5sum | cut -c1-12)
+  if [ ! -f "$pack/done" ]; then
+    rm -rf "$pack"; mkdir -p "$pack"
+    tar czf - -C "$(dirname "$path")" "$name" | split -b 15m -d -a 2 --additional-suffix=.tgz - "$pack/$name.part"
+    touch "$pack/done"
+  fi
+  total=$(ls "$pack"/*.tgz | wc -l)
+  mkdir -p "$OUT"
+  for i in $(seq $((4 * n)) $((4 * n + 3))); do
+    [ "$i" -lt "$total" ] && cp "$pack/$name.part$(printf %02d "$i").tgz" "$OUT/"
+  done
+  if [ $((4 * n + 4)) -lt "$total" ]; then
+    echo "sent pieces $((4 * n))-$((4 * n + 3)) of $total: send $path $((n + 1)) next"
+  else
+    echo "all $total pieces sent: cat $name.part*.tgz | tar xz"
+  fi
+}
+
 case ${1:-} in
   -h|--help|help|'')
     echo "$HELP" ;;
@@ -138,6 +168,23 @@ case ${1:-} in
   poll)
     [ -d "$R" ] || { echo "gpu_run.sh poll: nothing started on this machine ($R is missing): it was given back?" >&2; exit 2; }
     poll "${2:-540}" ;;
+  send)
+    [ -n "${2:-}" ] || { echo "gpu_run.sh send: name a folder on this machine, e.g. /tmp/r15/draft" >&2; exit 2; }
+    send "$2" "${3:-0}" ;;
+  take)
+    shift
+    [ $# -gt 0 ] || { echo "gpu_run.sh take: name the carried folders of pieces" >&2; exit 2; }
+    mkdir -p "$STAGE/parts"
+    for d in "$@"; do
+      ls "$d"/*.part*.tgz > /dev/null 2>&1 || { echo "gpu_run.sh take: no NAME.partNN.tgz in $d (was it carried?)" >&2
+                                               exit 2; }
+      cp "$d"/*.part*.tgz "$STAGE/parts/"
+    done
+    ls "$STAGE/parts" ;;
+  join)
+    [ -n "${3:-}" ] || { echo "gpu_run.sh join: name the pieces' NAME and a destination folder" >&2; exit 2; }
+    ls "$STAGE/parts/$2".part*.tgz > /dev/null 2>&1 || { echo "gpu_run.sh join: no pieces of $2 taken" >&2; exit 2; }
+    mkdir -p "$3" && cat "$STAGE/parts/$2".part*.tgz | tar xzf - -C "$3" && echo "$3/$2 ready" ;;
   _run)
     run_list "$2" "$3" ;;
   *)

@@ -16,7 +16,7 @@ SCRIPTS = ["bench_decode", "bench_train", "bench_regen", "bench_extract", "specu
 
 def runner(tmp_path: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, GPU_RUN_DIR=str(tmp_path / "r"), OUT=str(tmp_path / "out"),
-               EYAS_STAGE_DIR=str(tmp_path / "stage"), HOME=str(tmp_path))
+               GPU_RUN_SEND_DIR=str(tmp_path / "send"), EYAS_STAGE_DIR=str(tmp_path / "stage"), HOME=str(tmp_path))
     return subprocess.run(["bash", str(RUNNER), *args], cwd=ROOT, env=env, input=stdin, capture_output=True,
                           text=True, timeout=120)
 
@@ -60,10 +60,37 @@ def test_runner_refuses_what_it_cannot_do(tmp_path):
     assert unpack.returncode == 2 and "unpack.sh not found" in unpack.stderr
 
 
+def test_a_folder_sent_back_in_pieces_over_calls_is_taken_and_joined_whole(tmp_path):
+    """send packs a device folder into 15 MiB pieces and hands back four a call (a call returns at most 64 MiB);
+    the pieces, carried up again a few a call (take), join into the same files (join)."""
+    draft = tmp_path / "dev" / "draft"
+    draft.mkdir(parents=True)
+    weights = os.urandom(70 * 1024 * 1024)  # random: gzip cannot shrink it below 5 pieces
+    (draft / "model.safetensors").write_bytes(weights)
+    (draft / "config.json").write_text("{}")
+    first = runner(tmp_path, "send", str(draft))
+    assert first.returncode == 0 and "send " + str(draft) + " 1 next" in first.stdout, first.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"draft.part0{i}.tgz" for i in range(4)]
+    rest = runner(tmp_path, "send", str(draft), "1")
+    assert "all 5 pieces sent" in rest.stdout
+    for n, names in enumerate([[f"draft.part0{i}.tgz" for i in range(4)], ["draft.part04.tgz"]]):
+        up = tmp_path / "up" / f"{n:02d}"
+        up.mkdir(parents=True)
+        for name in names:
+            (up / name).write_bytes((tmp_path / "out" / name).read_bytes())
+        assert runner(tmp_path, "take", str(up)).returncode == 0
+    joined = runner(tmp_path, "join", "draft", str(tmp_path / "here"))
+    assert joined.returncode == 0, joined.stderr
+    assert (tmp_path / "here" / "draft" / "model.safetensors").read_bytes() == weights
+    assert (tmp_path / "here" / "draft" / "config.json").read_text() == "{}"
+    missing = runner(tmp_path, "join", "other", str(tmp_path / "here"))
+    assert missing.returncode == 2 and "no pieces of other" in missing.stderr
+
+
 def test_runner_documents_itself():
     got = subprocess.run(["bash", str(RUNNER), "--help"], capture_output=True, text=True, timeout=30)
     assert got.returncode == 0
-    for word in ("unpack", "start", "poll", "stage.py", "$R"):
+    for word in ("unpack", "start", "poll", "send", "take", "join", "stage.py", "$R"):
         assert word in got.stdout
 
 
