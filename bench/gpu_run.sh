@@ -119,7 +119,8 @@ send() {  # send PATH N: PATH's pieces 4N..4N+3 into $OUT
   [ -d "$path" ] || { echo "gpu_run.sh send: $path is not a folder on this machine" >&2; exit 2; }
   name=$(basename "$path")
   # packed once for this folder as it is now (its path, files, sizes and times); written whole before it counts
-  pack=${GPU_RUN_SEND_DIR:-/tmp/gpu_send}/$( (realpath "$path"; find "$path" -type f -printf '%P %s %T@\n' | sort) | md5sum | cut -c1-12)
+  pack=$( (realpath "$path"; find "$path" -type f -printf '%P %s %T@\n' | sort) | md5sum | cut -c1-12)
+  pack=${GPU_RUN_SEND_DIR:-/tmp/gpu_send}/$pack
   if [ ! -f "$pack/done" ]; then
     rm -rf "$pack"; mkdir -p "$pack"
     tar czf - -C "$(dirname "$path")" "$name" | split -b 15m -d -a 2 --additional-suffix=.tgz - "$pack/$name.part"

@@ -548,7 +548,6 @@ class Decoder:
                         calls.append((name, args, self._upto(tp)))
         return calls
 
-    @torch.no_grad()
     def _settle_norms(self) -> None:
         """With compiled elementwise kernels, the norms compiled only where they round each of the verify's rows as
         a one-token step does (FastLM.settle_norms; once per verify size, outside any graph capture)."""
@@ -558,6 +557,7 @@ class Decoder:
             lm.exact_rows = (self.verify_tokens,)
             lm.settle_norms()
 
+    @torch.no_grad()
     def warm_up(self, plain: bool = True, speculative: bool = True) -> int:
         """Run every fixed-shape step a generation can make (step_calls) before anything is timed: under CUDA
         graphs each is captured and checked against eager runs here, and kernels that are built per shape

@@ -57,8 +57,9 @@ AUTO_CPU_BF16 = {"target.dtype": "bfloat16", "eval.dtype": "float32", "train.pre
 AUTO_GPU = {"regen.limit": 20000, "regen.turns": 1, "train.epochs": 8}
 # per preset, over AUTO_GPU: the 0.5B preset keeps 10,000 first turns (its run at every first turn is not measured
 # yet). The 1.5B preset takes every first turn: at 10,000 its drafter still overfit (held-out accuracy flat over the
-# last epochs while the training batches' passed 0.8), and τ rose with each step up in answers. SmolLM2's drafter gets an MLP 4x the target's (6,144): a
-# higher τ, training about as fast, since the drafter's head dominates its cost. It also keeps each
+# last epochs while the training batches' passed 0.8), and τ rose with each step up in answers. SmolLM2's drafter
+# gets an MLP 4x the target's (6,144): a higher τ, training about as fast, since the drafter's head dominates its
+# cost. It also keeps each
 # conversation's later turns with their original answers after its regenerated first one (the labels stay the
 # target's own distribution; regenerated later turns loop far more, and cost much more regen) and trains 5
 # epochs. And it samples each first answer twice (regen.samples): a higher τ at every K for more of the
