@@ -243,9 +243,9 @@ def sweep_compile_limit(limit: int = 64) -> None:
     """Let torch compile each function for more shapes than its default 8: one process here times many chains and
     trees, each with drafter calls of its own shapes, where an eval decodes with one; past the limit the compiled
     drafter would fall back to eager for the methods timed last."""
-    from torch import _dynamo
+    from eyas.engine.fastlm import raise_recompile_limit
 
-    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, limit)
+    raise_recompile_limit(limit)
 
 
 def divergences(model, prompts, outputs, reference) -> dict:

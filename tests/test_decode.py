@@ -421,7 +421,6 @@ def test_compiled_greedy_speculative_decoding_is_one_token_plain_decoding_bit_fo
     the verify's rows, FastLM.settle_norms), greedy speculative decoding at K=3 and one-token plain decoding give the
     same tokens and, slot by slot, the same keys and values in every layer: a verify rounds each row as a one-token
     step does (an untrained drafter: mostly the verify's first row carries a round)."""
-
     t = _bf16_target(smol, which, "cuda")
     ids = prompt_set[1]
     torch.manual_seed(0)

@@ -570,6 +570,14 @@ def test_greedy_tree_round_does_no_host_work(tiny):
     assert not seen, sorted(set(seen))
 
 
+def _hash_map_prompt(smol) -> list[int]:
+    """A chat prompt whose answer meets a near-tie within 30 tokens on this project's CPU in bf16: one-token plain
+    decoding, or N-token steps with their attention in one call, part there from a tree."""
+    from eyas.evaluate import prompt_ids
+
+    return prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+
+
 @pytest.mark.parametrize("shape", ["3,3,8", "2,4,9"])
 @pytest.mark.parametrize("which,device", [("smollm2", "cpu"), pytest.param("smollm2", "cuda", marks=pytest.mark.gpu),
                                           pytest.param("qwen2.5-1.5b", "cuda", marks=pytest.mark.gpu)])
@@ -582,15 +590,12 @@ def test_a_bf16_tree_is_plain_decoding_with_the_trees_verify_shapes(smol, which,
     from test_decode import _bf16_target
 
     from eyas.draft import build_drafter
-    from eyas.evaluate import prompt_ids
 
     from conftest import assert_same_cache, draft_vocab
 
     t = _bf16_target(smol, which, device)
     spec = TreeSpec.parse(shape)
-    # a prompt whose answer meets a near-tie within 30 tokens on this project's CPU: one-token plain decoding, or the
-    # N-token steps with their attention in one call, part there from the tree
-    ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+    ids = _hash_map_prompt(smol)
     twin = TreeDecoder(t, None, spec, max_len=256)
     ref = twin.generate_like_verify(ids, 40, ()).tokens
     torch.manual_seed(0)
@@ -612,13 +617,12 @@ def test_a_trees_plain_twin_prefills_as_the_tree_does_when_its_graphs_are_off(sm
     from test_decode import _bf16_target
 
     from eyas.draft import build_drafter
-    from eyas.evaluate import prompt_ids
 
     from conftest import assert_same_cache
 
     t = _bf16_target(smol, "smollm2", "cpu")
     spec = TreeSpec.parse("3,3,8")
-    ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+    ids = _hash_map_prompt(smol)
     torch.manual_seed(0)
     dec = TreeDecoder(t, build_drafter(t, 2048), spec, max_len=256)
     twin = TreeDecoder(t, None, spec, max_len=256)
@@ -649,13 +653,12 @@ def test_a_compiled_graphed_tree_is_its_plain_twin_bit_for_bit(smol, which):
     from test_decode import _bf16_target
 
     from eyas.draft import build_drafter
-    from eyas.evaluate import prompt_ids
 
     from conftest import assert_same_cache
 
     t = _bf16_target(smol, which, "cuda")
     spec = TreeSpec.parse("4,2,6")
-    ids = prompt_ids(smol.tokenizer, [{"role": "user", "content": "Explain how a hash map works."}])
+    ids = _hash_map_prompt(smol)
     twin = TreeDecoder(t, None, spec, max_len=512, compile=True)
     ref = twin.generate_like_verify(ids, 80, ()).tokens
     torch.manual_seed(0)

@@ -167,6 +167,14 @@ def _add_norm(h: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float
     return h, llama_rms_norm(h, weight, eps, one_kernel=one_kernel)
 
 
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let torch compile each function for at least `limit` shapes (its default is 8, after which a function
+    compiled with fullgraph fails and runs eagerly from then on)."""
+    from torch import _dynamo
+
+    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, limit)
+
+
 _COMPILED: dict = {}
 _EAGER: set = set()  # functions whose compiled form failed here: eager for the rest of the process
 
@@ -179,11 +187,8 @@ def compiled(fn):
     rounding."""
     if fn not in _COMPILED:
         # one compile per shape: a process that decodes at several verify sizes, checks them (settle_norms) and
-        # regenerates at several batch sizes passes torch's default of 8 shapes a function, after which the
-        # function would run eagerly for good
-        from torch import _dynamo
-
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+        # regenerates at several batch sizes passes torch's default of 8 shapes a function
+        raise_recompile_limit()
         fast = torch.compile(fn, dynamic=False, fullgraph=True)
 
         def run(*args):
