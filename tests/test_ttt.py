@@ -562,7 +562,7 @@ def test_compiled_drafter_step_falls_back_to_eager(tiny, setup, monkeypatch):
 
 
 @pytest.mark.compiler
-def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, monkeypatch):
+def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup):
     """Batches of ever new lengths (a caller that does not pad): once torch's recompile limit is reached the step
     runs eagerly, with the reason in `state`, instead of failing the call (fullgraph=True makes the limit an
     exception); every unroll gives the eager results."""
@@ -576,16 +576,17 @@ def test_compiled_drafter_step_goes_eager_at_the_recompile_limit(tiny, setup, mo
     eager = [_unroll_grads(drafter, b, lab) for b, lab in zip(batches, labels)]
     torch._dynamo.reset()
     # each part is compiled for the target's states and for the drafter's own: 2 graphs a length, so the limit is
-    # reached at the second length
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    # reached at the second length (set through config.patch: monkeypatch's undo deletes a torch config entry for
+    # the rest of the process)
     states = []
     try:
-        for b, lab, want in zip(batches, labels, eager):
-            got = _unroll_grads(drafter, b, lab, compile_drafter="on")
-            states.append(ttt.drafter_state(drafter, torch.device("cpu"), "on"))
-            assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1]
-            for n, g in want[2].items():
-                torch.testing.assert_close(got[2][n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()))
+        with torch._dynamo.config.patch(recompile_limit=2):
+            for b, lab, want in zip(batches, labels, eager):
+                got = _unroll_grads(drafter, b, lab, compile_drafter="on")
+                states.append(ttt.drafter_state(drafter, torch.device("cpu"), "on"))
+                assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1]
+                for n, g in want[2].items():
+                    torch.testing.assert_close(got[2][n], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()))
     finally:
         torch._dynamo.reset()
     assert states[0] == "compiled" and states[1] == states[2] and states[2].startswith("eager: torch.compile failed")
